@@ -1,0 +1,82 @@
+"""phalanx: distributed training for PyTorch — 2 processes or 200 machines as easy as one.
+
+Importing phalanx computes no tensors (safe before forking worker processes).
+"""
+
+from __future__ import annotations
+
+from torch.distributed import ReduceOp
+
+from phalanx.comm import (
+    CollectiveError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    World,
+    all_gather,
+    all_gather_into_tensor,
+    all_gather_object,
+    all_reduce,
+    all_to_all,
+    all_to_all_single,
+    barrier,
+    batch_isend_irecv,
+    broadcast,
+    broadcast_object_list,
+    destroy_process_group,
+    gather,
+    gather_object,
+    init_process_group,
+    irecv,
+    is_initialized,
+    is_main,
+    isend,
+    main_first,
+    process_group,
+    recv,
+    reduce,
+    reduce_scatter,
+    reduce_scatter_tensor,
+    scatter,
+    scatter_object_list,
+    send,
+    world,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CollectiveError",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "ReduceOp",
+    "World",
+    "__version__",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_reduce",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "batch_isend_irecv",
+    "broadcast",
+    "broadcast_object_list",
+    "destroy_process_group",
+    "gather",
+    "gather_object",
+    "init_process_group",
+    "irecv",
+    "is_initialized",
+    "is_main",
+    "isend",
+    "main_first",
+    "process_group",
+    "recv",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "scatter_object_list",
+    "send",
+    "world",
+]

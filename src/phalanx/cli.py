@@ -1,0 +1,55 @@
+"""The ``phalanx`` command: ``run`` (launcher), ``bench comm``, ``doctor``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["main"]
+
+USAGE = """usage: phalanx <command> [args]
+
+commands:
+  run      launch a training script on N processes / machines (torchrun's flags)
+  bench    benchmarks: `phalanx bench comm [--quick]`
+  doctor   check torch, backends, GPUs, network interfaces and ports
+"""
+
+
+def _bench(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="phalanx bench", add_help=True)
+    parser.add_argument("suite", choices=["comm"], help="which benchmark to run")
+    parser.parse_args(argv[:1])
+    from phalanx.bench import comm
+
+    return comm.main(argv[1:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``phalanx`` console script; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, end="")
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "run":
+        from phalanx import launch
+
+        return launch.main(rest)
+    if command == "bench":
+        return _bench(rest)
+    if command == "doctor":
+        from phalanx import doctor
+
+        return doctor.main(rest)
+    if command in ("--version", "version"):
+        from phalanx import __version__
+
+        print(f"phalanx {__version__}")
+        return 0
+    print(f"phalanx: unknown command {command!r}\n{USAGE}", end="", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""phalanx.comm: process groups, the seeds' communication primitives, explicit algorithms."""
+
+from __future__ import annotations
+
+from phalanx.comm.collectives import (
+    all_gather,
+    all_gather_into_tensor,
+    all_reduce,
+    all_to_all,
+    all_to_all_single,
+    barrier,
+    batch_isend_irecv,
+    broadcast,
+    gather,
+    irecv,
+    isend,
+    recv,
+    reduce,
+    reduce_scatter,
+    reduce_scatter_tensor,
+    scatter,
+    send,
+)
+from phalanx.comm.env import LaunchEnv, discover_env
+from phalanx.comm.errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
+from phalanx.comm.group import (
+    World,
+    destroy_process_group,
+    init_process_group,
+    is_initialized,
+    is_main,
+    main_first,
+    process_group,
+    world,
+)
+from phalanx.comm.objects import (
+    all_gather_object,
+    broadcast_object_list,
+    gather_object,
+    scatter_object_list,
+)
+
+__all__ = [
+    "CollectiveError",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "LaunchEnv",
+    "World",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_reduce",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "batch_isend_irecv",
+    "broadcast",
+    "broadcast_object_list",
+    "destroy_process_group",
+    "discover_env",
+    "gather",
+    "gather_object",
+    "init_process_group",
+    "irecv",
+    "is_initialized",
+    "is_main",
+    "isend",
+    "main_first",
+    "process_group",
+    "recv",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "scatter_object_list",
+    "send",
+    "world",
+]

@@ -1,0 +1,339 @@
+"""The seeds' communication primitives with torch's signatures, tracked and optionally validated.
+
+Each function forwards to ``torch.distributed`` after :func:`tracking.enter` has recorded it, and
+turns a backend failure into an error naming the operation, its sequence number and the ranks
+that never reached it. Two additions over torch: ``ReduceOp.AVG`` works on gloo too (sum, then
+divide), and ``all_reduce(..., algorithm="ring" | "tree")`` runs phalanx's explicit algorithms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from phalanx.comm import tracking
+from phalanx.comm.errors import CollectiveError
+
+__all__ = [
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_reduce",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "batch_isend_irecv",
+    "broadcast",
+    "gather",
+    "irecv",
+    "isend",
+    "recv",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "send",
+]
+
+Group = dist.ProcessGroup | None
+# torch 2.13 renamed the tensor forms (and deprecated the old names); older torch has only those.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+ALGORITHMS = ("native", "ring", "tree")
+
+
+class TrackedWork:
+    """A torch ``Work`` whose ``wait()`` reports failures like the blocking calls do."""
+
+    def __init__(
+        self, work: Any, op: str, seq: int, group: Group, post: Callable[[], None] | None
+    ) -> None:
+        self._work, self._op, self._seq, self._group, self._post = work, op, seq, group, post
+
+    def wait(self, timeout: Any = None) -> bool:
+        """Block until the operation completes; raise a phalanx error if it failed."""
+        try:
+            done = self._work.wait() if timeout is None else self._work.wait(timeout)
+        except RuntimeError as exc:
+            raise tracking.failure(self._op, self._seq, self._group, exc) from exc
+        if self._post is not None:
+            post, self._post = self._post, None
+            post()
+        return bool(done) if done is not None else True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+def _run(
+    op: str,
+    group: Group,
+    call: Callable[[], Any],
+    tensor: torch.Tensor | None = None,
+    *,
+    reduce_op: Any = None,
+    root: int | None = None,
+    compare_shape: bool = True,
+    post: Callable[[], None] | None = None,
+) -> Any:
+    seq = tracking.enter(op, group, tensor, reduce_op=reduce_op, root=root,
+                         compare_shape=compare_shape)  # fmt: skip
+    try:
+        work = call()
+    except CollectiveError:
+        raise
+    except RuntimeError as exc:
+        raise tracking.failure(op, seq, group, exc) from exc
+    if work is None:
+        if post is not None:
+            post()
+        return None
+    return TrackedWork(work, op, seq, group, post)
+
+
+def _avg_on_gloo(op: Any, group: Group) -> bool:
+    return op == ReduceOp.AVG and dist.get_backend(group) == "gloo"
+
+
+def _divide_by_size(tensors: list[torch.Tensor], group: Group) -> Callable[[], None]:
+    for t in tensors:
+        if not (t.is_floating_point() or t.is_complex()):
+            raise TypeError(f"ReduceOp.AVG needs a floating-point tensor, got dtype {t.dtype}")
+    size = dist.get_world_size(group)
+
+    def divide() -> None:
+        for t in tensors:
+            t.div_(size)
+
+    return divide
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    op: Any = ReduceOp.SUM,
+    group: Group = None,
+    async_op: bool = False,
+    *,
+    algorithm: str = "native",
+) -> Any:
+    """Reduce ``tensor`` across the group in place; every rank gets the result.
+
+    ``algorithm``: "native" (the backend's), "ring" (reduce-scatter then all-gather over P2P)
+    or "tree" (binomial-tree reduce then broadcast). All give the same result.
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm={algorithm!r} is not one of {', '.join(ALGORITHMS)}")
+    if algorithm != "native":
+        if async_op:
+            raise ValueError(f"async_op=True needs algorithm='native', got {algorithm!r}")
+        from phalanx.comm import algorithms
+
+        impl = algorithms.ring_all_reduce if algorithm == "ring" else algorithms.tree_all_reduce
+        return _run("all_reduce", group, lambda: impl(tensor, op, group), tensor, reduce_op=op)
+    post = None
+    call_op = op
+    if _avg_on_gloo(op, group):
+        post, call_op = _divide_by_size([tensor], group), ReduceOp.SUM
+    return _run(
+        "all_reduce",
+        group,
+        lambda: dist.all_reduce(tensor, call_op, group, async_op),
+        tensor,
+        reduce_op=op,
+        post=post,
+    )
+
+
+def reduce(
+    tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: Group = None,
+    async_op: bool = False,
+) -> Any:  # fmt: skip
+    """Reduce ``tensor`` across the group onto global rank ``dst``."""
+    post, call_op = None, op
+    if _avg_on_gloo(op, group):
+        call_op = ReduceOp.SUM
+        if dist.get_rank() == dst:
+            post = _divide_by_size([tensor], group)
+    return _run(
+        "reduce",
+        group,
+        lambda: dist.reduce(tensor, dst, call_op, group, async_op),
+        tensor,
+        reduce_op=op,
+        root=dst,
+        post=post,
+    )
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: Group = None, async_op: bool = False) -> Any:
+    """Copy ``tensor`` from global rank ``src`` to every rank of the group."""
+    return _run(
+        "broadcast", group, lambda: dist.broadcast(tensor, src, group, async_op), tensor, root=src
+    )
+
+
+def all_gather(
+    tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Group = None,
+    async_op: bool = False,
+) -> Any:  # fmt: skip
+    """Gather every rank's ``tensor`` into ``tensor_list`` on every rank."""
+    return _run(
+        "all_gather",
+        group,
+        lambda: dist.all_gather(tensor_list, tensor, group, async_op),
+        tensor,
+    )
+
+
+def all_gather_into_tensor(
+    output: torch.Tensor, input: torch.Tensor, group: Group = None, async_op: bool = False
+) -> Any:
+    """Gather every rank's ``input`` into the concatenated ``output`` on every rank."""
+    return _run(
+        "all_gather_into_tensor",
+        group,
+        lambda: _all_gather_single(output, input, group, async_op),
+        input,
+    )
+
+
+def gather(
+    tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int = 0,
+    group: Group = None, async_op: bool = False,
+) -> Any:  # fmt: skip
+    """Gather every rank's ``tensor`` into ``gather_list`` on global rank ``dst``."""
+    return _run(
+        "gather",
+        group,
+        lambda: dist.gather(tensor, gather_list, dst, group, async_op),
+        tensor,
+        root=dst,
+    )
+
+
+def scatter(
+    tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int = 0,
+    group: Group = None, async_op: bool = False,
+) -> Any:  # fmt: skip
+    """Send ``scatter_list[i]`` from global rank ``src`` to rank i's ``tensor``."""
+    return _run(
+        "scatter",
+        group,
+        lambda: dist.scatter(tensor, scatter_list, src, group, async_op),
+        tensor,
+        root=src,
+    )
+
+
+def reduce_scatter(
+    output: torch.Tensor, input_list: list[torch.Tensor], op: Any = ReduceOp.SUM,
+    group: Group = None, async_op: bool = False,
+) -> Any:  # fmt: skip
+    """Reduce ``input_list`` elementwise across ranks; rank i receives entry i in ``output``."""
+    post, call_op = None, op
+    if _avg_on_gloo(op, group):
+        post, call_op = _divide_by_size([output], group), ReduceOp.SUM
+    return _run(
+        "reduce_scatter",
+        group,
+        lambda: dist.reduce_scatter(output, input_list, call_op, group, async_op),
+        output,
+        reduce_op=op,
+        post=post,
+    )
+
+
+def reduce_scatter_tensor(
+    output: torch.Tensor, input: torch.Tensor, op: Any = ReduceOp.SUM, group: Group = None,
+    async_op: bool = False,
+) -> Any:  # fmt: skip
+    """Reduce ``input`` across ranks; rank i receives the i-th equal slice in ``output``."""
+    post, call_op = None, op
+    if _avg_on_gloo(op, group):
+        post, call_op = _divide_by_size([output], group), ReduceOp.SUM
+    return _run(
+        "reduce_scatter_tensor",
+        group,
+        lambda: _reduce_scatter_single(output, input, call_op, group, async_op),
+        input,
+        reduce_op=op,
+        post=post,
+    )
+
+
+def all_to_all(
+    output_tensor_list: list[torch.Tensor], input_tensor_list: list[torch.Tensor],
+    group: Group = None, async_op: bool = False,
+) -> Any:  # fmt: skip
+    """Rank i sends ``input_tensor_list[j]`` to rank j, receiving into ``output_tensor_list``."""
+    return _run(
+        "all_to_all",
+        group,
+        lambda: dist.all_to_all(output_tensor_list, input_tensor_list, group, async_op),
+        input_tensor_list[0] if input_tensor_list else None,
+        compare_shape=False,
+    )
+
+
+def all_to_all_single(
+    output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int] | None = None,
+    input_split_sizes: list[int] | None = None, group: Group = None, async_op: bool = False,
+) -> Any:  # fmt: skip
+    """Split ``input`` along dim 0, send piece j to rank j, concatenate what arrives."""
+    even = output_split_sizes is None and input_split_sizes is None
+    return _run(
+        "all_to_all_single",
+        group,
+        lambda: dist.all_to_all_single(
+            output, input, output_split_sizes, input_split_sizes, group, async_op
+        ),
+        input,
+        compare_shape=even,
+    )
+
+
+def barrier(group: Group = None, async_op: bool = False) -> Any:
+    """Block until every rank of the group has reached the barrier."""
+    return _run("barrier", group, lambda: dist.barrier(group, async_op))
+
+
+def _p2p(name: str, peer: int, group: Group, call: Callable[[], Any]) -> Any:
+    try:
+        return call()
+    except RuntimeError as exc:
+        me = dist.get_rank() if dist.is_initialized() else 0
+        raise CollectiveError(
+            f"[rank {me}] {name} with peer rank {peer} failed: {str(exc).strip()[:300]}. "
+            f"Check that rank {peer} is alive and posts the matching "
+            f"{'recv' if 'send' in name else 'send'}."
+        ) from exc
+
+
+def send(tensor: torch.Tensor, dst: int, group: Group = None, tag: int = 0) -> None:
+    """Send ``tensor`` to global rank ``dst`` (blocking)."""
+    _p2p("send", dst, group, lambda: dist.send(tensor, dst, group, tag))
+
+
+def recv(tensor: torch.Tensor, src: int | None = None, group: Group = None, tag: int = 0) -> int:
+    """Receive into ``tensor`` from global rank ``src`` (any rank when None); return the sender."""
+    peer = -1 if src is None else src
+    return int(_p2p("recv", peer, group, lambda: dist.recv(tensor, src, group, tag)))
+
+
+def isend(tensor: torch.Tensor, dst: int, group: Group = None, tag: int = 0) -> Any:
+    """Start sending ``tensor`` to ``dst``; returns a work handle with ``wait()``."""
+    return _p2p("isend", dst, group, lambda: dist.isend(tensor, dst, group, tag))
+
+
+def irecv(tensor: torch.Tensor, src: int | None = None, group: Group = None, tag: int = 0) -> Any:
+    """Start receiving into ``tensor`` from ``src``; returns a work handle with ``wait()``."""
+    peer = -1 if src is None else src
+    return _p2p("irecv", peer, group, lambda: dist.irecv(tensor, src, group, tag))
+
+
+def batch_isend_irecv(p2p_op_list: list[dist.P2POp]) -> list[Any]:
+    """Start a batch of ``torch.distributed.P2POp`` sends and receives; returns their works."""
+    return list(_p2p("batch_isend_irecv", -1, None, lambda: dist.batch_isend_irecv(p2p_op_list)))

@@ -1,0 +1,86 @@
+"""Rendezvous stores: host a TCPStore bound to one address, or connect to one.
+
+torch's ``TCPStore(host, port, is_master=True)`` listens on every interface whatever ``host``
+says, and has no authentication. phalanx binds the listening socket itself, to the address it
+was given, and hands the bound socket to the store (``master_listen_fd``).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+from datetime import timedelta
+
+import torch.distributed as dist
+
+__all__ = ["bind_listener", "connect_store", "host_store"]
+
+
+def bind_listener(addr: str, port: int) -> socket.socket:
+    """Open a listening TCP socket on exactly ``addr:port`` (port 0: the OS picks one).
+
+    Raises:
+        ValueError: the port is out of range.
+        OSError: with a message naming the address and port when it is in use or not local.
+    """
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port must be in 0..65535, got {port}")
+    infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+    family, _, _, _, sockaddr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(sockaddr)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise OSError(
+                exc.errno,
+                f"port {port} on {addr} is already in use; choose another port "
+                f"(--master-port) or stop the process that holds it",
+            ) from None
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise OSError(
+                exc.errno,
+                f"address {addr} is not an address of this machine, so the rendezvous store "
+                f"cannot listen on it; on the master node pass one of its own addresses",
+            ) from None
+        raise
+    return sock
+
+
+def host_store(addr: str, port: int, timeout: timedelta) -> tuple[dist.TCPStore, int]:
+    """Start a TCPStore server listening only on ``addr:port``; return it and its port."""
+    sock = bind_listener(addr, port)
+    bound_port = sock.getsockname()[1]
+    # The store uses this very descriptor (no dup) and closes it when it is destroyed, so hand
+    # over ownership: a Python socket object left holding it would close it a second time.
+    fd = sock.detach()
+    try:
+        store = dist.TCPStore(
+            addr,
+            bound_port,
+            None,
+            True,
+            timeout,
+            wait_for_workers=False,
+            master_listen_fd=fd,
+        )
+    except BaseException:
+        os.close(fd)
+        raise
+    return store, bound_port
+
+
+def connect_store(addr: str, port: int, timeout: timedelta) -> dist.TCPStore:
+    """Connect a TCPStore client to ``addr:port``, naming both on failure."""
+    try:
+        return dist.TCPStore(addr, port, None, False, timeout)
+    except (RuntimeError, OSError) as exc:
+        raise ConnectionError(
+            f"could not connect to the rendezvous store at {addr}:{port} within "
+            f"{timeout.total_seconds():.0f} s ({exc}); check that rank 0 / node 0 is running "
+            f"and that MASTER_ADDR / MASTER_PORT point at it"
+        ) from exc

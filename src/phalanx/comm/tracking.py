@@ -1,0 +1,237 @@
+"""Per-rank collective bookkeeping: sequence numbers, progress in the store, validation.
+
+Every collective issued through ``phalanx.comm.collectives`` calls :func:`enter`, which bumps a
+per-group sequence number (an integer increment on the hot path). A daemon thread publishes this
+rank's progress to the rendezvous store twice a second, so when a collective fails or times out
+:func:`failure` can name the ranks that never reached it.
+
+With validation on (``validate=True`` / ``PHALANX_DEBUG=1``) each rank also writes a fingerprint
+(op, reduce op, shape, dtype, root, call site) under ``fp/<group>/<seq>/<rank>`` before the
+collective and compares all of them; every rank raises the same
+:class:`~phalanx.comm.errors.CollectiveMismatchError` instead of aborting or hanging.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import threading
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from phalanx.comm import fingerprint as fpr
+from phalanx.comm.errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
+
+__all__ = ["enter", "failure", "start", "stop"]
+
+PUBLISH_INTERVAL_S = 0.5
+POLL = timedelta(seconds=1)
+
+
+@dataclass
+class _Tracker:
+    store: dist.Store
+    rank: int
+    world_size: int
+    validate: bool
+    timeout_s: float
+    seq: dict[str, int] = field(default_factory=dict)
+    last_op: dict[str, str] = field(default_factory=dict)
+    stop_event: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+
+    def snapshot(self) -> str:
+        return json.dumps({g: [n, self.last_op[g]] for g, n in self.seq.items()})
+
+
+_T: _Tracker | None = None
+_RANKS: dict[str, list[int]] = {}
+
+
+def _publisher(t: _Tracker, store: dist.Store) -> None:
+    last = ""
+    while not t.stop_event.wait(PUBLISH_INTERVAL_S):
+        snap = t.snapshot()
+        if snap != last:
+            try:
+                store.set(f"progress/{t.rank}", snap)
+            except Exception:  # the store is gone: the job is ending
+                return
+            last = snap
+
+
+def start(
+    store: dist.Store | None, rank: int, world_size: int, validate: bool, timeout: timedelta
+) -> None:
+    """Begin tracking for the default group (called by ``init_process_group``)."""
+    global _T
+    stop()
+    if store is None:
+        return
+    pstore = dist.PrefixStore("phalanx/", store)
+    t = _Tracker(pstore, rank, world_size, validate, timeout.total_seconds())
+    if world_size > 1:
+        clone = dist.PrefixStore("phalanx/", store.clone())  # type: ignore[attr-defined]
+        t.thread = threading.Thread(
+            target=_publisher, args=(t, clone), name="phalanx-progress", daemon=True
+        )
+        t.thread.start()
+    _T = t
+
+
+def stop() -> None:
+    """Stop the progress thread; collectives are no longer tracked."""
+    global _T
+    if _T is not None:
+        _T.stop_event.set()
+        if _T.thread is not None:
+            _T.thread.join(timeout=2)
+    _T = None
+    _RANKS.clear()
+
+
+def _group_ranks(group: dist.ProcessGroup | None) -> tuple[str, list[int]]:
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    name = pg.group_name
+    if name not in _RANKS:
+        _RANKS[name] = dist.get_process_group_ranks(pg)
+    return name, _RANKS[name]
+
+
+def enter(
+    op: str,
+    group: dist.ProcessGroup | None,
+    tensor: torch.Tensor | None = None,
+    *,
+    reduce_op: Any = None,
+    root: int | None = None,
+    compare_shape: bool = True,
+) -> int:
+    """Record that this rank reached collective ``op``; validate it if enabled. Returns its seq."""
+    t = _T
+    if t is None:
+        return -1
+    name, ranks = _group_ranks(group)
+    if t.rank not in ranks:
+        return -1
+    seq = t.seq.get(name, 0) + 1
+    t.seq[name] = seq
+    t.last_op[name] = op
+    if t.validate:
+        fp = fpr.make(op, name, seq, tensor, reduce_op, root, compare_shape, _call_site())
+        _validate(t, name, ranks, seq, fp)
+    return seq
+
+
+def _call_site() -> str:
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if "phalanx/comm" not in path and "torch/" not in path:
+            return f"{path}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back  # type: ignore[assignment]
+    return "?"
+
+
+def _validate(t: _Tracker, name: str, ranks: list[int], seq: int, fp: dict[str, Any]) -> None:
+    def key(s: int, r: int) -> str:
+        return f"fp/{name}/{s}/{r}"
+
+    t.store.set(key(seq, t.rank), json.dumps(fp))
+    keys = [key(seq, r) for r in ranks]
+    waited = 0.0
+    while True:
+        try:
+            t.store.wait(keys, POLL)
+            break
+        except RuntimeError:
+            waited += POLL.total_seconds()
+        present = {r: k for r, k in zip(ranks, keys) if t.store.check([k])}
+        seen = _load(t, present)
+        if fpr.mismatch(seen):
+            raise CollectiveMismatchError(fpr.mismatch_message(t.rank, name, seq, seen))
+        if waited >= t.timeout_s:
+            missing = [r for r in ranks if r not in present]
+            raise CollectiveTimeoutError(_timeout_message(t, fp, missing, waited))
+    seen = _load(t, dict(zip(ranks, keys)))
+    if fpr.mismatch(seen):
+        raise CollectiveMismatchError(fpr.mismatch_message(t.rank, name, seq, seen))
+    if seq > 1:  # everyone has read seq-1 once all of seq is published
+        t.store.delete_key(key(seq - 1, t.rank))
+
+
+def _load(t: _Tracker, keys: dict[int, str]) -> dict[int, dict[str, Any]]:
+    if not keys:
+        return {}
+    values = t.store.multi_get(list(keys.values()))
+    return {r: json.loads(v) for r, v in zip(keys, values)}
+
+
+def _timeout_message(t: _Tracker, fp: dict[str, Any], missing: list[int], waited: float) -> str:
+    return (
+        f"[rank {t.rank}] {fpr.describe(fp)} (collective #{fp['seq']} on group "
+        f"{fp['group']}) timed out after {waited:.0f} s: rank(s) {missing} never reached it. "
+        f"{_progress_of(t, fp['group'], missing)}Check those ranks' logs: they may have crashed, "
+        f"hang in other code, or skipped this collective."
+    )
+
+
+def _progress_of(t: _Tracker, name: str, ranks: list[int]) -> str:
+    parts = []
+    for r in ranks:
+        k = f"progress/{r}"
+        try:
+            seen = json.loads(t.store.get(k)) if t.store.check([k]) else {}
+        except Exception:
+            return ""
+        if name not in seen:
+            parts.append(f"rank {r} reported no collective yet")
+        else:
+            parts.append(f"rank {r} last entered #{seen[name][0]} ({seen[name][1]})")
+    return "; ".join(parts) + ". " if parts else ""
+
+
+def failure(op: str, seq: int, group: dist.ProcessGroup | None, exc: BaseException) -> Exception:
+    """Turn a backend error from collective ``op`` #``seq`` into an error naming the laggards."""
+    t = _T
+    if t is None or seq < 0:
+        return CollectiveError(f"{op} failed: {exc}")
+    name, ranks = _group_ranks(group)
+    behind = _ranks_behind(t, name, ranks, seq)
+    text = _backend_text(exc)
+    timed_out = "timeout" in text.lower() or "timed out" in text.lower()
+    kind = CollectiveTimeoutError if timed_out else CollectiveError
+    where = f"[rank {t.rank}] {op} (collective #{seq} on group {name})"
+    if behind:
+        detail = f"rank(s) {behind} never reached it. {_progress_of(t, name, behind)}"
+    else:
+        detail = "every rank had reached it (a peer may have died during it). "
+    verb = "timed out" if timed_out else "failed"
+    return kind(f"{where} {verb}: {detail}Backend said: {text}")
+
+
+def _backend_text(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    if not lines:
+        return type(exc).__name__
+    # gloo prefixes its source location: "[/path/to/unbound_buffer.cc:78] Timed out ..."
+    return re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", lines[0])
+
+
+def _ranks_behind(t: _Tracker, name: str, ranks: list[int], seq: int) -> list[int]:
+    try:
+        t.store.set(f"progress/{t.rank}", t.snapshot())
+        behind = []
+        for r in ranks:
+            k = f"progress/{r}"
+            got = json.loads(t.store.get(k)).get(name, [0])[0] if t.store.check([k]) else 0
+            if got < seq:
+                behind.append(r)
+        return behind
+    except Exception:
+        return []
