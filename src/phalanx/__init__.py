@@ -22,6 +22,7 @@ from phalanx.comm import (
     batch_isend_irecv,
     broadcast,
     broadcast_object_list,
+    comm_stats,
     destroy_process_group,
     gather,
     gather_object,
@@ -36,11 +37,13 @@ from phalanx.comm import (
     reduce,
     reduce_scatter,
     reduce_scatter_tensor,
+    reset_comm_stats,
     scatter,
     scatter_object_list,
     send,
     world,
 )
+from phalanx.data_parallel import DistributedDataParallel
 
 __version__ = "0.1.0"
 
@@ -48,6 +51,7 @@ __all__ = [
     "CollectiveError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
+    "DistributedDataParallel",
     "ReduceOp",
     "World",
     "__version__",
@@ -61,6 +65,7 @@ __all__ = [
     "batch_isend_irecv",
     "broadcast",
     "broadcast_object_list",
+    "comm_stats",
     "destroy_process_group",
     "gather",
     "gather_object",
@@ -75,6 +80,7 @@ __all__ = [
     "reduce",
     "reduce_scatter",
     "reduce_scatter_tensor",
+    "reset_comm_stats",
     "scatter",
     "scatter_object_list",
     "send",

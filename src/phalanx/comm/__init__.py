@@ -39,6 +39,7 @@ from phalanx.comm.objects import (
     gather_object,
     scatter_object_list,
 )
+from phalanx.comm.tracking import comm_stats, reset_comm_stats
 
 __all__ = [
     "CollectiveError",
@@ -56,6 +57,7 @@ __all__ = [
     "batch_isend_irecv",
     "broadcast",
     "broadcast_object_list",
+    "comm_stats",
     "destroy_process_group",
     "discover_env",
     "gather",
@@ -71,6 +73,7 @@ __all__ = [
     "reduce",
     "reduce_scatter",
     "reduce_scatter_tensor",
+    "reset_comm_stats",
     "scatter",
     "scatter_object_list",
     "send",

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from phalanx.comm import fingerprint as fpr
 from phalanx.comm.errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
 
-__all__ = ["enter", "failure", "start", "stop"]
+__all__ = ["comm_stats", "enter", "failure", "reset_comm_stats", "start", "stop"]
 
 PUBLISH_INTERVAL_S = 0.5
 POLL = timedelta(seconds=1)
@@ -51,6 +51,23 @@ class _Tracker:
 
 _T: _Tracker | None = None
 _RANKS: dict[str, list[int]] = {}
+_CALLS: dict[str, int] = {}
+_BYTES: dict[str, int] = {}
+
+
+def comm_stats() -> dict[str, tuple[int, int]]:
+    """``{op: (calls, bytes)}`` of the collectives this process issued through phalanx.
+
+    Bytes are those of the tensor each call was given (the input of a reduction, the local
+    shard of an all-gather), counted since the last :func:`reset_comm_stats`.
+    """
+    return {op: (n, _BYTES.get(op, 0)) for op, n in _CALLS.items()}
+
+
+def reset_comm_stats() -> None:
+    """Zero the counters of :func:`comm_stats`."""
+    _CALLS.clear()
+    _BYTES.clear()
 
 
 def _publisher(t: _Tracker, store: dist.Store) -> None:
@@ -113,6 +130,9 @@ def enter(
     compare_shape: bool = True,
 ) -> int:
     """Record that this rank reached collective ``op``; validate it if enabled. Returns its seq."""
+    _CALLS[op] = _CALLS.get(op, 0) + 1
+    if tensor is not None:
+        _BYTES[op] = _BYTES.get(op, 0) + tensor.numel() * tensor.element_size()
     t = _T
     if t is None:
         return -1

@@ -1,0 +1,9 @@
+"""Data parallel training: DDP (bucketed, overlapped all-reduce), DataParallel, SyncBatchNorm."""
+
+from __future__ import annotations
+
+from phalanx.data_parallel.ddp import DistributedDataParallel
+from phalanx.data_parallel.grad_bucket import GradBucket
+from phalanx.data_parallel.reducer import UnusedParameterError
+
+__all__ = ["DistributedDataParallel", "GradBucket", "UnusedParameterError"]

@@ -1,0 +1,56 @@
+"""The bucket a communication hook sees: torch's ``GradBucket`` interface, in Python.
+
+A hook is ``hook(state, bucket) -> torch.futures.Future[torch.Tensor]``: it receives the bucket's
+flat buffer holding this rank's *local* (not yet averaged) gradients and must return a future
+whose value is a tensor of the same shape and dtype holding the **average** over the group.
+The same contract as torch's DDP, so hooks written for torch (``fp16_compress_hook``,
+``powerSGD_hook``) run unchanged on phalanx's engine, and phalanx's hooks run on torch's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["GradBucket"]
+
+
+class GradBucket:
+    """One flat bucket of gradients, as handed to a communication hook."""
+
+    def __init__(
+        self,
+        index: int,
+        buffer: torch.Tensor,
+        gradients: list[torch.Tensor],
+        parameters: list[torch.Tensor],
+        is_last: bool,
+    ) -> None:
+        self._index = index
+        self._buffer = buffer
+        self._gradients = gradients
+        self._parameters = parameters
+        self._is_last = is_last
+
+    def index(self) -> int:
+        """Position of the bucket; bucket 0 holds the last-registered parameters."""
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        """The flat 1-D buffer of this rank's local gradients."""
+        return self._buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        """Per-parameter gradient views into :meth:`buffer`, shaped like the parameters."""
+        return self._gradients
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The parameters whose gradients the bucket holds, in buffer order."""
+        return self._parameters
+
+    def is_last(self) -> bool:
+        """True for the last bucket reduced in an iteration."""
+        return self._is_last
+
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        """Replace the buffer (same shape and dtype)."""
+        self._buffer = buffer
