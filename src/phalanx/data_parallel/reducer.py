@@ -40,6 +40,7 @@ class _Bucket:
             self.buffer[o : o + p.numel()].view_as(p) for o, p in zip(plan.offsets, params)
         ]
         self.pending = len(params)
+        self.divided = [False] * len(params)
         self.future: torch.futures.Future[torch.Tensor] | None = None
 
 
@@ -95,6 +96,7 @@ class Reducer:
         self.queued = False
         for b in self.buckets:
             b.pending = len(b.params)
+            b.divided = [False] * len(b.params)
             b.future = None
 
     def remove_hooks(self) -> None:
@@ -133,8 +135,14 @@ class Reducer:
         view, grad = bucket.views[k], param.grad
         if grad is None:
             view.zero_()
+            bucket.divided[k] = True
         elif grad.data_ptr() != view.data_ptr():
-            view.copy_(grad)
+            if self.hook is None:
+                # Fold the 1/N of the average into the copy: one pass over the gradient, not two.
+                torch.div(grad, self.world_size, out=view)
+                bucket.divided[k] = True
+            else:
+                view.copy_(grad)  # hooks receive local gradients
             if self.grad_as_view:
                 param.grad = view
 
@@ -153,7 +161,12 @@ class Reducer:
                 bucket.index == len(self.buckets) - 1,
             )  # fmt: skip
             return self.hook(self.hook_state, gb)
-        bucket.buffer.div_(self.world_size)
+        if not any(bucket.divided):
+            bucket.buffer.div_(self.world_size)
+        elif not all(bucket.divided):  # some gradients accumulated in their bucket views
+            for view, done in zip(bucket.views, bucket.divided):
+                if not done:
+                    view.div_(self.world_size)
         work = c.all_reduce(bucket.buffer, dist.ReduceOp.SUM, self.group, async_op=True)
         return _work_future(work, bucket.buffer)
 
