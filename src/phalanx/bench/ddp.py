@@ -76,7 +76,7 @@ def _measure(model_name: str, cap: float, iters: int, warmup: int) -> dict[str, 
     factory, shape = MODELS[model_name]
     torch.manual_seed(0)
     base = factory()
-    runs = {}
+    runs: dict[str, tuple[Any, torch.optim.Optimizer]] = {}
     for impl in ("torch", "phalanx"):
         m = factory()
         m.load_state_dict(base.state_dict())
@@ -88,9 +88,13 @@ def _measure(model_name: str, cap: float, iters: int, warmup: int) -> dict[str, 
         order = ("torch", "phalanx") if it % 2 == 0 else ("phalanx", "torch")
         for impl in order:
             ddp, opt = runs[impl]
-            step = _timed(lambda ddp=ddp, opt=opt: _step(ddp, opt, x, y))
+
+            def one_step(ddp: Any = ddp, opt: torch.optim.Optimizer = opt) -> None:
+                _step(ddp, opt, x, y)
+
+            step = _timed(one_step)
             with ddp.no_sync():
-                compute = _timed(lambda ddp=ddp, opt=opt: _step(ddp, opt, x, y))
+                compute = _timed(one_step)
             if it >= warmup:
                 times[impl].append(step)
                 times[f"{impl}_compute"].append(compute)

@@ -182,35 +182,59 @@ def _neighbours(group: Group) -> tuple[int, int, int, int]:
     return rank, world, (rank + 1) % world, (rank - 1) % world
 
 
-def _chunks(flat: torch.Tensor, world: int) -> list[torch.Tensor]:
-    return [flat[a:b] for a, b in chunk_spans(flat.numel(), world)]
+def _chunk_pieces(flat: torch.Tensor, world: int) -> list[list[torch.Tensor]]:
+    """``pieces[c]``: chunk ``c`` of ``flat`` cut into pipelined pieces (none if it is empty)."""
+    size = piece_elems(flat)
+    chunks = [flat[a:b] for a, b in chunk_spans(flat.numel(), world)]
+    return [[c[a:b] for a, b in piece_spans(c.numel(), size)] for c in chunks]
 
 
-def _pieces(t: torch.Tensor) -> list[torch.Tensor]:
-    return [t[a:b] for a, b in piece_spans(t.numel(), piece_elems(t))]
+def _pass_around(
+    pieces: list[list[torch.Tensor]],
+    steps: list[RingStep],
+    inbox: Inbox,
+    combine: Combine,
+    right: int,
+    group: Group,
+) -> None:
+    """Run ``steps`` in place: fold (reduce-scatter) or land (all-gather) each arriving piece.
 
-
-def all_reduce(flat: torch.Tensor, combine: Combine, group: Group) -> None:
-    """Ring all-reduce of the contiguous 1-D ``flat`` in place, pipelined piece by piece.
-
-    What a rank finishes at one step (a reduced piece, or a gathered one) is what it sends at
-    the next, so each piece is sent on as soon as it is ready, across steps and phases.
+    What a rank finishes at one step is what it sends at the next, so each piece is sent on
+    as soon as it is ready, across steps and phases.
     """
-    rank, world, right, left = _neighbours(group)
-    chunks = _chunks(flat, world)
-    steps = ring_schedule(world, rank)
-    scratch = [p.numel() for s in steps[: world - 1] for p in _pieces(chunks[s.recv])]
-    gathered = [p for s in steps[world - 1 :] for p in _pieces(chunks[s.recv])]
-    inbox = Inbox(flat, [*scratch, *gathered], left, group)  # gathered pieces land in place
-    sends = [isend(p, right, group) for p in _pieces(chunks[steps[0].send])]
+    sends = [isend(p, right, group) for p in pieces[steps[0].send]]
     for i, step in enumerate(steps):
-        for piece in _pieces(chunks[step.recv]):
+        for piece in pieces[step.recv]:
             incoming = inbox.take()
             if step.phase == REDUCE_SCATTER:
                 combine(piece, incoming, piece)
             if i + 1 < len(steps):  # steps[i + 1].send == step.recv
                 sends.append(isend(piece, right, group))
     wait_all(sends)
+
+
+def all_reduce(flat: torch.Tensor, combine: Combine, group: Group) -> None:
+    """Ring all-reduce of the contiguous 1-D ``flat`` in place, pipelined piece by piece."""
+    rank, world, right, left = _neighbours(group)
+    pieces = _chunk_pieces(flat, world)
+    steps = ring_schedule(world, rank)
+    scratch = [p.numel() for s in steps[: world - 1] for p in pieces[s.recv]]
+    gathered = [p for s in steps[world - 1 :] for p in pieces[s.recv]]  # land in place
+    inbox = Inbox(flat, [*scratch, *gathered], left, group)
+    _pass_around(pieces, steps, inbox, combine, right, group)
+
+
+def all_gather(flat_out: torch.Tensor, group: Group) -> None:
+    """Fill the 1-D ``flat_out`` (``world`` equal chunks, chunk ``rank`` already set) everywhere."""
+    rank, world, right, left = _neighbours(group)
+    pieces = _chunk_pieces(flat_out, world)
+    steps = ring_schedule(world, rank)[world - 1 :]
+    inbox = Inbox(flat_out, [p for s in steps for p in pieces[s.recv]], left, group)
+    _pass_around(pieces, steps, inbox, _no_combine, right, group)
+
+
+def _no_combine(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    raise AssertionError("the all-gather phase does not reduce")
 
 
 def reduce_scatter(
@@ -222,35 +246,17 @@ def reduce_scatter(
     is overwritten only once its previous value has been sent.
     """
     rank, world, right, left = _neighbours(group)
-    chunks = _chunks(flat_in, world)
+    inputs = _chunk_pieces(flat_in, world)
     steps = ring_schedule(world, rank)[: world - 1]
-    spans = piece_spans(out.numel(), piece_elems(out))
-    inbox = Inbox(out, [b - a for _ in steps for a, b in spans], left, group)
-    first = [isend(p, right, group) for p in _pieces(chunks[steps[0].send])]
-    in_flight: list[Any] = [None] * len(spans)
+    outs = _chunk_pieces(out, 1)[0]
+    inbox = Inbox(out, [p.numel() for _ in steps for p in outs], left, group)
+    first = [isend(p, right, group) for p in inputs[steps[0].send]]
+    in_flight: list[Any] = [None] * len(outs)
     for i, step in enumerate(steps):
-        for j, (a, b) in enumerate(spans):
+        for j, (mine, dest) in enumerate(zip(inputs[step.recv], outs, strict=True)):
             incoming = inbox.take()
             if in_flight[j] is not None:
                 in_flight[j].wait()
-            combine(chunks[step.recv][a:b], incoming, out[a:b])
-            in_flight[j] = isend(out[a:b], right, group) if i + 1 < len(steps) else None
+            combine(mine, incoming, dest)
+            in_flight[j] = isend(dest, right, group) if i + 1 < len(steps) else None
     wait_all(first)
-
-
-def all_gather(flat_out: torch.Tensor, group: Group) -> None:
-    """Fill the 1-D ``flat_out`` (``world`` equal chunks, chunk ``rank`` already set) everywhere.
-
-    Each piece is forwarded to the right as soon as it arrives from the left.
-    """
-    rank, world, right, left = _neighbours(group)
-    chunks = _chunks(flat_out, world)
-    steps = ring_schedule(world, rank)[world - 1 :]
-    inbox = Inbox(flat_out, [p for s in steps for p in _pieces(chunks[s.recv])], left, group)
-    sends = [isend(p, right, group) for p in _pieces(chunks[steps[0].send])]
-    for i, step in enumerate(steps):
-        for piece in _pieces(chunks[step.recv]):
-            inbox.take()
-            if i + 1 < len(steps):
-                sends.append(isend(piece, right, group))
-    wait_all(sends)
