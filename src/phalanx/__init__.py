@@ -44,6 +44,7 @@ from phalanx.comm import (
     world,
 )
 from phalanx.data_parallel import DistributedDataParallel
+from phalanx.launch import SpawnError, spawn
 
 __version__ = "0.1.0"
 
@@ -53,6 +54,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "DistributedDataParallel",
     "ReduceOp",
+    "SpawnError",
     "World",
     "__version__",
     "all_gather",
@@ -84,5 +86,6 @@ __all__ = [
     "scatter",
     "scatter_object_list",
     "send",
+    "spawn",
     "world",
 ]

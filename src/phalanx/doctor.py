@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 from phalanx.comm.store import bind_listener
-from phalanx.launch.netif import interface_for
+from phalanx.launch.netif import interface_for, ipv4_interfaces
 
-__all__ = ["Check", "interfaces", "main", "run_checks"]
+__all__ = ["Check", "main", "run_checks"]
 
 
 @dataclass(frozen=True)
@@ -30,18 +30,6 @@ class Check:
     status: str
     """"ok", "warn" or "fail"."""
     detail: str
-
-
-def interfaces() -> list[tuple[str, str]]:
-    """(name, IPv4 address) of every interface with an IPv4 address."""
-    from phalanx.launch.netif import _ipv4_of
-
-    out = []
-    for _, name in socket.if_nameindex():
-        ip = _ipv4_of(name)
-        if ip is not None:
-            out.append((name, ip))
-    return out
 
 
 def _torch_check() -> Check:
@@ -68,7 +56,7 @@ def _gpu_check() -> Check:
 
 
 def _network_checks(master_addr: str) -> list[Check]:
-    ifaces = interfaces()
+    ifaces = ipv4_interfaces()
     checks = [Check("interfaces", "ok", ", ".join(f"{n} {ip}" for n, ip in ifaces) or "none")]
     chosen = interface_for(master_addr)
     pinned = os.environ.get("GLOO_SOCKET_IFNAME")

@@ -1,0 +1,260 @@
+"""The node agent: rendezvous, start workers, watch them, restart or stop everyone.
+
+One agent runs per node. Generation ``g`` goes: rendezvous (agree on ranks and on a fresh
+worker store) -> start the local workers -> monitor until every node is done, or some worker
+fails. A failure stops the workers on every node; with restarts left all agents meet again at
+``g + 1``, otherwise every agent exits non-zero with the first failure's summary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+import uuid
+from collections.abc import Callable
+from datetime import timedelta
+from types import FrameType
+from typing import Any
+
+from phalanx.comm.store import host_store
+from phalanx.launch.args import LaunchConfig, resolve_nproc
+from phalanx.launch.netif import interface_for
+from phalanx.launch.rendezvous import AgentStore, Rendezvous, RendezvousError, StoreLost
+from phalanx.launch.summary import (
+    Failure,
+    describe_failure,
+    format_summary,
+    last_exception_line,
+)
+from phalanx.launch.worker_env import JobContext, Placement, worker_env
+from phalanx.launch.workers import Worker, WorkerGroup, WorkerSpec, worker_command
+
+__all__ = ["Agent", "AgentStopped"]
+
+STOP_GRACE_S = 3.0
+EXIT_ACK_TIMEOUT_S = 10.0
+PEER_SILENCE_TIMEOUT_S = 30.0
+HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class AgentStopped(Exception):
+    """The agent received SIGINT/SIGTERM/SIGHUP."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class Agent:
+    """The agent of one node, over an already-open agent store."""
+
+    def __init__(self, cfg: LaunchConfig, store: Any, log: Callable[[str], None]) -> None:
+        self.cfg = cfg
+        self.node = cfg.node_rank
+        self.store = AgentStore(store, cfg.node_rank, cfg.nnodes, log)
+        self.log = log
+        self.workers: WorkerGroup | None = None
+        self.worker_store: Any = None
+        self.signals: list[int] = []
+        self.nproc = 1
+        self.generation = 0
+
+    def run(self) -> int:
+        """Run generations until success, final failure or a signal; return the exit code."""
+        previous = {s: signal.signal(s, self._on_signal) for s in HANDLED_SIGNALS}
+        try:
+            return self._run()
+        except AgentStopped as stop:
+            return self._stopped_by_signal(stop.signum)
+        except (StoreLost, RendezvousError) as exc:
+            self.log(str(exc))
+            self._stop_workers()
+            return 1
+        finally:
+            if self.workers is not None:
+                self.workers.stop(grace=0.0)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.signals.append(signum)
+
+    def check_stop(self) -> None:
+        """Raise AgentStopped when a signal arrived (called from every waiting loop)."""
+        if self.signals:
+            raise AgentStopped(self.signals[0])
+
+    def _run(self) -> int:
+        auto = self.cfg.nproc_per_node is None
+        self.nproc = resolve_nproc(self.cfg.nproc_per_node, _cuda_devices() if auto else 0)
+        if self.node == 0:
+            run_id = self.cfg.rdzv_id or uuid.uuid4().hex[:12]
+            self.store.publish_config(run_id, self.cfg.max_restarts)
+        g = 0
+        while True:
+            self.generation = g
+            rdzv = self._rendezvous(g)
+            failure = self._start_workers(rdzv) or self._monitor(g)
+            if failure is None:
+                return self._finish(g)
+            if failure.rank >= 0 and g < rdzv.max_restarts:
+                self._restart(g, failure, rdzv.max_restarts)
+                g += 1
+                continue
+            return self._fail(g, failure, rdzv.max_restarts)
+
+    def _rendezvous(self, g: int) -> Rendezvous:
+        port = None
+        new_store = None
+        if self.node == 0:
+            timeout = timedelta(seconds=self.cfg.rdzv_timeout)
+            new_store, port = host_store(self.cfg.master_addr, 0, timeout)
+        rdzv = self.store.rendezvous(g, self.nproc, port, self.cfg.rdzv_timeout, self.check_stop)
+        if self.node == 0:
+            # Every node has met at g, so every worker of g - 1 is gone: drop its store.
+            self.worker_store = new_store
+        return rdzv
+
+    def _start_workers(self, rdzv: Rendezvous) -> Failure | None:
+        """Start this node's workers; a Failure (already published) if they cannot start."""
+        specs = self._worker_specs(rdzv)
+        first, last = rdzv.rank_offset, rdzv.rank_offset + self.nproc - 1
+        self.log(
+            f"starting ranks {first}..{last} of {rdzv.world_size} on node {self.node} "
+            f"(generation {rdzv.generation}, worker store {self.cfg.master_addr}:"
+            f"{rdzv.worker_port})"
+        )
+        self.check_stop()
+        try:
+            self.workers = WorkerGroup(specs)
+        except OSError as exc:
+            reason = f"cannot start the workers: {exc}"
+            failure = Failure(-1, -1, self.node, os.getpid(), 1, reason=reason)
+            return self.store.publish_failure(rdzv.generation, failure)
+        return None
+
+    def _worker_specs(self, rdzv: Rendezvous) -> list[WorkerSpec]:
+        cfg = self.cfg
+        iface = interface_for(cfg.master_addr)
+        job = JobContext(
+            master_addr=cfg.master_addr,
+            master_port=rdzv.worker_port,
+            restart_count=rdzv.generation,
+            max_restarts=rdzv.max_restarts,
+            run_id=rdzv.run_id,
+            backend=cfg.backend,
+            gloo_ifname=iface[0] if iface else None,
+        )
+        command = worker_command(cfg.script, cfg.script_args, cfg.module, cfg.no_python)
+        cpus = len(os.sched_getaffinity(0))
+        specs = []
+        for local in range(self.nproc):
+            place = Placement(
+                rank=rdzv.rank_offset + local,
+                local_rank=local,
+                world_size=rdzv.world_size,
+                local_world_size=self.nproc,
+                node_rank=self.node,
+                nnodes=cfg.nnodes,
+            )
+            env = worker_env(os.environ, place, job, cpus)
+            specs.append(WorkerSpec(place.rank, local, command, env))
+        return specs
+
+    def _failure_of(self, worker: Worker) -> Failure:
+        tail = list(worker.stderr_tail)
+        last = next((line.strip() for line in reversed(tail) if line.strip()), None)
+        return Failure(
+            rank=worker.spec.rank,
+            local_rank=worker.spec.local_rank,
+            node_rank=self.node,
+            pid=worker.pid,
+            returncode=worker.returncode or 0,
+            exception=last_exception_line(tail),
+            last_line=last,
+        )
+
+    def _monitor(self, g: int) -> Failure | None:
+        """Watch until every node is done (None) or some worker anywhere failed (its Failure)."""
+        assert self.workers is not None
+        self.store.forget_heartbeats()  # nobody beats during a rendezvous
+        done = False
+        while True:
+            self.check_stop()
+            local = self.workers.first_failure()
+            if local is not None:
+                # Let the pumps drain so the traceback is in the tail.
+                for thread in local.threads:
+                    thread.join(0.5)
+                return self.store.publish_failure(g, self._failure_of(local))
+            remote = self.store.failure(g)
+            if remote is not None:
+                return remote
+            if not done and self.workers.all_succeeded():
+                self.store.mark(g, "done")
+                done = True
+            if done and self.store.all_marked(g, "done"):
+                return None
+            self._watch_peers(g)
+            time.sleep(self.cfg.monitor_interval)
+
+    def _watch_peers(self, g: int) -> None:
+        if self.node != 0:
+            self.store.heartbeat()
+            return
+        for n in self.store.silent_nodes(PEER_SILENCE_TIMEOUT_S):
+            reason = f"no heartbeat from its agent for {PEER_SILENCE_TIMEOUT_S:.0f} s"
+            self.store.publish_failure(g, Failure(-1, -1, n, 0, 1, reason=reason))
+
+    def _stop_workers(self, signum: int = signal.SIGTERM) -> None:
+        if self.workers is not None:
+            self.workers.stop(STOP_GRACE_S, signum, hurry=lambda: len(self.signals) > 1)
+            self.workers = None
+
+    def _restart(self, g: int, failure: Failure, max_restarts: int) -> None:
+        for line in describe_failure(failure):
+            self.log(line)
+        self.log(f"restarting all workers (restart {g + 1} of {max_restarts}, --max-restarts)")
+        self._stop_workers()
+
+    def _leave(self, g: int, timeout: float = EXIT_ACK_TIMEOUT_S) -> None:
+        """Say goodbye; node 0 keeps the store up until everyone has (or a timeout)."""
+        with contextlib.suppress(StoreLost):
+            self.store.mark(g, "exit")
+            if self.node == 0 and not self.store.wait_all_marked(g, "exit", timeout):
+                self.log(f"not every node confirmed the end within {timeout:.0f} s")
+
+    def _finish(self, g: int) -> int:
+        self._leave(g)
+        if self.workers is not None:
+            self.workers.join_threads(timeout=2.0)
+        return 0
+
+    def _fail(self, g: int, failure: Failure, max_restarts: int) -> int:
+        if self.node != 0:
+            self._leave(g)
+        self._stop_workers()
+        if self.node == 0:
+            self._leave(g)
+        for line in format_summary(failure, g, max_restarts):
+            self.log(line)
+        return failure.exit_code
+
+    def _stopped_by_signal(self, signum: int) -> int:
+        name = signal.Signals(signum).name
+        self.log(f"received {name}; stopping the workers (forwarding {name})")
+        failure = Failure(-1, -1, self.node, os.getpid(), -signum, reason=f"received {name}")
+        with contextlib.suppress(StoreLost):
+            self.store.publish_failure(self.generation, failure)
+        self._stop_workers(signum)
+        if self.cfg.nnodes > 1:
+            self._leave(self.generation, timeout=STOP_GRACE_S)
+        return 128 + signum
+
+
+def _cuda_devices() -> int:
+    import torch
+
+    return int(torch.cuda.device_count())

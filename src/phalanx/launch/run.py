@@ -1,0 +1,78 @@
+"""``phalanx run``: parse the flags, run the preflight checks, hand over to the node agent."""
+
+from __future__ import annotations
+
+import ipaddress
+import sys
+from datetime import timedelta
+from typing import Any
+
+from phalanx.launch.args import ArgsError, LaunchConfig, parse_args, usage
+from phalanx.launch.preflight import PreflightError, resolve_host, wait_for_master
+
+__all__ = ["main"]
+
+
+def _log(message: str) -> None:
+    sys.stderr.write(f"phalanx run: {message}\n")
+    sys.stderr.flush()
+
+
+def _open_agent_store(cfg: LaunchConfig) -> Any:
+    """Node 0 hosts the agent store on exactly the master address; other nodes connect to it."""
+    from phalanx.comm.store import connect_store, host_store
+
+    timeout = timedelta(seconds=cfg.rdzv_timeout)
+    addr = cfg.master_addr
+    if cfg.node_rank == 0:
+        try:
+            store, port = host_store(addr, cfg.master_port, timeout)
+        except OSError as exc:
+            raise PreflightError(
+                f"node 0 cannot host the rendezvous store on {addr}:{cfg.master_port}: "
+                f"{exc.strerror or exc}"
+            ) from None
+        _log(f"node 0 of {cfg.nnodes}: rendezvous store listening on {addr}:{port}")
+        return store
+    wait_for_master(addr, cfg.master_port, cfg.rdzv_timeout, _log)
+    try:
+        return connect_store(addr, cfg.master_port, timeout)
+    except ConnectionError as exc:
+        raise PreflightError(str(exc)) from None
+
+
+def _warn_if_loopback(cfg: LaunchConfig, addrs: list[str]) -> None:
+    """A multi-node master on loopback (e.g. a hostname mapped to 127.0.1.1) is unreachable."""
+    if cfg.node_rank != 0 or cfg.nnodes == 1:
+        return
+    if any(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs):
+        _log(
+            f"warning: --master-addr {cfg.master_addr} resolves to {', '.join(addrs)} here, a "
+            f"loopback address that the other {cfg.nnodes - 1} node(s) cannot reach; pass an "
+            f"address of this machine that they can reach"
+        )
+
+
+def main(argv: list[str]) -> int:
+    """Run ``phalanx run`` with ``argv`` (the arguments after ``run``); return the exit code.
+
+    Exit codes: 0 success; 2 bad flags; 1 preflight or rendezvous failure; otherwise the first
+    failing worker's exit code (128 + N for signal N), or 128 + N when the launcher got signal N.
+    """
+    try:
+        cfg = parse_args(argv)
+    except ArgsError as exc:
+        sys.stderr.write(usage())
+        _log(f"error: {exc}")
+        return 2
+    try:
+        _warn_if_loopback(cfg, resolve_host(cfg.master_addr))
+        store = _open_agent_store(cfg)
+    except PreflightError as exc:
+        _log(f"error: {exc}")
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    from phalanx.launch.agent import Agent
+
+    return Agent(cfg, store, _log).run()

@@ -1,0 +1,146 @@
+"""Two "machines" on one host: two network namespaces joined by a veth pair.
+
+Each namespace runs its own ``phalanx run`` agent (node 0 and node 1, 2 workers each); the four
+workers all_reduce across the pair. The namespaces, and the veth with them, are always deleted.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.netns
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = str(Path(__file__).resolve().parent / "scripts" / "env_allreduce.py")
+LAUNCH = [sys.executable, "-m", "phalanx.launch"]
+
+
+@dataclass(frozen=True)
+class Pair:
+    """Two namespaces and the address of each end of the veth between them."""
+
+    ns: tuple[str, str]
+    addr: tuple[str, str]
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=10)
+
+
+def _build(pair: Pair, veth: tuple[str, str]) -> None:
+    for ns in pair.ns:
+        _ip("netns", "add", ns)
+    _ip("link", "add", veth[0], "type", "veth", "peer", "name", veth[1])
+    for ns, dev, addr in zip(pair.ns, veth, pair.addr):
+        _ip("link", "set", dev, "netns", ns)
+        _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+        _ip("-n", ns, "link", "set", dev, "up")
+        _ip("-n", ns, "link", "set", "lo", "up")
+
+
+@pytest.fixture
+def pair() -> Iterator[Pair]:
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2 to create network namespaces")
+    suffix = secrets.token_hex(3)
+    subnet = f"10.231.{random.randrange(256)}"
+    made = Pair((f"phxa{suffix}", f"phxb{suffix}"), (f"{subnet}.1", f"{subnet}.2"))
+    veth = (f"phxva{suffix}", f"phxvb{suffix}")
+    try:
+        try:
+            _build(made, veth)
+        except subprocess.CalledProcessError as exc:
+            pytest.skip(f"cannot create network namespaces here: {exc.stderr.strip()}")
+        yield made
+    finally:
+        for ns in made.ns:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+        subprocess.run(["ip", "link", "del", veth[0]], capture_output=True, timeout=10)
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    return env
+
+
+def _start(ns: str, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        ["ip", "netns", "exec", ns, *LAUNCH, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+        start_new_session=True,
+    )
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    """SIGTERM the launcher (it stops its workers), SIGKILL its process group if it hangs."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=10)
+
+
+def test_two_nodes_all_reduce_across_namespaces(pair: Pair) -> None:
+    common = ["--nnodes", "2", "--nproc-per-node", "2", "--master-addr", pair.addr[0],
+              "--master-port", "29561", "--rdzv-timeout", "30"]  # fmt: skip
+    procs = []
+    try:
+        # Node 1 first: it must wait (connection refused) until node 0 is up.
+        procs.append(_start(pair.ns[1], *common, "--node-rank", "1", SCRIPT))
+        time.sleep(0.3)
+        procs.append(_start(pair.ns[0], *common, "--node-rank", "0", SCRIPT))
+        outs = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            _stop(p)
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, out + err
+    node1_out, node0_out = outs[0][0], outs[1][0]
+    for rank in (0, 1):
+        assert f"[rank {rank}] SUM 10" in node0_out
+    for rank in (2, 3):
+        assert f"[rank {rank}] SUM 10" in node1_out
+    assert '"GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2"' in node1_out
+    assert f"worker store {pair.addr[0]}:" in outs[1][1]
+
+
+# Times phalanx.launch.main itself, so that interpreter and torch start-up do not count.
+TIMED_MAIN = """
+import sys, time
+from phalanx.launch import main
+start = time.monotonic()
+code = main(sys.argv[1:])
+print(f"ELAPSED {time.monotonic() - start:.3f}")
+sys.exit(code)
+"""
+
+
+def test_unreachable_network_fails_fast(pair: Pair) -> None:
+    # Namespace a has no route to 10.99.0.0/16: connect() fails with ENETUNREACH at once.
+    proc = subprocess.run(
+        ["ip", "netns", "exec", pair.ns[0], sys.executable, "-c", TIMED_MAIN, "--nnodes", "2",
+         "--node-rank", "1", "--master-addr", "10.99.0.1", "--master-port", "29561", SCRIPT],
+        capture_output=True, text=True, timeout=60, env=_env(),
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert "cannot reach the master 10.99.0.1:29561: network is unreachable" in proc.stderr
+    assert float(proc.stdout.split("ELAPSED ")[1]) < 5.0

@@ -1,0 +1,283 @@
+"""Pure parts of the launcher: flags, worker env, failure summary, commands, agent protocol."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from phalanx.launch.args import ArgsError, LaunchConfig, parse_args, resolve_nproc
+from phalanx.launch.netif import interface_for
+from phalanx.launch.rendezvous import AgentStore, RendezvousError
+from phalanx.launch.run import _warn_if_loopback
+from phalanx.launch.summary import Failure, format_summary, last_exception_line
+from phalanx.launch.worker_env import JobContext, Placement, default_omp_threads, worker_env
+from phalanx.launch.workers import worker_command
+
+
+def test_defaults_match_torchrun() -> None:
+    cfg = parse_args(["train.py"])
+    assert cfg == LaunchConfig(nproc_per_node=1, script="train.py")
+    assert (cfg.master_addr, cfg.master_port, cfg.max_restarts) == ("127.0.0.1", 29500, 0)
+    assert (cfg.monitor_interval, cfg.rdzv_timeout) == (0.1, 300.0)
+
+
+def test_script_arguments_are_not_parsed_by_the_launcher() -> None:
+    cfg = parse_args(["--nproc_per_node=2", "train.py", "--nnodes", "3", "-m", "--lr=1"])
+    assert cfg.nproc_per_node == 2 and cfg.nnodes == 1
+    assert cfg.script_args == ("--nnodes", "3", "-m", "--lr=1")
+
+
+def test_underscore_and_dash_spellings() -> None:
+    argv = ["--nnodes", "2", "--node_rank", "1", "--master_addr", "h", "--master_port", "1234",
+            "--max_restarts", "3", "x.py"]  # fmt: skip
+    cfg = parse_args(argv)
+    assert (cfg.nnodes, cfg.node_rank, cfg.master_addr, cfg.master_port) == (2, 1, "h", 1234)
+    assert cfg.max_restarts == 3
+
+
+def test_module_and_no_python() -> None:
+    cfg = parse_args(["-m", "pkg.train", "a"])
+    assert cfg.module and cfg.script == "pkg.train" and cfg.script_args == ("a",)
+    assert parse_args(["--no-python", "/bin/echo", "hi"]).no_python
+    with pytest.raises(ArgsError, match="cannot be combined"):
+        parse_args(["-m", "--no-python", "x"])
+
+
+def test_standalone_is_loopback_with_os_port() -> None:
+    cfg = parse_args(["--standalone", "--master-addr", "10.0.0.1", "x.py"])
+    assert (cfg.nnodes, cfg.node_rank, cfg.master_addr, cfg.master_port) == (1, 0, "127.0.0.1", 0)
+    with pytest.raises(ArgsError, match="--standalone"):
+        parse_args(["--standalone", "--nnodes", "2", "x.py"])
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "host", "port"),
+    [
+        ("h:123", "h", 123),
+        ("h", "h", 29500),
+        ("[::1]:77", "::1", 77),
+        ("10.1.2.3:9", "10.1.2.3", 9),
+    ],
+)
+def test_rdzv_endpoint_overrides_master(endpoint: str, host: str, port: int) -> None:
+    cfg = parse_args(["--master-addr", "m", "--master-port", "1", "--rdzv-endpoint", endpoint, "x"])
+    assert (cfg.master_addr, cfg.master_port) == (host, port)
+
+
+def test_rdzv_backend_static_and_c10d_accepted_others_rejected() -> None:
+    assert parse_args(["--rdzv-backend", "c10d", "--rdzv-id", "r", "x"]).rdzv_id == "r"
+    with pytest.raises(ArgsError, match="--rdzv-backend 'etcd'"):
+        parse_args(["--rdzv-backend", "etcd", "x"])
+
+
+def test_nnodes_range_with_equal_bounds_is_fixed() -> None:
+    assert parse_args(["--nnodes", "3:3", "--node-rank", "2", "x"]).nnodes == 3
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--nproc-per-node", "0"], "--nproc-per-node 0 is invalid"),
+        (["--nproc-per-node", "-2"], "--nproc-per-node -2 is invalid"),
+        (["--nproc-per-node", "two"], "--nproc-per-node 'two' is not an integer"),
+        (["--nnodes", "2", "--node-rank", "2"], "--node-rank 2 is invalid with --nnodes 2"),
+        (["--master-port", "70000"], "--master-port 70000 is outside the valid port range"),
+        (["--master-port", "0"], "--master-port 0 is outside"),
+        (["--rdzv-endpoint", "h:x"], "--rdzv-endpoint 'x' is not a port"),
+        (["--backend", "foo"], "--backend 'foo' is not one of auto, gloo, nccl, mpi"),
+        (["--nnodes", "1:4"], "elastic node ranges"),
+        (["--monitor-interval", "0"], "--monitor-interval 0 is invalid"),
+        (["--rdzv-timeout", "soon"], "--rdzv-timeout 'soon' is not a number"),
+        (["--max-restarts", "-1"], "--max-restarts -1 is invalid"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
+def test_bad_values_name_flag_and_value(argv: list[str], message: str) -> None:
+    with pytest.raises(ArgsError) as info:
+        parse_args([*argv, "x.py"])
+    assert message in str(info.value)
+
+
+def test_missing_script() -> None:
+    with pytest.raises(ArgsError, match="missing the script"):
+        parse_args(["--nproc-per-node", "2"])
+
+
+def test_nproc_auto() -> None:
+    assert parse_args(["--nproc-per-node", "auto", "x"]).nproc_per_node is None
+    assert resolve_nproc(None, 0) == 1
+    assert resolve_nproc(None, 4) == 4
+    assert resolve_nproc(3, 4) == 3
+
+
+def _env(base: dict[str, str], restart: int = 0) -> dict[str, str]:
+    place = Placement(rank=5, local_rank=1, world_size=8, local_world_size=4, node_rank=1, nnodes=2)
+    job = JobContext("10.0.0.1", 4242, restart, 3, "run9", backend="gloo", gloo_ifname="eth7")
+    return worker_env(base, place, job, cpu_count=8)
+
+
+def test_worker_env_contract() -> None:
+    env = _env({"PATH": "/bin", "RANK": "stale"}, restart=2)
+    assert env["PATH"] == "/bin"
+    assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")} == {
+        "RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"
+    }  # fmt: skip
+    assert (env["GROUP_RANK"], env["GROUP_WORLD_SIZE"], env["ROLE_NAME"]) == ("1", "2", "default")
+    assert (env["ROLE_RANK"], env["ROLE_WORLD_SIZE"]) == ("5", "8")
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("10.0.0.1", "4242")
+    assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+    assert env["TORCHELASTIC_RESTART_COUNT"] == env["PHALANX_RESTART_COUNT"] == "2"
+    assert env["TORCHELASTIC_MAX_RESTARTS"] == "3"
+    assert env["TORCHELASTIC_RUN_ID"] == env["PHALANX_RUN_ID"] == "run9"
+    assert (env["PHALANX_BACKEND"], env["PYTHONUNBUFFERED"]) == ("gloo", "1")
+    assert (env["OMP_NUM_THREADS"], env["GLOO_SOCKET_IFNAME"]) == ("2", "eth7")
+
+
+def test_worker_env_keeps_user_threads_and_interface() -> None:
+    env = _env({"OMP_NUM_THREADS": "7", "GLOO_SOCKET_IFNAME": "ib0"})
+    assert (env["OMP_NUM_THREADS"], env["GLOO_SOCKET_IFNAME"]) == ("7", "ib0")
+
+
+def test_omp_threads_share_the_cores() -> None:
+    assert default_omp_threads(8, 2) == 4
+    assert default_omp_threads(2, 4) == 1
+
+
+def test_worker_command() -> None:
+    assert worker_command("t.py", ["a"], False, False) == [sys.executable, "-u", "t.py", "a"]
+    assert worker_command("p.m", [], True, False) == [sys.executable, "-u", "-m", "p.m"]
+    assert worker_command("/bin/echo", ["hi"], False, True) == ["/bin/echo", "hi"]
+
+
+def test_last_exception_line_of_the_last_traceback() -> None:
+    lines = [
+        "Traceback (most recent call last):\n",
+        '  File "a.py", line 1, in <module>\n',
+        "KeyError: 'first'\n",
+        "\n",
+        "During handling of the above exception, another exception occurred:\n",
+        "[rank0]: Traceback (most recent call last):\n",
+        '[rank0]:   File "a.py", line 3, in <module>\n',
+        "[rank0]:     raise ValueError('boom')\n",
+        "[rank0]: ValueError: boom\n",
+        "some later output\n",
+    ]
+    assert last_exception_line(lines) == "ValueError: boom"
+    assert last_exception_line(["no traceback here"]) is None
+
+
+def test_failure_round_trip_and_summary() -> None:
+    failure = Failure(3, 1, 1, 4321, -9, exception="RuntimeError: x")
+    assert Failure.from_json(failure.to_json().encode()) == failure
+    assert failure.exit_code == 137
+    text = "\n".join(format_summary(failure, 0, 0))
+    assert "rank 3 failed (local rank 1 on node 1, pid 4321): signal SIGKILL" in text
+    assert "exception: RuntimeError: x" in text
+    assert Failure(0, 0, 0, 1, 2).exit_code == 2
+
+
+def test_interface_for_loopback() -> None:
+    found = interface_for("127.0.0.1")
+    assert found is not None and found[1] == "127.0.0.1"
+    assert interface_for("no-such-host.invalid") is None
+
+
+class FakeStore:
+    """The few TCPStore operations the agents use, in memory."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.data[key] = value.encode()
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.data for k in keys)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [self.data[k] for k in keys]
+
+    def add(self, key: str, amount: int) -> int:
+        value = int(self.data.get(key, b"0")) + amount
+        self.data[key] = str(value).encode()
+        return value
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        if self.data.get(key, b"") == expected.encode():
+            self.data[key] = desired.encode()
+        return self.data[key]
+
+
+def _agents(nnodes: int) -> tuple[FakeStore, list[AgentStore]]:
+    store = FakeStore()
+    return store, [AgentStore(store, n, nnodes, log=lambda _: None) for n in range(nnodes)]
+
+
+def test_rendezvous_rank_offsets_are_prefix_sums() -> None:
+    _, (node0, node1, node2) = _agents(3)
+    node0.publish_config("run1", 2)
+    node1._call("set", node1._key(0, "nproc", 1), "3")  # as node 1 would
+    node2._call("set", node2._key(0, "nproc", 2), "1")
+    rdzv = node0.rendezvous(0, 2, 4242, timeout=1, check_stop=lambda: None)
+    assert (rdzv.rank_offset, rdzv.world_size, rdzv.worker_port) == (0, 6, 4242)
+    assert (rdzv.run_id, rdzv.max_restarts) == ("run1", 2)
+    rdzv2 = node2.rendezvous(0, 1, None, timeout=1, check_stop=lambda: None)
+    assert (rdzv2.rank_offset, rdzv2.world_size, rdzv2.worker_port) == (5, 6, 4242)
+
+
+def test_rendezvous_keys_are_namespaced_by_generation() -> None:
+    store, (node0, _) = _agents(2)
+    node0.publish_config("r", 1)
+    store.set(node0._key(0, "nproc", 1), "1")
+    node0.rendezvous(0, 1, 1111, timeout=1, check_stop=lambda: None)
+    with pytest.raises(RendezvousError, match=r"nodes \[1\] did not join"):
+        node0.rendezvous(1, 1, 2222, timeout=0.1, check_stop=lambda: None)
+
+
+def test_duplicate_node_rank_fails_everyone() -> None:
+    store, (node0, node1) = _agents(2)
+    twin = AgentStore(store, 1, 2, log=lambda _: None)
+    node0.publish_config("r", 0)
+    store.add(node1._key(0, "joined", 1), 1)
+    with pytest.raises(RendezvousError, match="two agents joined as node 1"):
+        twin.rendezvous(0, 1, None, timeout=1, check_stop=lambda: None)
+    failure = node0.failure(0)
+    assert failure is not None and failure.rank == -1 and "--node-rank" in str(failure.reason)
+
+
+def test_first_published_failure_wins() -> None:
+    _, (node0, node1) = _agents(2)
+    first = Failure(1, 1, 0, 11, 1, exception="ValueError: boom")
+    assert node0.publish_failure(0, first) == first
+    assert node1.publish_failure(0, Failure(2, 0, 1, 22, -9)) == first
+    assert node1.failure(0) == first and node1.failure(1) is None
+
+
+def test_done_marks_and_silent_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, (node0, node1) = _agents(2)
+    node0.mark(0, "done")
+    assert not node0.all_marked(0, "done")
+    node1.mark(0, "done")
+    assert node0.all_marked(0, "done")
+    clock = [100.0]
+    monkeypatch.setattr("phalanx.launch.rendezvous.time.monotonic", lambda: clock[0])
+    node1.heartbeat()
+    assert node0.silent_nodes(30) == []
+    clock[0] += 20
+    node1.heartbeat()
+    assert node0.silent_nodes(30) == []
+    clock[0] += 31
+    assert node0.silent_nodes(30) == [1]
+
+
+def test_multi_node_master_on_loopback_warns(capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = parse_args(["--nnodes", "2", "--master-addr", "myhost", "x.py"])
+    _warn_if_loopback(cfg, ["127.0.1.1"])
+    assert "resolves to 127.0.1.1 here, a loopback address" in capsys.readouterr().err
+    _warn_if_loopback(cfg, ["10.0.0.5"])
+    _warn_if_loopback(parse_args(["x.py"]), ["127.0.0.1"])
+    assert capsys.readouterr().err == ""
