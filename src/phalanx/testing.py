@@ -34,7 +34,7 @@ def _context() -> Any:
     global _CTX
     if _CTX is None:
         _CTX = multiprocessing.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "phalanx"])
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "phalanx"])
     return _CTX
 
 
