@@ -43,7 +43,7 @@ from phalanx.comm import (
     send,
     world,
 )
-from phalanx.data_parallel import DistributedDataParallel
+from phalanx.data_parallel import DataParallel, DistributedDataParallel, SyncBatchNorm
 from phalanx.launch import SpawnError, spawn
 
 __version__ = "0.1.0"
@@ -52,9 +52,11 @@ __all__ = [
     "CollectiveError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
+    "DataParallel",
     "DistributedDataParallel",
     "ReduceOp",
     "SpawnError",
+    "SyncBatchNorm",
     "World",
     "__version__",
     "all_gather",

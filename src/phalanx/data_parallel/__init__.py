@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 from phalanx.data_parallel.ddp import DistributedDataParallel
+from phalanx.data_parallel.dp import DataParallel
 from phalanx.data_parallel.grad_bucket import GradBucket
 from phalanx.data_parallel.reducer import UnusedParameterError
+from phalanx.data_parallel.sync_bn import SyncBatchNorm
 
-__all__ = ["DistributedDataParallel", "GradBucket", "UnusedParameterError"]
+__all__ = [
+    "DataParallel",
+    "DistributedDataParallel",
+    "GradBucket",
+    "SyncBatchNorm",
+    "UnusedParameterError",
+]
