@@ -3,9 +3,10 @@
 In a binomial tree over ``world`` ranks (any size, not only powers of two) rank ``v`` places
 from the root has parent ``v - lowbit(v)`` and children ``v + 2^k`` for every ``2^k`` below
 ``lowbit(v)``. It is ``popcount(v)`` hops deep and a broadcast takes ``ceil(log2 world)``
-rounds (MPICH's reduce and broadcast), against ``world - 1`` for a ring. Transfers are pipelined in pieces, as in ``ring.py``, so a
-piece moves on down (or up) the tree while the next one is still arriving, and in the
-all-reduce the root starts broadcasting a piece as soon as it is reduced.
+rounds (MPICH's reduce and broadcast), against ``world - 1`` for a ring. Transfers are
+pipelined in pieces, as in ``ring.py``, so a piece moves on down (or up) the tree while the
+next one is still arriving, and in the all-reduce the root starts broadcasting a piece as
+soon as it is reduced.
 
 Ranks here are group-local. The topology is a pure function (:func:`binomial_tree`,
 :func:`chain`).

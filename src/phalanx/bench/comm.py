@@ -1,0 +1,348 @@
+"""``phalanx bench comm``: the backend's collectives against phalanx's ring and tree algorithms.
+
+For each operation and message size every rank runs the implementations interleaved
+(native, ring, tree, then ring, tree, native, ...), each after a barrier, timing it with
+``time.perf_counter``; an iteration's time is the slowest rank's (a MAX all-reduce after the
+timed region). The parent prints p50/p90 latency and bandwidths as nccl-tests defines them:
+``algbw = bytes / time`` and ``busbw = algbw * factor`` with factor ``2 (n - 1) / n`` for
+all-reduce, ``(n - 1) / n`` for reduce-scatter and all-gather (bytes = the whole gathered
+buffer) and 1 for broadcast, so busbw is comparable across world sizes. The last line is
+``RESULT {json}``.
+
+Run it with ``python -m phalanx.bench.comm [flags]`` or ``phalanx bench comm [flags]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any, NoReturn
+
+__all__ = ["BenchConfig", "Row", "busbw_factor", "main", "parse_args", "size_list", "summarize"]
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+SHARDED = ("reduce_scatter", "all_gather")
+DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64")
+UNITS = {"": 1, "b": 1, "k": KiB, "kib": KiB, "m": MiB, "mib": MiB, "g": GiB, "gib": GiB}
+
+
+class BenchArgsError(ValueError):
+    """A flag of ``phalanx bench comm`` has an unusable value (exit code 2)."""
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to measure, validated."""
+
+    world_size: int = 2
+    """Number of ranks (gloo processes on this machine)."""
+    ops: tuple[str, ...] = OPS
+    """Operations to measure, in order."""
+    sizes: tuple[int, ...] = ()
+    """Message sizes in bytes (for reduce-scatter / all-gather: the whole gathered buffer)."""
+    iters: int = 20
+    """Timed iterations of each implementation per size."""
+    warmup: int = 3
+    """Untimed iterations first."""
+    dtype: str = "float32"
+    """Element type of the buffers."""
+    json_path: str | None = None
+    """Also write the result to this file."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One (operation, size, implementation) line of the result."""
+
+    op: str
+    bytes: int
+    impl: str
+    p50_us: float
+    p90_us: float
+    algbw_gbps: float
+    busbw_gbps: float
+    vs_native: float
+    """busbw over the native implementation's (same op and size), at p50."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise BenchArgsError(message)
+
+
+def parse_bytes(flag: str, raw: str) -> int:
+    """``"64MiB"``, ``"4K"``, ``"1024"`` -> bytes; raises naming ``flag`` and ``raw``."""
+    text = raw.strip().lower()
+    digits = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(digits) :]
+    if not digits.isdigit() or unit not in UNITS:
+        raise BenchArgsError(f"{flag} {raw!r} is not a size in bytes (e.g. 4, 64KiB, 16MiB)")
+    value = int(digits) * UNITS[unit]
+    if value < 1:
+        raise BenchArgsError(f"{flag} {raw!r} is invalid: it must be at least 1 byte")
+    return value
+
+
+def size_list(min_bytes: int, max_bytes: int, factor: int = 4) -> list[int]:
+    """``min_bytes``, then times ``factor`` while below ``max_bytes``, then ``max_bytes``."""
+    if not 1 <= min_bytes <= max_bytes or factor < 2:
+        raise ValueError(
+            f"need 1 <= min_bytes <= max_bytes and factor >= 2, got min_bytes={min_bytes}, "
+            f"max_bytes={max_bytes}, factor={factor}"
+        )
+    sizes, size = [], min_bytes
+    while size < max_bytes:
+        sizes.append(size)
+        size *= factor
+    return [*sizes, max_bytes]
+
+
+def _positive(flag: str, value: int, minimum: int = 1) -> int:
+    if value < minimum:
+        raise BenchArgsError(f"{flag} {value} is invalid: it must be at least {minimum}")
+    return value
+
+
+def _build_parser() -> _Parser:
+    p = _Parser(prog="phalanx bench comm", description=__doc__.split("\n")[0])
+    add = p.add_argument
+    add("--world-size", type=int, default=2, help="number of ranks (default 2)")
+    add("--ops", default=",".join(OPS), help=f"comma list of {', '.join(OPS)}")
+    add("--min-bytes", default="4", help="smallest message (default 4)")
+    add("--max-bytes", default=None, help="largest message (default 64MiB, 1MiB with --quick)")
+    add("--iters", type=int, default=None, help="timed iterations (default 20, 5 with --quick)")
+    add("--warmup", type=int, default=None, help="untimed iterations (default 3, 1 with --quick)")
+    add("--quick", action="store_true", help="a few sizes up to 1MiB, few iterations (CI)")
+    add("--dtype", default="float32", help=", ".join(DTYPES))
+    add("--json", dest="json_path", default=None, metavar="PATH", help="also write the result")
+    return p
+
+
+def _ops(raw: str) -> tuple[str, ...]:
+    ops = tuple(o.strip() for o in raw.split(",") if o.strip())
+    for o in ops or ("",):
+        if o not in OPS:
+            raise BenchArgsError(f"--ops {raw!r}: {o!r} is not one of {', '.join(OPS)}")
+    return ops
+
+
+def parse_args(argv: Sequence[str]) -> BenchConfig:
+    """Turn ``phalanx bench comm`` flags into a :class:`BenchConfig` (pure; raises on errors).
+
+    Raises:
+        BenchArgsError: naming the flag and the value that cannot be used.
+    """
+    ns = _build_parser().parse_args(list(argv))
+    if ns.dtype not in DTYPES:
+        raise BenchArgsError(f"--dtype {ns.dtype!r} is not one of {', '.join(DTYPES)}")
+    lo = parse_bytes("--min-bytes", ns.min_bytes)
+    hi = parse_bytes("--max-bytes", ns.max_bytes or ("1MiB" if ns.quick else "64MiB"))
+    if lo > hi:
+        raise BenchArgsError(f"--min-bytes {ns.min_bytes} is larger than --max-bytes ({hi} B)")
+    iters = ns.iters if ns.iters is not None else (5 if ns.quick else 20)
+    warmup = ns.warmup if ns.warmup is not None else (1 if ns.quick else 3)
+    return BenchConfig(
+        world_size=_positive("--world-size", ns.world_size),
+        ops=_ops(ns.ops),
+        sizes=tuple(size_list(lo, hi, 16 if ns.quick else 4)),
+        iters=_positive("--iters", iters),
+        warmup=_positive("--warmup", warmup, 0),
+        dtype=ns.dtype,
+        json_path=ns.json_path,
+    )
+
+
+def busbw_factor(op: str, world: int) -> float:
+    """nccl-tests' bus-bandwidth factor: what each rank's links carry per byte of the result."""
+    if op == "all_reduce":
+        return 2 * (world - 1) / world
+    if op in ("reduce_scatter", "all_gather"):
+        return (world - 1) / world
+    if op in ("broadcast", "reduce"):
+        return 1.0
+    raise ValueError(f"op={op!r} has no bus-bandwidth factor")
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) with linear interpolation, like ``numpy.percentile``."""
+    if not values:
+        raise ValueError("percentile of no values")
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def summarize(records: Sequence[dict[str, Any]], world: int) -> list[Row]:
+    """Rows from the ranks' records ``{op, bytes, impl, times}`` (seconds), with ratios."""
+    rows = [_row(rec, world) for rec in records]
+    native = {(r.op, r.bytes): r.busbw_gbps for r in rows if r.impl == "native"}
+    return [replace(r, vs_native=_ratio(r.busbw_gbps, native.get((r.op, r.bytes)))) for r in rows]
+
+
+def _row(rec: dict[str, Any], world: int) -> Row:
+    p50, p90 = percentile(rec["times"], 50), percentile(rec["times"], 90)
+    algbw = rec["bytes"] / p50 / 1e9 if p50 > 0 else 0.0
+    busbw = algbw * busbw_factor(rec["op"], world)
+    return Row(rec["op"], rec["bytes"], rec["impl"], p50 * 1e6, p90 * 1e6, algbw, busbw, 1.0)
+
+
+def _ratio(busbw: float, native: float | None) -> float:
+    return busbw / native if native else float("nan")
+
+
+def format_bytes(n: int) -> str:
+    """``4096`` -> ``"4 KiB"``; sizes that are not whole units stay in bytes."""
+    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n} B"
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    """The human table: one aligned line per row (text columns left, numbers right)."""
+    head = ("op", "size", "impl", "p50 us", "p90 us", "algbw GB/s", "busbw GB/s", "vs native")
+    body = [
+        (r.op, format_bytes(r.bytes), r.impl, f"{r.p50_us:.1f}", f"{r.p90_us:.1f}",
+         f"{r.algbw_gbps:.3f}", f"{r.busbw_gbps:.3f}", f"{r.vs_native:.2f}x")
+        for r in rows
+    ]  # fmt: skip
+    widths = [max(len(line[i]) for line in (head, *body)) for i in range(len(head))]
+
+    def fmt(line: Sequence[str]) -> str:
+        cells = zip(line, widths, strict=True)
+        return "  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(cells))
+
+    return "\n".join(fmt(line) for line in (head, *body))
+
+
+Impls = dict[str, Callable[[], Any]]
+
+
+def _calls() -> dict[str, dict[str, Callable[[Any, Any], Any]]]:
+    """``calls[op][impl](big, small)``; ``big`` is the whole buffer, ``small`` one rank's share."""
+    import torch.distributed as dist
+
+    from phalanx.comm import algorithms as alg
+
+    rs = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+    ag = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+    return {
+        "all_reduce": {
+            "native": lambda big, _: dist.all_reduce(big),
+            "ring": lambda big, _: alg.ring_all_reduce(big),
+            "tree": lambda big, _: alg.tree_all_reduce(big),
+        },
+        "reduce_scatter": {
+            "native": lambda big, small: rs(small, big),
+            "ring": lambda big, small: alg.ring_reduce_scatter(small, big),
+        },
+        "all_gather": {
+            "native": lambda big, small: ag(big, small),
+            "ring": lambda big, small: alg.ring_all_gather(big, small),
+        },
+        "broadcast": {
+            "native": lambda big, _: dist.broadcast(big, 0),
+            "tree": lambda big, _: alg.tree_broadcast(big, 0),
+            "ring": lambda big, _: alg.ring_broadcast(big, 0),
+        },
+    }
+
+
+def _impls(op: str, nbytes: int, world: int, dtype: Any) -> tuple[int, Impls]:
+    """The byte count actually used and a zero-argument callable per implementation of ``op``."""
+    import torch
+
+    elem = torch.empty((), dtype=dtype).element_size()
+    numel = max(1, nbytes // elem)
+    if op in SHARDED:  # nccl-tests: bytes = the whole gathered buffer, a multiple of world
+        numel = max(1, numel // world) * world
+    # zeros: repeated sums neither overflow nor turn subnormal (which would time differently)
+    big = torch.zeros(numel, dtype=dtype)
+    small = torch.zeros(numel // world if op in SHARDED else 0, dtype=dtype)
+    calls = _calls()[op]
+    return numel * elem, {name: functools.partial(fn, big, small) for name, fn in calls.items()}
+
+
+def _measure(impls: Impls, iters: int, warmup: int) -> list[list[float]]:
+    """Interleaved timings: ``times[i][k]`` is implementation ``k``'s time in iteration ``i``.
+
+    The order rotates every iteration (ABC, BCA, CAB, ...): on a loaded machine whichever
+    implementation always follows the same one can fall into the same unlucky scheduling.
+    """
+    import torch.distributed as dist
+
+    fns = list(impls.values())
+    times = []
+    for i in range(warmup + iters):
+        row = [0.0] * len(fns)
+        for k in _rotated(len(fns), i):
+            dist.barrier()
+            start = time.perf_counter()
+            fns[k]()
+            row[k] = time.perf_counter() - start
+        if i >= warmup:
+            times.append(row)
+    return times
+
+
+def _rotated(n: int, shift: int) -> list[int]:
+    return [(k + shift) % n for k in range(n)]
+
+
+def rank_main(config: BenchConfig) -> list[dict[str, Any]] | None:
+    """Measure on every rank (started by :func:`main`); rank 0 returns the records."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    records = []
+    for op in config.ops:
+        for nbytes in config.sizes:
+            actual, impls = _impls(op, nbytes, world, getattr(torch, config.dtype))
+            times = torch.tensor(_measure(impls, config.iters, config.warmup), dtype=torch.float64)
+            dist.all_reduce(times, dist.ReduceOp.MAX)  # an iteration lasts as its slowest rank
+            for k, name in enumerate(impls):
+                rec = {"op": op, "bytes": actual, "impl": name, "times": times[:, k].tolist()}
+                records.append(rec)
+    return records if dist.get_rank() == 0 else None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``phalanx bench comm``: measure, print the table and the ``RESULT`` line; exit code."""
+    from phalanx.testing import run_distributed
+
+    try:
+        config = parse_args(sys.argv[1:] if argv is None else argv)
+    except BenchArgsError as exc:
+        print(f"phalanx bench comm: error: {exc}", file=sys.stderr)
+        return 2
+    ranks = run_distributed(
+        rank_main, config, world_size=config.world_size, timeout=3600, collective_timeout=600
+    )
+    rows = summarize(ranks[0], config.world_size)
+    result = {"benchmark": "comm", "config": asdict(config), "rows": [asdict(r) for r in rows]}
+    print(
+        f"phalanx bench comm: gloo, world_size={config.world_size}, dtype={config.dtype}, "
+        f"p50/p90 over {config.iters} iterations of the slowest rank"
+    )
+    print(format_table(rows))
+    if config.json_path:
+        with open(config.json_path, "w") as f:
+            json.dump(result, f, indent=1)
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    # re-import so the ranks unpickle rank_main and BenchConfig from phalanx.bench.comm
+    from phalanx.bench.comm import main as _main
+
+    sys.exit(_main())
