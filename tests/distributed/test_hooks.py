@@ -1,9 +1,9 @@
 """Communication hooks on 2 gloo ranks: exact means, error bounds, bytes, and torch's DDP.
 
 Part (a) drives each hook on a hand-built ``GradBucket`` of per-rank random gradients shaped like
-a ~3.9 M-parameter MLP. Part (b) registers each hook on torch's ``DistributedDataParallel`` and
-trains a small classifier on scikit-learn's handwritten digits; every hook must end within 2
-accuracy points of training without one.
+a ~3.9 M-parameter MLP. Part (b) registers each hook on torch's and on phalanx's
+``DistributedDataParallel`` and trains a small classifier on scikit-learn's handwritten digits;
+every hook must end within 2 accuracy points of training without one.
 """
 
 from __future__ import annotations
@@ -209,10 +209,13 @@ def _hook_cases() -> dict[str, tuple[Any, Any]]:
     }
 
 
-def _train(x: torch.Tensor, y: torch.Tensor, state: Any, hook: Any, epochs: int) -> torch.nn.Module:
+def _train(
+    x: torch.Tensor, y: torch.Tensor, state: Any, hook: Any, epochs: int, engine: str
+) -> torch.nn.Module:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    wrap = torch.nn.parallel.DistributedDataParallel
+    ddp = (wrap if engine == "torch" else phalanx.DistributedDataParallel)(model)
     if hook is not None:
         ddp.register_comm_hook(state, hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
@@ -225,20 +228,21 @@ def _train(x: torch.Tensor, y: torch.Tensor, state: Any, hook: Any, epochs: int)
     return model
 
 
-def _ddp_digits(epochs: int) -> dict[str, Any]:
+def _ddp_digits(epochs: int, engine: str) -> dict[str, Any]:
     x, y, x_test, y_test = _digits(phalanx.world().rank)
     acc, iters = {}, {}
     for name, (state, hook) in _hook_cases().items():
-        model = _train(x, y, state, hook, epochs)
+        model = _train(x, y, state, hook, epochs, engine)
         with torch.no_grad():
             acc[name] = (model(x_test).argmax(1) == y_test).float().mean().item() * 100
         iters[name] = getattr(state, "iter", None)
     return {"acc": acc, "iters": iters}
 
 
-def test_every_hook_trains_on_torch_ddp_within_2_points_of_no_hook() -> None:
+@pytest.mark.parametrize("engine", ["torch", "phalanx"])
+def test_every_hook_trains_within_2_points_of_no_hook(engine: str) -> None:
     epochs, steps = 12, 12 * 12  # 719 samples per rank in batches of 64
-    res = run_distributed(_ddp_digits, epochs, world_size=WORLD, timeout=120)
+    res = run_distributed(_ddp_digits, epochs, engine, world_size=WORLD, timeout=120)
     assert res[0] == res[1]  # DDP keeps replicas identical, whatever the hook
     acc = res[0]["acc"]
     assert res[0]["iters"]["powerSGD"] == res[0]["iters"]["topk"] == steps  # compressed 142 times
