@@ -1,0 +1,187 @@
+"""Gradient synchronisation for ``DistributedOptimizer`` on DDP's bucket engine (``Reducer``).
+
+The reducer launches each bucket's all-reduce as soon as its gradients are in and waits for them
+all at the end of backward, so ``optimizer.step()`` finds averaged gradients. What Horovod adds
+is layered on top:
+
+* ``op``, ``compression`` and ``gradient_predivide_factor`` become a communication hook (plain
+  averaging keeps the reducer's own path, which folds 1/N into the copy into the bucket);
+* ``backward_passes_per_step=k``: a hook on every parameter counts backward passes (it is
+  registered before the reducer's, so it also densifies a sparse gradient first), and at the
+  end of each pass the reducer is enabled for the next one only if that one is a k-th, so
+  gradients accumulate locally in between and travel once;
+* a ``step()`` before the k-th pass all-reduces what has accumulated (Horovod's ``synchronize``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from phalanx.comm.objects import all_gather_object
+from phalanx.data_parallel.grad_bucket import GradBucket
+from phalanx.data_parallel.reducer import Hook, Reducer
+from phalanx.horovod.allreduce import ReduceOp, launch
+from phalanx.horovod.basics import ProcessSet
+from phalanx.horovod.compression import NoneCompressor
+from phalanx.horovod.grouped import grouped_async
+from phalanx.horovod.handle import Handle
+
+__all__ = ["GradientSync", "bucket_cap_bytes", "check_same_parameters", "make_comm_hook"]
+
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+
+
+def _scales(op: ReduceOp, predivide: float) -> tuple[float, float]:
+    # Horovod splits the average: x / f before the sum, * f / N after (N applied by Average).
+    return (1.0 / predivide, predivide) if op == ReduceOp.Average else (1.0, 1.0)
+
+
+def make_comm_hook(op: ReduceOp, compression: Any, predivide: float) -> Hook | None:
+    """The bucket hook for ``op`` / ``compression`` / predivide; None for plain averaging."""
+    if op == ReduceOp.Average and compression is NoneCompressor and predivide == 1.0:
+        return None
+    pre, post = _scales(op, predivide)
+
+    def hook(group: ProcessSet, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        wire, ctx = compression.compress(bucket.buffer())
+        works, finish = launch([wire], op, pre, post, group)
+
+        def result() -> torch.Tensor:
+            finish()
+            return compression.decompress(wire, ctx)
+
+        return cast(torch.futures.Future[torch.Tensor], Handle(works, result))
+
+    return hook
+
+
+def bucket_cap_bytes(params: list[nn.Parameter], groups: int) -> int:
+    """Bucket size: total / ``groups`` when given, else ``HOROVOD_FUSION_THRESHOLD`` or 25 MiB."""
+    if groups > 0:
+        total = sum(p.numel() * p.element_size() for p in params)
+        return max(1, math.ceil(total / groups))
+    raw = os.environ.get("HOROVOD_FUSION_THRESHOLD")
+    if raw is None:
+        return DEFAULT_BUCKET_BYTES
+    if not raw.isdigit() or int(raw) <= 0:
+        raise ValueError(f"HOROVOD_FUSION_THRESHOLD={raw!r} must be a positive number of bytes")
+    return int(raw)
+
+
+def check_same_parameters(named: list[tuple[str, nn.Parameter]], group: ProcessSet) -> None:
+    """Every rank must synchronise the same parameters (names, shapes, dtypes), in order."""
+    mine = [[n, list(p.shape), str(p.dtype)] for n, p in named]
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    all_gather_object(everyone, mine, group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else range(len(everyone))
+    for rank, theirs in zip(ranks, everyone):
+        if theirs != everyone[0]:
+            raise ValueError(_difference(everyone[0], theirs, rank))
+
+
+def _difference(ref: list[Any], other: list[Any], rank: int) -> str:
+    head = f"[rank {dist.get_rank()}] DistributedOptimizer: the parameters on rank {rank} differ"
+    for i, (a, b) in enumerate(zip(ref, other)):
+        if a != b:
+            return (
+                f"{head} at position {i}: {a[0]!r} {a[1]} {a[2]} on the first rank, {b[0]!r} "
+                f"{b[1]} {b[2]} on rank {rank}; build the same model and optimizer everywhere"
+            )
+    return f"{head}: {len(ref)} parameters on the first rank, {len(other)} on rank {rank}"
+
+
+class GradientSync:
+    """Owns the reducer, the pass counter and the catch-up all-reduce of one optimizer."""
+
+    def __init__(
+        self, named: list[tuple[str, nn.Parameter]], group: ProcessSet, compression: Any,
+        op: ReduceOp, predivide: float, passes_per_step: int, cap_bytes: int,
+        first_bucket_bytes: int | None, find_unused: bool, sparse_as_dense: bool,
+    ) -> None:  # fmt: skip
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.group, self.compression, self.op, self.predivide = group, compression, op, predivide
+        self.passes_per_step = passes_per_step
+        self.passes = 0  # backward passes whose gradients have not been all-reduced yet
+        self.sparse_as_dense = sparse_as_dense
+        self._in_pass = False
+        # Registered before the reducer's hooks, so they run first on every gradient.
+        self._handles = [p.register_post_accumulate_grad_hook(self._prepare_hook(j))
+                         for j, p in enumerate(self.params)]  # fmt: skip
+        self.reducer = Reducer(named, group, cap_bytes, find_unused, grad_as_bucket_view=False,
+                               first_bucket_bytes=first_bucket_bytes)  # fmt: skip
+        self.reducer.hook = make_comm_hook(op, compression, predivide)
+        self.reducer.hook_state = group
+        self._arm()
+
+    def _prepare_hook(self, j: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            if param.grad is not None and param.grad.is_sparse:
+                self._densify(j, param)
+            if not self._in_pass:
+                self._in_pass = True
+                self.passes += 1
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
+
+        return hook
+
+    def _densify(self, j: int, param: torch.Tensor) -> None:
+        if not self.sparse_as_dense:
+            raise ValueError(
+                f"parameter {self.names[j]!r} has a sparse gradient: pass sparse_as_dense=True "
+                f"to DistributedOptimizer (phalanx all-reduces dense gradients)"
+            )
+        assert param.grad is not None
+        param.grad = param.grad.to_dense()
+
+    def _end_pass(self) -> None:
+        self._in_pass = False
+        if self.reducer.enabled:  # this pass was all-reduced
+            self.passes = 0
+        self._arm()
+
+    def _arm(self) -> None:
+        """Enable the reducer for the next backward pass iff it completes a step's passes."""
+        self.reducer.enabled = self.passes + 1 >= self.passes_per_step
+
+    def set_passes_per_step(self, passes: int) -> None:
+        """Change ``backward_passes_per_step``; restarts the count."""
+        self.passes_per_step = passes
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the passes counted so far (a new accumulation window starts)."""
+        self.passes = 0
+        self._in_pass = False
+        self._arm()
+
+    def synchronize(self) -> None:
+        """All-reduce gradients accumulated by passes that have not been all-reduced yet."""
+        if self.passes == 0:
+            return  # every backward pass so far was all-reduced during backward
+        grads = []
+        for p in self.params:
+            if p.grad is None:  # as Horovod: a missing gradient counts as zero
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        packed = [self.compression.compress(g) for g in grads]
+        pre, post = _scales(self.op, self.predivide)
+        handle = grouped_async([w for w, _ in packed], self.op, pre, post, self.group, True)
+        for g, wire, (_, ctx) in zip(grads, handle.wait(), packed):
+            if wire is not g:
+                g.copy_(self.compression.decompress(wire, ctx))
+        self.reset()
+
+    def remove_hooks(self) -> None:
+        """Detach from the parameters."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.reducer.remove_hooks()
