@@ -178,9 +178,10 @@ class Reducer:
             if missing and not self.find_unused:
                 self._drain()
                 raise UnusedParameterError(self._unused_message(missing))
-            globally_unused = self._fill_unused(missing) if self.find_unused else []
-            self._drain()
-            self._write_back(set(globally_unused))
+            unused = set(self._fill_unused(missing)) if self.find_unused else set()
+            for b in self.buckets:  # copying bucket i back overlaps bucket i+1's transfer
+                self._wait(b)
+                self._write_back(b, unused)
         finally:
             self._reset()
 
@@ -202,11 +203,14 @@ class Reducer:
 
     def _drain(self) -> None:
         for b in self.buckets:
-            if b.future is not None:
-                result = b.future.wait()
-                if result is not b.buffer:
-                    self._check_hook_result(b, result)
-                    b.buffer.copy_(result)
+            self._wait(b)
+
+    def _wait(self, b: _Bucket) -> None:
+        if b.future is not None:
+            result = b.future.wait()
+            if result is not b.buffer:
+                self._check_hook_result(b, result)
+                b.buffer.copy_(result)
 
     def _check_hook_result(self, b: _Bucket, result: Any) -> None:
         if not isinstance(result, torch.Tensor) or result.shape != b.buffer.shape:
@@ -216,16 +220,15 @@ class Reducer:
                 f"shape {tuple(b.buffer.shape)} (the bucket's flat buffer, averaged)"
             )
 
-    def _write_back(self, globally_unused: set[int]) -> None:
-        for b in self.buckets:
-            for k, j in enumerate(self.plans[b.index].params):
-                p, view = b.params[k], b.views[k]
-                if j in globally_unused:
-                    continue
-                if p.grad is None:
-                    p.grad = view if self.grad_as_view else view.clone()
-                elif p.grad.data_ptr() != view.data_ptr():
-                    p.grad.copy_(view)
+    def _write_back(self, b: _Bucket, globally_unused: set[int]) -> None:
+        for k, j in enumerate(self.plans[b.index].params):
+            p, view = b.params[k], b.views[k]
+            if j in globally_unused:
+                continue
+            if p.grad is None:
+                p.grad = view if self.grad_as_view else view.clone()
+            elif p.grad.data_ptr() != view.data_ptr():
+                p.grad.copy_(view)
 
     def _unused_message(self, missing: list[int]) -> str:
         rank = dist.get_rank()
