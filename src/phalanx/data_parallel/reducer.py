@@ -10,6 +10,7 @@ optimizer can see a gradient.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -78,6 +79,8 @@ class Reducer:
         for b in self.buckets:
             for k, j in enumerate(self.plans[b.index].params):
                 self.where[j] = (b.index, k)
+        self.wait_seconds = 0.0
+        """Time spent at the end of backward waiting for communication (exposed comm)."""
         self.hook: Hook | None = None
         self.hook_state: Any = None
         self.enabled = True
@@ -207,7 +210,9 @@ class Reducer:
 
     def _wait(self, b: _Bucket) -> None:
         if b.future is not None:
+            start = time.perf_counter()
             result = b.future.wait()
+            self.wait_seconds += time.perf_counter() - start
             if result is not b.buffer:
                 self._check_hook_result(b, result)
                 b.buffer.copy_(result)

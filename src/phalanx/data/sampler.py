@@ -1,0 +1,236 @@
+"""DistributedSampler: torch's sampler, plus equal full batches per rank and a resumable position.
+
+With the default arguments the indices are exactly those of
+``torch.utils.data.distributed.DistributedSampler`` for the same dataset size, replicas, rank,
+seed, epoch, ``shuffle`` and ``drop_last``: one permutation per epoch (seeded by ``seed + epoch``),
+extended cyclically or cut to ``total_size``, and dealt to the ranks round-robin
+(``rank, rank + R, rank + 2R, ...``).
+
+How many indices each rank gets (N samples, R replicas, B = ``batch_size``):
+
+=========================  ===============  ========================================  ===========
+mode                       ``drop_last``    indices per rank (``len(sampler)``)       duplicates
+=========================  ===============  ========================================  ===========
+torch's (default)          False            ``ceil(N / R)``                           < R in all
+torch's (default)          True             ``N // R``; the last ``N % R`` dropped    none
+``batch_size=B``           False            ``ceil(N / (R*B)) * B``                   < R*B in all
+``batch_size=B``           True             ``(N // (R*B)) * B``; the rest dropped    none
+``even_batches=False``     False            ``ceil((N - rank) / R)``: differ by <= 1  none
+``even_batches=False``     True             as torch's ``drop_last=True``             none
+=========================  ===============  ========================================  ===========
+
+With ``batch_size`` (and ``even_batches=True``, the default) every rank therefore yields the same
+number of indices, a multiple of ``batch_size``: a DataLoader with that batch size gives every rank
+the same number of *full* batches, so no rank waits forever in a collective at the end of an epoch
+and every step sees equal shapes. Padding wraps around to the start of the epoch's permutation
+(as torch pads samples); the padded (duplicate) indices are always the **last**
+:attr:`DistributedSampler.padding` indices a rank yields in the epoch, so a training loop that
+knows its position can exclude them from metrics. ``drop_last=True`` drops the tail of the epoch's
+permutation instead (a different tail each shuffled epoch) and never duplicates.
+
+Resuming: the sampler does not watch its own iterator (a DataLoader prefetches indices ahead of
+the batches the loop has actually consumed). The loop calls :meth:`DistributedSampler.advance`
+with the number of samples of each batch it has *finished*; :meth:`state_dict` records the epoch
+and that position, and after :meth:`load_state_dict` the next ``iter(sampler)`` skips the indices
+already consumed in the epoch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sized
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Sampler
+
+from phalanx.comm.group import world
+
+__all__ = ["DistributedSampler"]
+
+
+def _default_world() -> tuple[int, int]:
+    """(world_size, rank) from phalanx's world, or torch's if only torch was initialised."""
+    w = world()
+    if w.world_size == 1 and dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return w.world_size, w.rank
+
+
+def _per_rank(n: int, replicas: int, batch_size: int | None, drop_last: bool) -> int:
+    """Indices per rank for the even modes (see the module docstring's table)."""
+    if batch_size is None:
+        return n // replicas if drop_last else math.ceil(n / replicas)
+    chunk = replicas * batch_size
+    return (n // chunk) * batch_size if drop_last else math.ceil(n / chunk) * batch_size
+
+
+class DistributedSampler(Sampler[int]):
+    """Shard a map-style dataset over ranks; torch-compatible, resumable, optionally batch-even.
+
+    Args:
+        dataset: A dataset with ``__len__``.
+        num_replicas: Number of ranks sharing the dataset (default: the world size).
+        rank: This rank, in ``[0, num_replicas)`` (default: the global rank).
+        shuffle: Shuffle with a permutation seeded by ``seed + epoch``.
+        seed: Base seed; must be the same on every rank.
+        drop_last: Drop the tail instead of padding with duplicates.
+        even_batches: Give every rank the same number of indices (True, like torch). False never
+            pads nor drops beyond ``drop_last``: each sample exactly once, ranks' counts differ by
+            at most one (for loops that handle uneven inputs themselves).
+        batch_size: With ``even_batches``, pad (or with ``drop_last``, cut) to a multiple of
+            ``num_replicas * batch_size`` so every rank gets the same number of full batches.
+
+    Raises:
+        ValueError: for ``num_replicas < 1``, a rank outside ``[0, num_replicas)``,
+            ``batch_size < 1``, an empty dataset, or ``drop_last`` leaving nothing to yield.
+    """
+
+    def __init__(
+        self,
+        dataset: Sized,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        *,
+        even_batches: bool = True,
+        batch_size: int | None = None,
+    ) -> None:
+        default_replicas, default_rank = _default_world()
+        num_replicas = default_replicas if num_replicas is None else num_replicas
+        rank = default_rank if rank is None else rank
+        if num_replicas < 1 or not 0 <= rank < num_replicas:
+            raise ValueError(
+                f"DistributedSampler: rank={rank} must be in [0, num_replicas) with "
+                f"num_replicas >= 1, got num_replicas={num_replicas}"
+            )
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"DistributedSampler: batch_size must be >= 1, got {batch_size}")
+        self.dataset = dataset
+        self.num_replicas, self.rank = num_replicas, rank
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.even_batches, self.batch_size = even_batches, batch_size
+        self.epoch = 0
+        self.position = 0
+        """Indices of this epoch already consumed (see :meth:`advance`)."""
+        self._n = len(dataset)
+        self.num_samples = self._count()
+        """Indices this rank yields per epoch (``len(self)``)."""
+        uneven = not even_batches and not drop_last
+        self.total_size = self._n if uneven else self.num_samples * num_replicas
+        """Indices over all ranks per epoch (padded or cut; the dataset size when uneven)."""
+
+    def _count(self) -> int:
+        n, r, b = self._n, self.num_replicas, self.batch_size
+        if n == 0:
+            raise ValueError(
+                "DistributedSampler: the dataset is empty (len(dataset) == 0); check how it was "
+                "built (path, split, filters) before sharding it"
+            )
+        if not self.even_batches:
+            if not self.drop_last:
+                return math.ceil((n - self.rank) / r)
+            b = None
+        count = _per_rank(n, r, b, self.drop_last)
+        if count == 0:
+            need = f"num_replicas={r}" if b is None else f"num_replicas*batch_size={r}*{b}={r * b}"
+            raise ValueError(
+                f"DistributedSampler: drop_last=True would drop all {n} samples (it needs at "
+                f"least {need}); use drop_last=False (pads with duplicates) or fewer ranks"
+            )
+        return count
+
+    def __len__(self) -> int:
+        """Indices per epoch for this rank (the whole epoch, whatever :attr:`position` is)."""
+        return self.num_samples
+
+    @property
+    def padding(self) -> int:
+        """Padded (duplicate) indices among this rank's ``len(self)`` this epoch: the last ones."""
+        if self.drop_last or not self.even_batches:
+            return 0
+        # This rank's k-th index sits at global position rank + k*R; positions >= N are padding.
+        real = max(0, -((self.rank - self._n) // self.num_replicas))
+        return self.num_samples - min(real, self.num_samples)
+
+    @property
+    def remaining(self) -> int:
+        """Indices left in this epoch: ``len(self) - position``."""
+        return self.num_samples - self.position
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch's permutation; moving to another epoch resets :attr:`position`."""
+        if epoch != self.epoch:
+            self.position = 0
+        self.epoch = epoch
+
+    def advance(self, n_samples: int) -> None:
+        """Record that the loop has finished ``n_samples`` more samples of this epoch.
+
+        Call it after each batch with the batch's length; :meth:`state_dict` then says where to
+        resume. Reaching ``len(self)`` means the epoch is done; the next ``iter()`` of the same
+        epoch then starts it over (as torch's sampler does) unless :meth:`set_epoch` moves on.
+        """
+        if n_samples < 0 or self.position + n_samples > self.num_samples:
+            raise ValueError(
+                f"DistributedSampler.advance: n_samples={n_samples} would move the position from "
+                f"{self.position} outside [0, {self.num_samples}] (this rank's samples per epoch)"
+            )
+        self.position += n_samples
+
+    def __iter__(self) -> Iterator[int]:
+        if len(self.dataset) != self._n:
+            raise RuntimeError(
+                f"DistributedSampler: the dataset changed size from {self._n} to "
+                f"{len(self.dataset)} after the sampler was built; build a new sampler"
+            )
+        if self.position >= self.num_samples:
+            self.position = 0
+        start = self.position
+        # Global position p holds permutation[p % N]: torch's cyclic padding (or its cut).
+        first = min(self.rank + start * self.num_replicas, self.total_size)
+        positions = torch.arange(first, self.total_size, self.num_replicas)
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            perm = torch.randperm(self._n, generator=g)
+            return iter(perm[positions % self._n].tolist())
+        return iter((positions % self._n).tolist())
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able position: epoch, consumed indices, seed, and the layout they refer to."""
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "num_replicas": self.num_replicas,
+            "dataset_len": self._n,
+            "shuffle": self.shuffle,
+            "num_samples": self.num_samples,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore epoch, seed and position; the next ``iter()`` resumes after the consumed ones.
+
+        Raises:
+            ValueError: when resuming mid-epoch (``position > 0``) with a different number of
+                replicas, dataset size, per-rank count or ``shuffle``: the consumed indices
+                would not match.
+        """
+        position = int(state.get("position", 0))
+        if position:
+            keys = ("num_replicas", "dataset_len", "num_samples", "shuffle")
+            saved = tuple(state.get(k) for k in keys)
+            here = (self.num_replicas, self._n, self.num_samples, self.shuffle)
+            if saved != here or not 0 <= position <= self.num_samples:
+                raise ValueError(
+                    f"DistributedSampler.load_state_dict: cannot resume mid-epoch at "
+                    f"position={position}: saved {keys}={saved}, "
+                    f"this sampler has {here}; resume at an epoch boundary (position=0) instead"
+                )
+        self.epoch = int(state["epoch"])
+        self.seed = int(state.get("seed", self.seed))
+        self.position = position
