@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/phalanx run --standalone --nproc-per-node 2 examples/collectives.py
+	$(BIN)/phalanx run --standalone --nproc-per-node 2 examples/digits.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

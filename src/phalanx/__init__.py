@@ -43,8 +43,10 @@ from phalanx.comm import (
     send,
     world,
 )
+from phalanx.data import DistributedSampler
 from phalanx.data_parallel import DataParallel, DistributedDataParallel, SyncBatchNorm
 from phalanx.launch import SpawnError, spawn
+from phalanx.train import Job
 
 __version__ = "0.1.0"
 
@@ -54,6 +56,8 @@ __all__ = [
     "CollectiveTimeoutError",
     "DataParallel",
     "DistributedDataParallel",
+    "DistributedSampler",
+    "Job",
     "ReduceOp",
     "SpawnError",
     "SyncBatchNorm",

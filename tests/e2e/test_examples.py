@@ -50,3 +50,50 @@ def test_seed002_cifar10_main(tmp_path: Path) -> None:
     losses = [float(line.rsplit(" ", 1)[1]) for line in out.splitlines() if "mean loss" in line]
     assert len(losses) == 2 and losses[1] < losses[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["0.ckpt", "1.ckpt"]
+
+
+def test_seed004_mnist_started_by_hand_over_tcp() -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = str(ROOT / "examples" / "mnist.py")
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                script,
+                "--init-method",
+                f"tcp://127.0.0.1:{port}",
+                "--rank",
+                str(r),
+                "--world-size",
+                "3",
+                "--epochs",
+                "4",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(3)
+    ]
+    try:
+        outs = [p.communicate(timeout=180)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), outs
+    last = [line for line in outs[0].splitlines() if "test accuracy" in line][-1]
+    assert float(last.rsplit(" ", 1)[1].rstrip("%")) >= 90.0, outs[0]
+
+
+def test_digits_demo_reaches_97_percent_and_resumes(tmp_path: Path) -> None:
+    ckpt = str(tmp_path / "ckpt")
+    out = _launch("digits.py", "--checkpoint-dir", ckpt)
+    done = next(line for line in out.splitlines() if "done: test accuracy" in line)
+    assert float(done.split("test accuracy ")[1].split("%")[0]) >= 97.0, out
+    assert "samples/s" in done and "waiting for communication" in done
+    again = _launch("digits.py", "--checkpoint-dir", ckpt)
+    assert "nothing left to train" in again

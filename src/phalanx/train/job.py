@@ -1,0 +1,358 @@
+"""``phalanx.Job``: a whole distributed training job in a few calls.
+
+    job = phalanx.Job(strategy="ddp", precision="bf16", grad_accum=4, checkpoint_dir="ckpt")
+    model, optimizer = job.setup(model, optimizer)
+    loader = job.loader(dataset, batch_size=64, shuffle=True)
+    for epoch in job.epochs(10):                  # resumes from the newest checkpoint
+        for x, y in job.progress(loader):         # tqdm on rank 0
+            job.backward(loss_fn(model(x), y))    # syncs only on the last micro-step
+            job.step(optimizer)
+        job.log(loss=...)                         # averaged over ranks
+        job.save()
+
+The traps this avoids: a forgotten ``set_epoch`` (the loader's sampler is set every epoch), saving
+``model`` instead of ``model.module`` (checkpoints unwrap), rank-0 saves that time out the other
+ranks, uneven data that hangs the last batch (``even_batches``), and gradient accumulation that
+synchronises on every micro-step (``no_sync`` until the last one).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from collections.abc import Iterable, Iterator, Sized
+from typing import Any, cast
+
+import numpy as np
+import torch
+from torch import nn
+
+from phalanx.comm import group as pg
+from phalanx.train.precision import Precision
+from phalanx.train.strategies import get_strategy
+
+__all__ = ["Job"]
+
+log = logging.getLogger("phalanx.train")
+
+
+class Job:
+    """One distributed training job: process group, strategy, data, steps, metrics, checkpoints.
+
+    Args:
+        strategy: A registered strategy name ("ddp", "torch-ddp", "dp", "single", ...).
+        precision: "fp32", "bf16" (autocast, CPU and GPU) or "fp16" (GPU, gradient scaler).
+        grad_accum: Micro-steps per optimizer step; gradients sync only on the last one.
+        seed: Seeds torch, numpy and random identically on every rank (data order comes from
+            the sampler's seed, so replicas start equal and shuffle in agreement).
+        checkpoint_dir: Where :meth:`save` writes and :meth:`epochs` resumes from.
+        keep_last: Committed checkpoints to keep.
+        metrics_file: JSONL file for :meth:`log` (default ``checkpoint_dir/metrics.jsonl``).
+        tensorboard_dir: Also write metrics to TensorBoard (``pip install 'phalanx[tensorboard]'``).
+        profile_dir: Write a torch.profiler trace per rank here (Perfetto / chrome://tracing).
+        backend: c10d backend when the job initialises the process group.
+    """
+
+    def __init__(
+        self,
+        strategy: str = "ddp",
+        *,
+        precision: str = "fp32",
+        grad_accum: int = 1,
+        seed: int = 0,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        keep_last: int = 3,
+        metrics_file: str | os.PathLike[str] | None = None,
+        tensorboard_dir: str | None = None,
+        profile_dir: str | os.PathLike[str] | None = None,
+        backend: str | None = None,
+    ) -> None:
+        if grad_accum < 1:
+            raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+        self._wrap = get_strategy(strategy)
+        self.strategy = strategy
+        self.owns_group = not pg.is_initialized()
+        self.world = pg.init_process_group(backend) if self.owns_group else pg.world()
+        self.precision = Precision(precision, self.world.device)
+        self.grad_accum = grad_accum
+        self.seed = seed
+        self.checkpoint_dir = checkpoint_dir
+        self.keep_last = keep_last
+        _seed_everything(seed)
+        _configure_logging(self.world.rank)
+        metrics_path = metrics_file
+        if metrics_path is None and checkpoint_dir is not None:
+            metrics_path = os.path.join(checkpoint_dir, "metrics.jsonl")
+        from phalanx.train.metrics import MetricsLogger
+
+        self.metrics = MetricsLogger(metrics_path, tensorboard_dir=tensorboard_dir)
+        from phalanx.train.profiling import profile
+
+        self.profiler = profile(profile_dir)
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: Any = None
+        self.sampler: Any = None
+        self.step_count = 0
+        """Optimizer steps taken (restored on resume)."""
+        self.epoch = 0
+        self._micro = 0
+        self._last_batch = False
+        self._resumed = False
+        self._timer = _Timer()
+
+    # ---- setup ---------------------------------------------------------------------------------
+    def setup(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+    ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        """Move ``model`` to this rank's device, wrap it with the strategy, keep the optimizer.
+
+        Build the optimizer on the unwrapped model's parameters before calling this (the
+        strategies here keep parameter identity), or pass None and build it afterwards on the
+        returned model and assign ``job.optimizer``.
+        """
+        model.to(self.world.device)
+        wrapped = self._wrap(model, self.world)
+        self.precision.wrap_forward(wrapped)
+        self.model, self.optimizer, self.scheduler = wrapped, optimizer, scheduler
+        self._arm_sync()
+        return wrapped, optimizer
+
+    def loader(
+        self,
+        dataset: Any,
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        even_batches: bool = True,
+        **kwargs: Any,
+    ) -> torch.utils.data.DataLoader[Any]:
+        """A DataLoader over this rank's shard (``phalanx.DistributedSampler``)."""
+        from phalanx.data import DistributedSampler
+
+        if "sampler" in kwargs or "batch_sampler" in kwargs:
+            raise ValueError("Job.loader() builds its own sampler; drop sampler=/batch_sampler=")
+        self.sampler = DistributedSampler(
+            dataset,
+            num_replicas=self.world.world_size,
+            rank=self.world.rank,
+            shuffle=shuffle,
+            seed=self.seed,
+            drop_last=drop_last,
+            even_batches=even_batches,
+            batch_size=batch_size,
+        )
+        return torch.utils.data.DataLoader(
+            dataset, batch_size=batch_size, sampler=self.sampler, drop_last=drop_last, **kwargs
+        )
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def epochs(self, n: int) -> Iterator[int]:
+        """Yield epoch numbers ``start..n-1``, resuming from the newest checkpoint if any."""
+        start = self.resume() if not self._resumed else self.epoch
+        for epoch in range(start, n):
+            self.epoch = epoch
+            if self.sampler is not None:
+                self.sampler.set_epoch(epoch)
+            yield epoch
+
+    def progress(self, loader: Iterable[Any], desc: str | None = None) -> Iterator[Any]:
+        """Iterate ``loader`` with a progress bar on rank 0, moving batches to the device."""
+        from phalanx.train.progress import progress
+
+        total = _batches_left(loader, self.sampler)
+        bar = progress(loader, desc=desc or f"epoch {self.epoch}", total=total)
+        self._timer.start_epoch()
+        for i, batch in enumerate(bar):
+            self._last_batch = total is not None and i == total - 1
+            self._arm_sync()
+            yield _to_device(batch, self.world.device)
+            if self.sampler is not None and hasattr(self.sampler, "advance"):
+                self.sampler.advance(_batch_len(batch))
+            self._timer.count(_batch_len(batch))
+            self.profiler.step()
+
+    def _arm_sync(self) -> None:
+        # DDP decides at *forward* time whether the coming backward communicates (torch's and
+        # ours alike), so the flag is set before each micro-step's forward, not in backward.
+        if self.model is not None and hasattr(self.model, "require_backward_grad_sync"):
+            last = self._micro + 1 >= self.grad_accum or self._last_batch
+            setattr(self.model, "require_backward_grad_sync", last)  # noqa: B010
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of ``loss / grad_accum``; gradients sync only on the last micro-step."""
+        self.precision.backward(loss / self.grad_accum if self.grad_accum > 1 else loss)
+
+    def step(self, optimizer: torch.optim.Optimizer | None = None) -> bool:
+        """Step the optimizer (and scheduler) at the end of an accumulation window.
+
+        Returns:
+            True when the optimizer stepped.
+        """
+        opt = optimizer or self.optimizer
+        if opt is None:
+            raise ValueError("Job.step(): no optimizer given and none passed to setup()")
+        self._micro += 1
+        if self._micro < self.grad_accum and not self._last_batch:
+            self._arm_sync()
+            return False
+        self._micro = 0
+        self._arm_sync()
+        self.precision.step(opt)
+        opt.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.step_count += 1
+        return True
+
+    # ---- metrics and checkpoints -----------------------------------------------------------------
+    def log(self, **metrics: float) -> dict[str, float]:
+        """Average ``metrics`` over the ranks, write them (rank 0) and return the averages."""
+        averaged = self.metrics.log(self.step_count, **metrics)
+        if self.world.is_main:
+            shown = " ".join(f"{k}={v:.4g}" for k, v in averaged.items())
+            log.info("epoch %d step %d: %s", self.epoch, self.step_count, shown)
+        return averaged
+
+    def save(self, **extra: Any) -> Any:
+        """Write a checkpoint of the model, optimizer, scheduler, sampler, RNG and step."""
+        if self.checkpoint_dir is None:
+            raise ValueError("Job.save() needs Job(checkpoint_dir=...)")
+        from phalanx import checkpoint
+
+        return checkpoint.save(
+            self.checkpoint_dir,
+            self.step_count,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            sampler=self.sampler,
+            extra={"epoch": self.epoch, "epoch_done": self._epoch_done(), **extra},
+            keep_last=self.keep_last,
+        )
+
+    def resume(self) -> int:
+        """Load the newest committed checkpoint (if any); return the epoch to start from."""
+        self._resumed = True
+        if self.checkpoint_dir is None:
+            return 0
+        from phalanx import checkpoint
+
+        info = checkpoint.load(
+            self.checkpoint_dir,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            sampler=self.sampler,
+        )
+        if info is None:
+            return 0
+        self.step_count = info.step
+        self.epoch = int(info.extra["epoch"]) + (1 if info.extra.get("epoch_done") else 0)
+        if self.world.is_main:
+            log.info("resumed from %s (step %d, epoch %d)", info.path, info.step, self.epoch)
+        return self.epoch
+
+    def _epoch_done(self) -> bool:
+        sampler = self.sampler
+        return (
+            sampler is None
+            or getattr(sampler, "position", 0) == 0
+            or (getattr(sampler, "position", 0) >= len(sampler))
+        )
+
+    def summary(self) -> dict[str, float]:
+        """Samples/s over the job and the share of step time spent waiting for communication."""
+        reducer = getattr(self.model, "reducer", None)
+        comm = getattr(reducer, "wait_seconds", 0.0)
+        return self._timer.summary(comm, self.world.world_size)
+
+    def close(self) -> None:
+        """Flush metrics; leave the process group if the job created it."""
+        self.metrics.close()
+        self.profiler.stop()
+        if self.owns_group:
+            pg.destroy_process_group()
+
+    def __enter__(self) -> Job:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Timer:
+    def __init__(self) -> None:
+        self.samples = 0
+        self.seconds = 0.0
+        self._t: float | None = None
+
+    def start_epoch(self) -> None:
+        self._t = time.perf_counter()
+
+    def count(self, n: int) -> None:
+        now = time.perf_counter()
+        if self._t is not None:
+            self.seconds += now - self._t
+        self._t = now
+        self.samples += n
+
+    def summary(self, comm_seconds: float, world_size: int) -> dict[str, float]:
+        secs = max(self.seconds, 1e-9)
+        return {
+            "samples_per_s": self.samples * world_size / secs,
+            "comm_share": min(1.0, comm_seconds / secs),
+            "train_seconds": self.seconds,
+        }
+
+
+def _seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
+def _configure_logging(rank: int) -> None:
+    if log.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    log.propagate = False
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if device.type == "cpu":
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def _batches_left(loader: Iterable[Any], sampler: Any) -> int | None:
+    """Batches this epoch still has (fewer than ``len(loader)`` after a mid-epoch resume)."""
+    if isinstance(loader, torch.utils.data.DataLoader) and loader.sampler is sampler is not None:
+        size = loader.batch_size or 1
+        left = int(cast(Any, sampler).remaining)
+        return left // size if loader.drop_last else -(-left // size)
+    return len(loader) if isinstance(loader, Sized) else None
+
+
+def _batch_len(batch: Any) -> int:
+    first = batch[0] if isinstance(batch, (list, tuple)) else batch
+    if isinstance(first, dict):
+        first = next(iter(first.values()))
+    return int(first.shape[0]) if isinstance(first, torch.Tensor) else 1

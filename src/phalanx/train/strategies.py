@@ -1,0 +1,79 @@
+"""Strategies by name: how the job API wraps a model for distributed training.
+
+A strategy is a function ``wrap(model, world) -> nn.Module``. Later strategies (ZeRO, pipeline,
+tensor parallel, parameter server) register themselves here under their own names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from phalanx.comm.group import World
+
+__all__ = ["Strategy", "get_strategy", "register_strategy", "strategy_names"]
+
+Strategy = Callable[[nn.Module, World], nn.Module]
+_REGISTRY: dict[str, Strategy] = {}
+
+
+def register_strategy(name: str, wrap: Strategy, *, replace: bool = False) -> None:
+    """Make ``wrap`` available as ``Job(strategy=name)``."""
+    if name in _REGISTRY and not replace:
+        raise ValueError(f"strategy {name!r} is already registered; pass replace=True")
+    _REGISTRY[name] = wrap
+
+
+def strategy_names() -> list[str]:
+    """Every registered strategy name, sorted."""
+    return sorted(_REGISTRY)
+
+
+def get_strategy(name: str) -> Strategy:
+    """The wrap function registered as ``name``; the error lists the known names."""
+    if name not in _REGISTRY:
+        raise ValueError(f"strategy={name!r} is not one of {', '.join(strategy_names())}")
+    return _REGISTRY[name]
+
+
+def _device_ids(world: World) -> list[int | torch.device] | None:
+    return [world.device.index or 0] if world.device.type == "cuda" else None
+
+
+def _ddp(model: nn.Module, world: World) -> nn.Module:
+    from phalanx.data_parallel import DistributedDataParallel
+
+    if world.world_size == 1:
+        return model
+    return DistributedDataParallel(model, device_ids=_device_ids(world))
+
+
+def _torch_ddp(model: nn.Module, world: World) -> nn.Module:
+    if world.world_size == 1:
+        return model
+    return torch.nn.parallel.DistributedDataParallel(model, device_ids=_device_ids(world))
+
+
+def _dp(model: nn.Module, world: World) -> nn.Module:
+    from phalanx.data_parallel import DataParallel
+
+    if world.world_size != 1:
+        raise ValueError(
+            f"strategy='dp' is single-process DataParallel but the job has "
+            f"world_size={world.world_size}; use strategy='ddp' with `phalanx run`"
+        )
+    return DataParallel(model)
+
+
+def _single(model: nn.Module, world: World) -> nn.Module:
+    if world.world_size != 1:
+        raise ValueError(f"strategy='single' needs world_size=1, got {world.world_size}")
+    return model
+
+
+register_strategy("ddp", _ddp)
+register_strategy("torch-ddp", _torch_ddp)
+register_strategy("dp", _dp)
+register_strategy("single", _single)
