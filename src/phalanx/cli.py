@@ -3,30 +3,28 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 __all__ = ["main"]
+
+SUITES = ("comm", "ddp", "checkpoint")
 
 USAGE = """usage: phalanx <command> [args]
 
 commands:
   run      launch a training script on N processes / machines (torchrun's flags)
-  bench    benchmarks: `phalanx bench comm|ddp [--quick]` (ours vs torch, same run)
+  bench    benchmarks: `phalanx bench comm|ddp|checkpoint [--quick]` (ours vs torch, same run)
   doctor   check torch, backends, GPUs, network interfaces and ports
 """
 
 
 def _bench(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="phalanx bench", add_help=True)
-    parser.add_argument("suite", choices=["comm", "ddp"], help="which benchmark to run")
+    parser.add_argument("suite", choices=SUITES, help="which benchmark to run")
     suite = parser.parse_args(argv[:1]).suite
-    if suite == "ddp":
-        from phalanx.bench import ddp
-
-        return ddp.main(argv[1:])
-    from phalanx.bench import comm
-
-    return comm.main(argv[1:])
+    module = importlib.import_module(f"phalanx.bench.{suite}")
+    return int(module.main(argv[1:]))
 
 
 def main(argv: list[str] | None = None) -> int:

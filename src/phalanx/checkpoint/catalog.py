@@ -1,0 +1,136 @@
+"""The checkpoints of a directory: which is the newest committed one, commit, keep-last-k.
+
+``directory/latest`` names the committed checkpoint. Without a usable pointer (deleted, or
+naming a directory that is gone), the newest ``step-*`` directory whose files all match its
+manifest is taken. Temporary (``.tmp-*``) and incomplete (no manifest) directories are never
+loaded; each is named in a warning. Only rank 0 calls the mutating functions here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from pathlib import Path
+
+from phalanx.checkpoint.atomic import (
+    LATEST,
+    fault,
+    fsync_dir,
+    read_latest,
+    remove_tree,
+    step_name,
+    step_of,
+    write_latest,
+)
+from phalanx.checkpoint.manifest import MANIFEST, CheckpointError, read_manifest, verify_files
+
+__all__ = ["commit", "committed", "latest", "make_temp_dir", "prune"]
+
+log = logging.getLogger("phalanx.checkpoint")
+TMP_PREFIX = ".tmp-"
+
+
+def _complete(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink() and (path / MANIFEST).is_file()
+
+
+def committed(directory: Path, *, warn: bool = False) -> list[tuple[int, Path]]:
+    """Complete ``step-*`` checkpoints in ``directory``, newest first.
+
+    Args:
+        directory: The checkpoint directory.
+        warn: Warn about each temporary or incomplete directory that is skipped.
+    """
+    found = []
+    for entry in sorted(os.listdir(directory)):
+        path = directory / entry
+        step = step_of(entry)
+        if step is not None and _complete(path):
+            found.append((step, path))
+        elif warn and (step is not None or entry.startswith(TMP_PREFIX)) and path.is_dir():
+            kind = "temporary" if step is None else "incomplete (no manifest.json)"
+            warnings.warn(
+                f"skipping {kind} checkpoint directory {path}: a save did not finish "
+                f"there (a crash or a kill); it is never loaded",
+                stacklevel=3,
+            )
+    return sorted(found, key=lambda item: item[0], reverse=True)
+
+
+def _fallback(directory: Path, candidates: list[tuple[int, Path]]) -> Path | None:
+    for _, path in candidates:
+        try:
+            verify_files(path, read_manifest(path))
+            return path
+        except CheckpointError as exc:
+            warnings.warn(f"skipping checkpoint {path}: {exc}", stacklevel=3)
+    return None
+
+
+def latest(directory: str | os.PathLike[str]) -> Path | None:
+    """The newest committed checkpoint in ``directory``, or None if there is none.
+
+    ``directory/latest`` decides; without a usable one, the newest ``step-*`` directory whose
+    files match its manifest (sha256) is taken, with a warning.
+    """
+    d = Path(directory)
+    if not d.is_dir():
+        return None
+    candidates = committed(d, warn=True)
+    name = read_latest(d)
+    if name is not None and _complete(d / name):
+        return d / name
+    if name is not None:
+        warnings.warn(
+            f"{d / LATEST} names {name}, which is missing or incomplete; falling back "
+            f"to the newest complete checkpoint",
+            stacklevel=2,
+        )
+    return _fallback(d, candidates)
+
+
+def make_temp_dir(directory: Path, step: int, token: str) -> Path:
+    """Create ``directory/.tmp-step-NNNNNN-<token>`` (and ``directory`` if needed)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f"{TMP_PREFIX}{step_name(step)}-{token}"
+    tmp.mkdir()
+    return tmp
+
+
+def commit(tmp: Path, step: int, token: str) -> Path:
+    """Rename the finished ``tmp`` to ``step-NNNNNN`` and point ``latest`` at it.
+
+    An existing directory of the same name (a checkpoint of this step saved before, or one
+    whose ``latest`` update a crash prevented) is moved aside first and deleted at the end.
+    """
+    fsync_dir(tmp)
+    fault("before-rename")
+    directory, name = tmp.parent, step_name(step)
+    final, aside = directory / name, None
+    if final.exists() or final.is_symlink():
+        aside = directory / f"{TMP_PREFIX}replaced-{name}-{token}"
+        os.rename(final, aside)
+    os.rename(tmp, final)
+    fsync_dir(directory)
+    fault("before-latest")
+    write_latest(directory, name, token)
+    if aside is not None:
+        remove_tree(aside)
+    return final
+
+
+def prune(directory: Path, keep_last: int | None, current: Path) -> None:
+    """Delete all but ``keep_last`` committed checkpoints (always keeping ``current``) and
+    leftover temporary directories of interrupted saves."""
+    for entry in os.listdir(directory):
+        if entry.startswith((TMP_PREFIX, f".{LATEST}{TMP_PREFIX}")):
+            log.info("removing %s, left by an interrupted save", directory / entry)
+            remove_tree(directory / entry)
+    if keep_last is None:
+        return
+    others = [p for _, p in committed(directory) if p != current]
+    for path in others[keep_last - 1 :]:
+        log.info("removing %s (keep_last=%d)", path, keep_last)
+        remove_tree(path)
+    fsync_dir(directory)

@@ -1,0 +1,196 @@
+"""``load``: every rank reads the checkpoint rank 0 chose, verifying each file it reads.
+
+Rank 0 picks the checkpoint (``latest`` or ``path=``) and tells the others through the
+rendezvous store (``sync.py``), so all ranks load the same one. Each rank reads the replicated
+sections it was given objects for, plus its own ``rank-NNNNN`` section (RNG, sampler), checking
+sizes and sha256s against the manifest while reading. Ranks then report success through the
+store, so a failure on any rank raises on every rank instead of leaving the others to hang.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from phalanx.checkpoint import catalog, structure
+from phalanx.checkpoint.manifest import (
+    CheckpointError,
+    Manifest,
+    read_manifest,
+    verify_files,
+)
+from phalanx.checkpoint.rng import restore as restore_rng
+from phalanx.checkpoint.saving import rank_section_name
+from phalanx.checkpoint.state import load_into, load_model, read_section
+from phalanx.checkpoint.sync import Session, open_session
+
+__all__ = ["CheckpointInfo", "load"]
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What :func:`load` loaded."""
+
+    path: Path
+    """The checkpoint directory."""
+    step: int
+    """The step given to ``save``."""
+    extra: dict[str, Any]
+    """The ``extra`` dict given to ``save``."""
+    world_size: int
+    """Number of ranks that saved it."""
+    notes: tuple[str, ...] = ()
+    """What could not be restored exactly (e.g. RNG of ranks that do not exist now)."""
+
+
+def _resolve(directory: str | os.PathLike[str], path: str | os.PathLike[str] | None) -> str | None:
+    if path is None:
+        found = catalog.latest(directory)
+        return None if found is None else str(found.absolute())
+    chosen = Path(path)
+    if not chosen.is_dir() and (Path(directory) / chosen).is_dir():
+        chosen = Path(directory) / chosen  # a name such as "step-000123"
+    read_manifest(chosen)  # raises naming the file when it is not a complete checkpoint
+    return str(chosen.absolute())
+
+
+def _section(ckpt: Path, manifest: Manifest, name: str, strict: bool) -> Any | None:
+    if name in manifest.sections:
+        return read_section(ckpt, manifest, name)
+    message = f"{ckpt} holds no {name} state (it holds: {', '.join(manifest.sections) or 'none'})"
+    if strict:
+        raise CheckpointError(f"{message}; pass strict=False to load the rest")
+    warnings.warn(f"{message}; {name} not restored (strict=False)", stacklevel=4)
+    return None
+
+
+def _rank_state(
+    ckpt: Path, manifest: Manifest, session: Session, notes: list[str]
+) -> dict[str, Any]:
+    name = rank_section_name(session.rank)
+    if f"{name}.json" not in manifest.files:
+        notes.append(
+            f"rank {session.rank} did not exist when the checkpoint was saved (world "
+            f"size {manifest.world_size}): its RNG is not restored and its sampler "
+            f"state is rank 0's"
+        )
+        name = rank_section_name(0)
+    state = read_section(ckpt, manifest, name)
+    if session.rank == 0 and manifest.world_size > session.size:
+        notes.append(
+            f"saved by {manifest.world_size} ranks, loaded by {session.size}: the RNG "
+            f"states of ranks {session.size}..{manifest.world_size - 1} are ignored"
+        )
+        for r in range(session.size, manifest.world_size):
+            own = {k: v for k, v in manifest.files.items() if k.startswith(rank_section_name(r))}
+            verify_files(ckpt, Manifest(manifest.step, manifest.world_size, own, []))
+    return state if name == rank_section_name(session.rank) else {"sampler": state["sampler"]}
+
+
+@dataclass(frozen=True)
+class _Targets:
+    """The objects ``load`` restores into."""
+
+    model: nn.Module | None
+    optimizer: Any
+    scheduler: Any
+    sampler: Any
+    rng: bool
+    strict: bool
+
+
+def _restore(ckpt: Path, session: Session, to: _Targets) -> CheckpointInfo:
+    manifest = read_manifest(ckpt)
+    notes: list[str] = []
+    if to.model is not None and (sd := _section(ckpt, manifest, "model", to.strict)) is not None:
+        load_model(to.model, sd, to.strict, str(ckpt / "model.safetensors"))
+    for what, obj in (("optimizer", to.optimizer), ("scheduler", to.scheduler)):
+        if obj is not None and (sd := _section(ckpt, manifest, what, to.strict)) is not None:
+            load_into(obj, sd, what, str(ckpt / f"{what}.json"))
+    own = _rank_state(ckpt, manifest, session, notes)
+    if to.sampler is not None:
+        if own["sampler"] is None:
+            raise CheckpointError(f"{ckpt} holds no sampler state (save() got no sampler)")
+        load_into(to.sampler, own["sampler"], "sampler", str(ckpt))
+    if to.rng and "rng" in own:
+        name = rank_section_name(session.rank)
+        notes.extend(restore_rng(own["rng"], str(ckpt / f"{name}.json")))
+    extra = structure.unflatten(manifest.extra, {}, str(ckpt / "manifest.json"))
+    return CheckpointInfo(ckpt, manifest.step, extra, manifest.world_size, tuple(notes))
+
+
+def _agree(session: Session, error: BaseException | None) -> None:
+    if session.store is None:
+        return
+    session.publish(f"loaded/{session.rank}", {"ok": error is None, "error": repr(error)})
+    failed = [
+        (r, got["error"])
+        for r in range(session.size)
+        if not (got := session.wait(f"loaded/{r}"))["ok"]
+    ]
+    if error is None and failed:
+        rank, message = failed[0]
+        raise CheckpointError(f"rank {rank} failed to load the checkpoint: {message}")
+
+
+def _restore_everywhere(session: Session, ckpt: Path, targets: _Targets) -> CheckpointInfo:
+    try:
+        info = _restore(ckpt, session, targets)
+    except BaseException as exc:
+        _agree(session, exc)
+        raise
+    _agree(session, None)
+    return info
+
+
+def load(
+    directory: str | os.PathLike[str],
+    *,
+    model: nn.Module | None = None,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    sampler: Any = None,
+    strict: bool = True,
+    path: str | os.PathLike[str] | None = None,
+    rng: bool = True,
+    group: Any = None,
+) -> CheckpointInfo | None:
+    """Restore the newest committed checkpoint of ``directory``; collective over ``group``.
+
+    Args:
+        directory: The directory given to ``save``.
+        model: Module (or DDP / DataParallel wrapper) to load into.
+        optimizer: Optimizer to load into (built over ``model``'s parameters, same order).
+        scheduler: LR scheduler to load into.
+        sampler: Object with ``load_state_dict``; gets this rank's saved state.
+        strict: Model keys and shapes must match exactly and requested sections must exist;
+            with False, what matches is loaded and a warning lists the rest.
+        path: Load this checkpoint (a directory, or its name in ``directory``) instead of
+            the newest one.
+        rng: Restore this rank's torch / CUDA / numpy / Python random generators.
+        group: Process group (every rank of it must call ``load``).
+
+    Returns:
+        What was loaded, or None when ``directory`` holds no committed checkpoint yet.
+
+    Raises:
+        ChecksumError: naming the file whose size or sha256 differs from the manifest.
+        StateMismatchError: listing missing, unexpected and mismatched model keys.
+        CheckpointError: for incomplete or unsafe checkpoints, and on every rank when any
+            rank failed.
+    """
+    targets = _Targets(model, optimizer, scheduler, sampler, rng, strict)
+    session = open_session(group)
+    try:
+        chosen = session.share("chosen", partial(_resolve, directory, path))
+        if chosen is None:
+            return None
+        return _restore_everywhere(session, Path(chosen), targets)
+    finally:
+        session.close()

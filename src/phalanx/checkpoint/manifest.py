@@ -1,0 +1,231 @@
+"""The manifest of a checkpoint: what it holds, and a sha256 for every file it consists of.
+
+``manifest.json`` is written after all data files; a checkpoint directory without one is
+incomplete. Every file the loader opens must be listed in it, and is checked against it while
+it is read (:func:`read_verified`): size first (a truncated file fails at once), then sha256
+over the same bytes that are then decoded, so each byte is read once. File names in a manifest
+are confined to the checkpoint directory: absolute paths, ``..`` and symlinks that resolve
+outside it are rejected, naming the entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import torch
+
+__all__ = [
+    "FORMAT",
+    "MANIFEST",
+    "CheckpointError",
+    "ChecksumError",
+    "FileEntry",
+    "Manifest",
+    "read_manifest",
+    "read_verified",
+    "safe_path",
+    "verify_files",
+]
+
+FORMAT = "phalanx-checkpoint/1"
+MANIFEST = "manifest.json"
+_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
+_READ_CHUNK = 16 * 1024 * 1024
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, unsafe or does not fit what it is loaded into."""
+
+
+class ChecksumError(CheckpointError):
+    """A checkpoint file's content differs from the sha256 its manifest records."""
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """Size and sha256 (hex) of one file of a checkpoint."""
+
+    sha256: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What ``manifest.json`` records about one checkpoint."""
+
+    step: int
+    world_size: int
+    files: dict[str, FileEntry]
+    sections: list[str]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> bytes:
+        """The manifest as indented JSON bytes."""
+        doc = {
+            "format": FORMAT,
+            "step": self.step,
+            "world_size": self.world_size,
+            "sections": self.sections,
+            "extra": self.extra,
+            "files": {k: {"sha256": v.sha256, "bytes": v.bytes} for k, v in self.files.items()},
+        }
+        return json.dumps(doc, indent=1, sort_keys=True).encode()
+
+    def entry(self, ckpt: Path, name: str) -> FileEntry:
+        """The manifest entry of ``name``; a file absent from the manifest is an error."""
+        if name not in self.files:
+            raise CheckpointError(
+                f"{ckpt / name}: not listed in {ckpt / MANIFEST}; the "
+                f"checkpoint is incomplete or was edited"
+            )
+        return self.files[name]
+
+
+def safe_path(ckpt: Path, name: str) -> Path:
+    """``ckpt / name``, refusing names that could reach outside the checkpoint directory.
+
+    Raises:
+        CheckpointError: naming the entry when it is absolute, contains ``..`` or a separator,
+            or is a symlink resolving outside ``ckpt``.
+    """
+    pure = PurePosixPath(name)
+    if pure.is_absolute() or ".." in pure.parts or len(pure.parts) != 1 or "\\" in name:
+        raise CheckpointError(
+            f"{ckpt / MANIFEST}: entry {name!r} is not a plain file name "
+            f"inside the checkpoint directory; refusing to read it"
+        )
+    if not _NAME.fullmatch(name):
+        raise CheckpointError(
+            f"{ckpt / MANIFEST}: entry {name!r} has characters outside "
+            f"[A-Za-z0-9_.-]; refusing to read it"
+        )
+    path = ckpt / name
+    if os.path.realpath(path).rpartition(os.sep)[0] != os.path.realpath(ckpt):
+        raise CheckpointError(
+            f"{ckpt / MANIFEST}: entry {name!r} is a symlink pointing outside "
+            f"the checkpoint directory ({os.path.realpath(path)}); refusing"
+        )
+    return path
+
+
+def _field(doc: dict[str, Any], key: str, kind: type, where: Path) -> Any:
+    value = doc.get(key)
+    if not isinstance(value, kind) or isinstance(value, bool) is not (kind is bool):
+        raise CheckpointError(
+            f"{where}: field {key!r} should be a {kind.__name__}, found {value!r:.80}"
+        )
+    return value
+
+
+def _files(doc: dict[str, Any], ckpt: Path, where: Path) -> dict[str, FileEntry]:
+    files: dict[str, FileEntry] = {}
+    for name, info in _field(doc, "files", dict, where).items():
+        safe_path(ckpt, name)
+        sha, size = (info.get("sha256"), info.get("bytes")) if isinstance(info, dict) else (0, 0)
+        if not (
+            isinstance(sha, str)
+            and re.fullmatch(r"[0-9a-f]{64}", sha)
+            and isinstance(size, int)
+            and size >= 0
+        ):
+            raise CheckpointError(f"{where}: entry {name!r} has no valid sha256/bytes ({info!r})")
+        files[name] = FileEntry(sha, size)
+    return files
+
+
+def read_manifest(ckpt: Path) -> Manifest:
+    """Parse and validate ``ckpt/manifest.json`` (paths confined, fields typed)."""
+    where = ckpt / MANIFEST
+    if where.is_symlink() or not where.is_file():
+        raise CheckpointError(f"{where}: missing; {ckpt} is not a complete checkpoint")
+    try:
+        doc = json.loads(where.read_bytes())
+    except ValueError as exc:
+        raise CheckpointError(f"{where}: not valid JSON ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        found = doc.get("format") if isinstance(doc, dict) else doc
+        raise CheckpointError(f"{where}: format is {found!r:.60}, expected {FORMAT!r}")
+    return Manifest(
+        step=_field(doc, "step", int, where),
+        world_size=_field(doc, "world_size", int, where),
+        files=_files(doc, ckpt, where),
+        sections=[str(s) for s in _field(doc, "sections", list, where)],
+        extra=_field(doc, "extra", dict, where),
+    )
+
+
+def read_verified(ckpt: Path, manifest: Manifest, name: str) -> torch.Tensor:
+    """Read ``ckpt/name`` whole (as a uint8 tensor), checking size and sha256 on the way.
+
+    The sha256 of each chunk is computed by a helper thread while the next chunk is read (both
+    release the GIL), so verification costs little more than the hash itself.
+
+    Raises:
+        ChecksumError: naming the file and both digests (or sizes) on a mismatch.
+    """
+    entry = manifest.entry(ckpt, name)
+    path = safe_path(ckpt, name)
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size != entry.bytes:
+            raise ChecksumError(
+                f"{path}: {size} bytes on disk, the manifest records {entry.bytes}; the file "
+                f"is truncated or corrupt"
+            )
+        data = torch.empty(size, dtype=torch.uint8)  # not zero-filled: every byte is read
+        array: Any = data.numpy()
+        digest = _read_hashing(f, memoryview(array), path)
+    if digest != entry.sha256:
+        raise ChecksumError(
+            f"{path}: sha256 is {digest}, the manifest records {entry.sha256}; the file is "
+            f"corrupt (use an older checkpoint with load(path=...))"
+        )
+    return data
+
+
+def _read_hashing(f: Any, view: memoryview, path: Path) -> str:
+    digest = hashlib.sha256()
+    with ThreadPoolExecutor(1, thread_name_prefix="phalanx-sha256") as pool:
+        pending = []
+        for start in range(0, len(view), _READ_CHUNK):
+            chunk = view[start : start + _READ_CHUNK]
+            _read_into(f, chunk, path)
+            pending.append(pool.submit(digest.update, chunk))
+        for p in pending:
+            p.result()
+    return digest.hexdigest()
+
+
+def verify_files(ckpt: Path, manifest: Manifest) -> None:
+    """Check every file of the manifest (size and sha256), streaming; raise on the first bad."""
+    for name, entry in manifest.files.items():
+        path = safe_path(ckpt, name)
+        digest = hashlib.sha256()
+        try:
+            with open(path, "rb", buffering=0) as f:
+                while chunk := f.read(_READ_CHUNK):
+                    digest.update(chunk)
+                size = f.tell()
+        except FileNotFoundError:
+            raise ChecksumError(f"{path}: listed in the manifest but missing") from None
+        if size != entry.bytes or digest.hexdigest() != entry.sha256:
+            raise ChecksumError(
+                f"{path}: {size} bytes with sha256 {digest.hexdigest()}, the "
+                f"manifest records {entry.bytes} bytes with {entry.sha256}"
+            )
+
+
+def _read_into(f: Any, chunk: memoryview, path: Path) -> None:
+    done = 0
+    while done < len(chunk):
+        n = f.readinto(chunk[done:])
+        if not n:
+            raise ChecksumError(f"{path}: ended early while reading; the file is truncated")
+        done += n

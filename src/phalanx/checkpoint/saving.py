@@ -1,0 +1,205 @@
+"""``save``: every rank writes its own small file, rank 0 writes the replicated state and commits.
+
+Sequence (see ``atomic.py`` for what makes each step crash-safe):
+
+1. one short broadcast agrees on a token; rank 0 creates ``.tmp-step-NNNNNN-<token>`` and
+   tells the others through the store;
+2. every rank writes ``rank-NNNNN.{json,safetensors}`` (RNG, sampler) and publishes the files'
+   sha256 in the rendezvous store;
+3. rank 0 writes model / optimizer / scheduler, collects the other ranks' digests from the
+   store, writes ``manifest.json``, renames the directory, updates ``latest``, prunes;
+4. rank 0 publishes the result; the others wait for it on the store (long timeout, no
+   collective: a slow write cannot make them hit the collective timeout).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from phalanx.checkpoint import atomic, catalog, rng, structure
+from phalanx.checkpoint.manifest import MANIFEST, CheckpointError, FileEntry, Manifest
+from phalanx.checkpoint.state import Section, parallel, unwrap
+from phalanx.checkpoint.sync import Session, open_session
+
+__all__ = ["rank_section_name", "save"]
+
+log = logging.getLogger("phalanx.checkpoint")
+
+
+def rank_section_name(rank: int) -> str:
+    """Section holding rank ``rank``'s own state (``rank-00001``)."""
+    return f"rank-{rank:05d}"
+
+
+@dataclass(frozen=True)
+class _Request:
+    """What rank 0 writes, besides its own rank file."""
+
+    step: int
+    model: nn.Module | None
+    optimizer: Any
+    scheduler: Any
+    extra: Any
+    keep_last: int | None
+
+
+def _check(step: int, keep_last: int | None, extra: Any) -> Any:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"save(step=...) must be an int >= 0, got {step!r}")
+    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+        raise ValueError(
+            f"save(keep_last=...) must be an int >= 1 or None (keep all), got {keep_last!r}"
+        )
+    if extra is not None and not isinstance(extra, dict):
+        raise TypeError(f"save(extra=...) must be a dict, got {type(extra).__name__}")
+    tree, _ = structure.flatten(extra or {}, "save(extra=...)", allow_tensors=False)
+    return tree
+
+
+def _write_sections(
+    tmp: Path, sections: list[Section], faulty: bool = False
+) -> dict[str, FileEntry]:
+    """Write all files of ``sections`` in parallel; the fault point applies to the first one."""
+    files = [(name, bufs) for section in sections for name, bufs in section.files().items()]
+    calls = [
+        partial(atomic.write_file, tmp / name, bufs, faulty=faulty and i == 0)
+        for i, (name, bufs) in enumerate(files)
+    ]
+    return dict(zip((name for name, _ in files), parallel(calls)))
+
+
+def _replicated(req: _Request) -> list[Section]:
+    sections = []
+    if req.model is not None:
+        sections.append(Section.of("model", unwrap(req.model).state_dict(), "model state"))
+    if req.optimizer is not None:
+        sections.append(Section.of("optimizer", req.optimizer.state_dict(), "optimizer state"))
+    if req.scheduler is not None:
+        sections.append(Section.of("scheduler", req.scheduler.state_dict(), "scheduler state"))
+    return sections
+
+
+def _collect_peers(session: Session, files: dict[str, FileEntry]) -> None:
+    for r in range(1, session.size):
+        got = session.wait(f"written/{r}")
+        if not got["ok"]:
+            raise CheckpointError(f"rank {r} could not write its checkpoint files: {got['error']}")
+        files.update({k: FileEntry(v["sha256"], v["bytes"]) for k, v in got["files"].items()})
+
+
+def _write_and_commit(session: Session, tmp: Path, req: _Request, own: Any) -> Path:
+    if isinstance(own, BaseException):
+        raise own
+    sections = _replicated(req)
+    files = {**own, **_write_sections(tmp, sections, faulty=True)}
+    _collect_peers(session, files)
+    atomic.fault("before-manifest")
+    manifest = Manifest(req.step, session.size, files, [s.name for s in sections], req.extra)
+    atomic.write_file(tmp / MANIFEST, [manifest.to_json()])
+    path = catalog.commit(tmp, req.step, session.token)
+    catalog.prune(tmp.parent, req.keep_last, path)
+    return path
+
+
+def _rank0(session: Session, tmp: Path, req: _Request, own: Any) -> Path:
+    try:
+        path = _write_and_commit(session, tmp, req, own)
+    except BaseException as exc:
+        session.publish("committed", {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+        atomic.remove_tree(tmp)
+        raise
+    session.publish("committed", {"ok": True, "path": str(path)})
+    return path
+
+
+def _peer(session: Session, own: dict[str, FileEntry] | BaseException) -> Path:
+    if isinstance(own, BaseException):
+        session.publish(f"written/{session.rank}", {"ok": False, "error": repr(own)})
+        raise own
+    files = {k: {"sha256": v.sha256, "bytes": v.bytes} for k, v in own.items()}
+    session.publish(f"written/{session.rank}", {"ok": True, "files": files})
+    result = session.wait("committed")
+    if not result["ok"]:
+        raise CheckpointError(f"rank 0 could not commit the checkpoint: {result['error']}")
+    return Path(result["path"])
+
+
+def _temp_dir(root: Path, step: int, token: str) -> str:
+    return str(catalog.make_temp_dir(root, step, token))
+
+
+def _own_files(tmp: Path, rank: int, rng_state: dict[str, Any], sampler: Any) -> Any:
+    """Write this rank's RNG and sampler state; return the file entries or the exception."""
+    if not tmp.is_dir():
+        return CheckpointError(
+            f"rank {rank} does not see {tmp}, which rank 0 created: the checkpoint directory "
+            f"must be on a filesystem that every rank shares"
+        )
+    try:
+        sampler_state = None if sampler is None else sampler.state_dict()
+        state = {"rank": rank, "rng": rng_state, "sampler": sampler_state}
+        return _write_sections(tmp, [Section.of(rank_section_name(rank), state, "rank state")])
+    except Exception as exc:
+        return exc
+
+
+def save(
+    directory: str | os.PathLike[str],
+    step: int,
+    *,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    sampler: Any = None,
+    extra: dict[str, Any] | None = None,
+    keep_last: int | None = 3,
+    group: Any = None,
+) -> Path:
+    """Write a checkpoint of ``step`` into ``directory``; collective over ``group``.
+
+    Args:
+        directory: Where checkpoints live (one ``step-NNNNNN`` directory each); on a
+            filesystem that every rank sees.
+        step: Training step (an int >= 0); names the checkpoint.
+        model: A module, or a DDP / DataParallel wrapper (its ``.module`` is saved).
+        optimizer: Any ``torch.optim.Optimizer`` (tensors to safetensors, the rest JSON).
+        scheduler: An LR scheduler (its state dict must be JSON-able, tensors allowed).
+        sampler: Anything with JSON-able ``state_dict()`` / ``load_state_dict()``; per rank.
+        extra: JSON-able dict returned by :func:`load` as ``CheckpointInfo.extra``.
+        keep_last: Committed checkpoints to keep (older ones are deleted after the commit);
+            None keeps all.
+        group: Process group (None: the default group, or one process without
+            torch.distributed). Every rank of it must call ``save``.
+
+    Returns:
+        The committed checkpoint directory.
+
+    Raises:
+        TypeError: naming the key of a value that cannot be stored without pickle.
+        CheckpointError: on every rank when any rank failed to write.
+    """
+    extra_tree = _check(step, keep_last, extra)
+    rng_state = rng.capture()
+    start = time.perf_counter()
+    root = Path(directory)
+    session = open_session(group)
+    try:
+        tmp = Path(session.share("tmpdir", partial(_temp_dir, root, step, session.token)))
+        own = _own_files(tmp, session.rank, rng_state, sampler)
+        if session.rank != 0:
+            return _peer(session, own)
+        req = _Request(step, model, optimizer, scheduler, extra_tree, keep_last)
+        path = _rank0(session, tmp, req, own)
+        log.info("saved checkpoint %s in %.2f s", path, time.perf_counter() - start)
+        return path
+    finally:
+        session.close()

@@ -1,0 +1,191 @@
+"""Training state <-> checkpoint sections: model, optimizer, scheduler, per-rank RNG and sampler.
+
+A *section* is one state dict stored as ``<name>.json`` (its structure, see ``structure.py``,
+and the list of its tensor files) plus ``<name>.safetensors`` with its tensors, if any. Large
+sections are split into ``<name>-00001.safetensors``, ... of about 64 MiB each, which are
+written, hashed and read on parallel threads. Rank 0 writes the replicated sections
+(``model``, ``optimizer``, ``scheduler``); every rank writes ``rank-NNNNN`` with its own random
+generators and sampler position.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from phalanx.checkpoint import structure
+from phalanx.checkpoint.format import decode, encode
+from phalanx.checkpoint.manifest import CheckpointError, Manifest, read_verified
+
+__all__ = ["Section", "StateMismatchError", "load_model", "parallel", "read_section", "unwrap"]
+
+T = TypeVar("T")
+SHARD_BYTES = 64 * 1024 * 1024
+"""Tensor files are split into parts of about this size, written and read in parallel."""
+
+
+class StateMismatchError(CheckpointError, ValueError):
+    """The checkpoint's model state has other keys or shapes than the model it is loaded into."""
+
+
+def parallel(calls: Sequence[Callable[[], T]]) -> list[T]:
+    """Run ``calls`` on a few threads (file I/O and hashing release the GIL); keep the order."""
+    if len(calls) <= 1:
+        return [c() for c in calls]
+    workers = min(len(calls), os.cpu_count() or 1, 8)
+    with ThreadPoolExecutor(workers, thread_name_prefix="phalanx-ckpt") as pool:
+        return list(pool.map(lambda c: c(), calls))
+
+
+def _shards(tensors: dict[str, torch.Tensor], limit: int) -> list[dict[str, torch.Tensor]]:
+    """Split ``tensors`` (in order) into about equal parts of at most ~``limit`` bytes."""
+    sizes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
+    target = sum(sizes.values()) / max(1, math.ceil(sum(sizes.values()) / limit))
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    filled = 0
+    for k, t in tensors.items():
+        if shards[-1] and filled + sizes[k] / 2 > target:
+            shards.append({})
+            filled = 0
+        shards[-1][k] = t
+        filled += sizes[k]
+    return shards
+
+
+@dataclass(frozen=True)
+class Section:
+    """One state dict split into a JSON structure and flat tensors, ready to write."""
+
+    name: str
+    structure: Any
+    tensors: dict[str, torch.Tensor]
+
+    @classmethod
+    def of(cls, name: str, state: Any, what: str) -> Section:
+        """Split ``state`` (errors name ``what`` and the key that cannot be stored)."""
+        tree, tensors = structure.flatten(state, what)
+        return cls(name, tree, tensors)
+
+    def files(self) -> dict[str, list[memoryview | bytes]]:
+        """File name -> buffers to write: tensor shards (``name.safetensors``,
+        ``name-00001.safetensors``, ...) of at most ~SHARD_BYTES, then ``name.json``."""
+        out: dict[str, list[memoryview | bytes]] = {}
+        if self.tensors:
+            for i, shard in enumerate(_shards(self.tensors, SHARD_BYTES)):
+                out[f"{self.name}-{i:05d}.safetensors" if i else f"{self.name}.safetensors"] = (
+                    encode(shard)
+                )
+        doc = {"tensor_files": list(out), "state": self.structure}
+        out[f"{self.name}.json"] = [json.dumps(doc, separators=(",", ":")).encode()]
+        return out
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside DDP / DataParallel / torch.compile wrappers.
+
+    A wrapper is recognised by its state dict: every key is the inner module's key prefixed
+    with ``module.`` (DDP, DataParallel, Horovod-style wrappers) or ``_orig_mod.``
+    (``torch.compile``). A model that merely has a submodule called ``module`` is kept whole.
+    """
+    for attr in ("module", "_orig_mod"):
+        inner = getattr(model, attr, None)
+        if isinstance(inner, nn.Module) and all(
+            k.startswith(f"{attr}.") for k in model.state_dict(keep_vars=True)
+        ):
+            return unwrap(inner)
+    return model
+
+
+def _json(ckpt: Path, manifest: Manifest, name: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(read_verified(ckpt, manifest, name).numpy().tobytes())
+    except ValueError as exc:
+        raise CheckpointError(f"{ckpt / name}: not valid JSON ({exc})") from None
+    files = doc.get("tensor_files") if isinstance(doc, dict) else None
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+        raise CheckpointError(f"{ckpt / name}: no list of tensor files ('tensor_files')")
+    return doc
+
+
+def read_section(ckpt: Path, manifest: Manifest, name: str) -> Any:
+    """Read and verify section ``name`` of the checkpoint in ``ckpt``; return its state."""
+    doc = _json(ckpt, manifest, f"{name}.json")
+    files = doc["tensor_files"]
+    datas = parallel([partial(read_verified, ckpt, manifest, f) for f in files])
+    tensors: dict[str, torch.Tensor] = {}
+    for file, data in zip(files, datas):
+        part, _ = decode(data, str(ckpt / file))
+        if tensors.keys() & part.keys():
+            raise CheckpointError(
+                f"{ckpt / file}: repeats tensors {sorted(tensors.keys() & part.keys())}"
+            )
+        tensors.update(part)
+    try:
+        return structure.unflatten(doc.get("state"), tensors, str(ckpt / f"{name}.json"))
+    except KeyError as exc:
+        raise CheckpointError(str(exc.args[0])) from None
+
+
+def _shape(t: Any) -> tuple[int, ...] | None:
+    return tuple(t.shape) if isinstance(t, torch.Tensor) else None
+
+
+def _report(where: str, missing: list[str], unexpected: list[str], mismatched: list[str]) -> str:
+    lines = [f"{where} does not fit the model:"]
+    for label, items in (
+        ("missing in the checkpoint", missing),
+        ("unexpected (not in the model)", unexpected),
+        ("shape mismatch", mismatched),
+    ):
+        if items:
+            lines.append(f"  {label} ({len(items)}): " + ", ".join(items))
+    return "\n".join(lines)
+
+
+def load_model(model: nn.Module, state: dict[str, Any], strict: bool, where: str) -> None:
+    """Load ``state`` into ``model``, listing missing, unexpected and mismatched keys.
+
+    Raises:
+        StateMismatchError: with the full list, when ``strict`` and anything differs (with
+            ``strict=False`` the matching entries load and a warning lists the rest).
+    """
+    module = unwrap(model)
+    own = module.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    wrong = [k for k in own if k in state and _shape(state[k]) != _shape(own[k])]
+    mismatched = [f"{k}: checkpoint {_shape(state[k])}, model {_shape(own[k])}" for k in wrong]
+    if missing or unexpected or mismatched:
+        report = _report(where, missing, unexpected, mismatched)
+        if strict:
+            raise StateMismatchError(f"{report}\nPass strict=False to load the matching entries.")
+        warnings.warn(
+            f"{report}\nLoaded the {len(own) - len(missing) - len(mismatched)} "
+            f"matching entries (strict=False).",
+            stacklevel=3,
+        )
+        bad = set(unexpected) | set(wrong)
+        state = {k: v for k, v in state.items() if k not in bad}
+    module.load_state_dict(state, strict=strict)
+
+
+def load_into(obj: Any, state: Any, what: str, where: str) -> None:
+    """``obj.load_state_dict(state)``, naming the checkpoint file when it does not fit."""
+    try:
+        obj.load_state_dict(state)
+    except (ValueError, KeyError, TypeError, RuntimeError, IndexError) as exc:
+        raise CheckpointError(
+            f"{where}: the saved {what} state does not fit the {what} "
+            f"({type(obj).__name__}) it is loaded into: {exc}"
+        ) from exc

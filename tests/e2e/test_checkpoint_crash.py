@@ -1,0 +1,119 @@
+"""SIGKILL inside ``checkpoint.save`` leaves the previous checkpoint loadable and unchanged.
+
+Each fault point (``PHALANX_CHECKPOINT_FAULT``) runs in its own process, all three at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from phalanx import checkpoint
+from tests.e2e.scripts.checkpoint_crash import model_and_optimizer
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "checkpoint_crash.py"
+POINTS = ("mid-tensor-file", "before-manifest", "before-latest")
+Crashes = dict[str, tuple[Path, subprocess.CompletedProcess[str]]]
+
+
+@pytest.fixture(scope="module")
+def crashes(tmp_path_factory: pytest.TempPathFactory) -> Crashes:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    procs = {}
+    for point in POINTS:
+        directory = tmp_path_factory.mktemp(point)
+        cmd = [sys.executable, str(SCRIPT), str(directory), point]
+        procs[point] = (
+            directory,
+            subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+            ),
+        )
+    out = {}
+    for point, (directory, proc) in procs.items():
+        stdout, stderr = proc.communicate(timeout=60)
+        out[point] = (
+            directory,
+            subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr),
+        )
+    return out
+
+
+@contextlib.contextmanager
+def _leftover_warning(point: str) -> Iterator[None]:
+    """Expect a warning naming the leftover temporary directory, except after the rename."""
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        yield
+    messages = [str(w.message) for w in rec]
+    named = any("skipping temporary checkpoint directory" in m for m in messages)
+    assert named == (point != "before-latest"), messages
+
+
+def _digests(path: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in path.iterdir()}
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_sigkill_inside_save_keeps_the_previous_checkpoint(crashes: Crashes, point: str) -> None:
+    directory, run = crashes[point]
+    assert run.returncode == -signal.SIGKILL, run.stderr
+    committed = json.loads(run.stdout.splitlines()[0])
+    previous = directory / "step-000001"
+    assert (directory / "latest").read_text() == "step-000001\n"
+    assert _digests(previous) == committed  # byte-for-byte what was committed
+
+    model, opt = model_and_optimizer()
+    with _leftover_warning(point):
+        info = checkpoint.load(directory, model=model, optimizer=opt)
+    assert info is not None and info.step == 1 and info.extra == {"tag": "one"}
+    assert _digests(previous) == committed
+
+
+def test_the_kill_happened_where_intended(crashes: Crashes) -> None:
+    directory, _ = crashes["mid-tensor-file"]
+    (tmp,) = directory.glob(".tmp-step-000002-*")
+    full = (directory / "step-000001" / "model.safetensors").stat().st_size
+    assert (tmp / "model.safetensors").stat().st_size == full // 2
+    directory, _ = crashes["before-manifest"]
+    (tmp,) = directory.glob(".tmp-step-000002-*")
+    assert (tmp / "optimizer.safetensors").exists() and not (tmp / "manifest.json").exists()
+    directory, _ = crashes["before-latest"]
+    assert (directory / "step-000002" / "manifest.json").exists()  # renamed, not yet "latest"
+
+
+def test_leftovers_are_named_then_cleaned_by_the_next_save(crashes: Crashes) -> None:
+    directory, _ = crashes["mid-tensor-file"]
+    (tmp,) = directory.glob(".tmp-step-000002-*")
+    with pytest.warns(UserWarning, match=f"skipping temporary checkpoint directory {tmp}"):
+        assert checkpoint.latest(directory) == directory / "step-000001"
+    for point in POINTS:
+        directory, _ = crashes[point]
+        model, opt = model_and_optimizer()
+        with _leftover_warning(point):
+            checkpoint.load(directory, model=model, optimizer=opt)
+        with torch.no_grad():
+            model.state_dict()["0.weight"].add_(1.0)
+        for step in (2, 3):
+            checkpoint.save(directory, step, model=model, optimizer=opt, keep_last=2)
+        assert sorted(os.listdir(directory)) == ["latest", "step-000002", "step-000003"]
+        fresh, _ = model_and_optimizer()
+        info = checkpoint.load(directory, model=fresh)
+        assert (
+            info is not None
+            and info.step == 3
+            and torch.equal(fresh.state_dict()["0.weight"], model.state_dict()["0.weight"])
+        )

@@ -1,0 +1,22 @@
+"""The checkpoint benchmark runs end to end on a tiny state and ends with a RESULT line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from phalanx.bench.checkpoint import main
+
+
+def test_bench_checkpoint_prints_a_result(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--mb", "2", "--rounds", "1", "--dir", str(tmp_path)]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("RESULT ")
+    result = json.loads(last.removeprefix("RESULT "))
+    assert set(result["impls"]) == {"phalanx", "dcp", "raw"}
+    assert result["save_ratio_vs_dcp"] > 0 and result["load_ratio_vs_raw"] > 0
+    assert list(tmp_path.iterdir()) == []  # the work directory is removed
