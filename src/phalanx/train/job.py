@@ -77,7 +77,12 @@ class Job:
         self.strategy = strategy
         self.owns_group = not pg.is_initialized()
         self.world = pg.init_process_group(backend) if self.owns_group else pg.world()
-        self.precision = Precision(precision, self.world.device)
+        try:
+            self.precision = Precision(precision, self.world.device)
+        except ValueError:
+            if self.owns_group:  # leave no half-made job behind
+                pg.destroy_process_group()
+            raise
         self.grad_accum = grad_accum
         self.seed = seed
         self.checkpoint_dir = checkpoint_dir

@@ -1,0 +1,64 @@
+"""phalanx.Job in one process (a world of one): precision, strategies, argument errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import phalanx
+from phalanx.train import register_strategy, strategy_names
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_bf16_autocasts_the_forward_and_keeps_fp32_master_weights(tmp_path: Path) -> None:
+    with phalanx.Job(strategy="single", precision="bf16", checkpoint_dir=tmp_path) as job:
+        model, _ = job.setup(nn.Linear(4, 3), None)
+        job.optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        out = model(torch.randn(2, 4))
+        assert out.dtype == torch.bfloat16
+        job.backward(out.float().pow(2).mean())
+        assert job.step() is True
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        assert job.world.world_size == 1
+    assert not phalanx.is_initialized()  # the job created the group, so it destroyed it
+
+
+def test_fp16_on_cpu_is_refused_with_the_fix() -> None:
+    with pytest.raises(ValueError, match=r"precision=.fp16. needs a CUDA device.*bf16"):
+        phalanx.Job(strategy="single", precision="fp16")
+    assert not phalanx.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"strategy": "zero9"}, "strategy='zero9' is not one of"),
+        ({"grad_accum": 0}, "grad_accum must be >= 1, got 0"),
+        ({"precision": "fp8"}, "precision='fp8' is not one of"),
+    ],
+)
+def test_bad_job_arguments_name_the_value(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        phalanx.Job(**kwargs)  # type: ignore[arg-type]
+    assert not phalanx.is_initialized()
+
+
+def test_strategy_registry() -> None:
+    assert {"ddp", "torch-ddp", "dp", "single"} <= set(strategy_names())
+    with pytest.raises(ValueError, match="already registered"):
+        register_strategy("ddp", lambda m, w: m)
+
+
+def test_save_needs_a_directory() -> None:
+    with phalanx.Job(strategy="single") as job:
+        job.setup(nn.Linear(2, 2))
+        with pytest.raises(ValueError, match="checkpoint_dir"):
+            job.save()
