@@ -7,6 +7,7 @@ User-written compressors with the same two methods work wherever these do.
 
 from __future__ import annotations
 
+import abc
 from typing import Any
 
 import torch
@@ -14,18 +15,18 @@ import torch
 __all__ = ["Compression", "Compressor", "FP16Compressor", "NoneCompressor"]
 
 
-class Compressor:
+class Compressor(abc.ABC):
     """Interface: compress a tensor for the wire, decompress what came back."""
 
     @staticmethod
+    @abc.abstractmethod
     def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """Return the tensor to send and the context :meth:`decompress` needs."""
-        raise NotImplementedError
 
     @staticmethod
+    @abc.abstractmethod
     def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
         """Undo :meth:`compress` on the reduced tensor."""
-        raise NotImplementedError
 
 
 class NoneCompressor(Compressor):
