@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from phalanx.data_parallel.scatter_gather import gather, num_chunks, scatter
+
 __all__ = ["DataParallel"]
 
 DeviceLike = int | str | torch.device
@@ -59,90 +61,6 @@ def _resolve_device_ids(device_ids: Sequence[DeviceLike] | None) -> list[torch.d
     if not devices:
         raise ValueError("device_ids=[] names no device; pass None for every visible GPU")
     return devices
-
-
-# --- scatter and gather ------------------------------------------------------------------------
-
-
-def _tensors(obj: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    if isinstance(obj, torch.Tensor):
-        yield path, obj
-    elif isinstance(obj, list | tuple):
-        for i, item in enumerate(obj):
-            yield from _tensors(item, f"{path}[{i}]")
-    elif isinstance(obj, dict):
-        for key, item in obj.items():
-            yield from _tensors(item, f"{path}[{key!r}]")
-
-
-def _check_dim(t: torch.Tensor, dim: int, path: str) -> None:
-    if not -t.dim() <= dim < t.dim():
-        raise ValueError(
-            f"dim={dim} is out of range for {path} of shape {tuple(t.shape)} "
-            f"(valid: {-t.dim()}..{t.dim() - 1}); pass the batch dimension as DataParallel(dim=...)"
-        )
-
-
-def _num_chunks(args: tuple[Any, ...], kwargs: dict[str, Any], dim: int, devices: int) -> int:
-    """Replicas to run: one per device, fewer if the batch is smaller (at least one)."""
-    sizes = [devices]
-    for path, t in _tensors((args, kwargs), "inputs"):
-        if t.dim() > 0:  # 0-dim tensors are replicated, not split
-            _check_dim(t, dim, path)
-            sizes.append(t.size(dim))
-    return max(1, min(sizes))
-
-
-def _rebuild(like: Any, items: Sequence[Any]) -> Any:
-    if isinstance(like, tuple) and hasattr(like, "_fields"):  # namedtuple
-        return type(like)(*items)
-    return type(like)(items)
-
-
-def _scatter(obj: Any, devices: list[torch.device], dim: int) -> list[Any]:
-    """One copy of ``obj`` per device: tensors split along ``dim`` (3 + 2 for 5 on 2 devices)."""
-    if isinstance(obj, torch.Tensor):
-        if obj.dim() == 0:
-            return [obj.to(d) for d in devices]
-        chunks = torch.tensor_split(obj, len(devices), dim)
-        return [chunk.to(d) for chunk, d in zip(chunks, devices)]
-    if isinstance(obj, list | tuple):
-        parts = [_scatter(item, devices, dim) for item in obj]
-        return [_rebuild(obj, [p[i] for p in parts]) for i in range(len(devices))]
-    if isinstance(obj, dict):
-        parts_by_key = {k: _scatter(v, devices, dim) for k, v in obj.items()}
-        return [type(obj)((k, p[i]) for k, p in parts_by_key.items()) for i in range(len(devices))]
-    return [obj] * len(devices)  # anything else is passed to every replica as is
-
-
-def _gather(outputs: list[Any], device: torch.device, dim: int, path: str = "output") -> Any:
-    """Concatenate the replicas' outputs along ``dim`` on ``device``, recursing into containers."""
-    first = outputs[0]
-    if isinstance(first, torch.Tensor):
-        if first.dim() == 0:
-            warnings.warn(
-                "DataParallel: the replicas returned scalars; gathering them into a vector of one "
-                "value per replica (reduce it, e.g. .mean(), or return per-sample values)",
-                stacklevel=2,
-            )
-            return torch.stack([o.to(device) for o in outputs])
-        _check_dim(first, dim, path)
-        return torch.cat([o.to(device) for o in outputs], dim)
-    if first is None:
-        return None
-    if isinstance(first, list | tuple):
-        items = [
-            _gather(list(col), device, dim, f"{path}[{i}]") for i, col in enumerate(zip(*outputs))
-        ]
-        return _rebuild(first, items)
-    if isinstance(first, dict):
-        return type(first)(
-            (k, _gather([o[k] for o in outputs], device, dim, f"{path}[{k!r}]")) for k in first
-        )
-    raise TypeError(
-        f"DataParallel cannot gather {path} of type {type(first).__name__}; "
-        "return tensors, or tuples, lists or dicts of them"
-    )
 
 
 # --- replicate -----------------------------------------------------------------------------------
@@ -338,16 +256,16 @@ class DataParallel(nn.Module):
         if not self.device_ids or self.output_device is None:
             return self.module(*args, **kwargs)
         self._check_module_device()
-        n = _num_chunks(args, kwargs, self.dim, len(self.device_ids))
+        n = num_chunks(args, kwargs, self.dim, len(self.device_ids))
         devices = self.device_ids[:n]
-        scattered_args = _scatter(args, devices, self.dim)
-        scattered_kwargs = _scatter(kwargs, devices, self.dim)
+        scattered_args = scatter(args, devices, self.dim)
+        scattered_kwargs = scatter(kwargs, devices, self.dim)
         if n == 1:  # nothing to parallelise: the module itself, output moved like a gather
             out = self.module(*scattered_args[0], **scattered_kwargs[0])
-            return _scatter(out, [self.output_device], 0)[0]  # a one-device scatter moves
+            return scatter(out, [self.output_device], 0)[0]  # a one-device scatter moves
         replicas = _replicate(self.module, devices)
         outputs = _parallel_apply(replicas, scattered_args, scattered_kwargs, devices)
-        return _gather(outputs, self.output_device, self.dim)
+        return gather(outputs, self.output_device, self.dim)
 
     def _check_module_device(self) -> None:
         source = self.device_ids[0]
