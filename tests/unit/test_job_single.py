@@ -62,3 +62,14 @@ def test_save_needs_a_directory() -> None:
         job.setup(nn.Linear(2, 2))
         with pytest.raises(ValueError, match="checkpoint_dir"):
             job.save()
+
+
+def test_profile_dir_writes_a_trace_through_the_job(tmp_path: Path) -> None:
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+    with phalanx.Job(strategy="single", profile_dir=tmp_path) as job:
+        model, _ = job.setup(nn.Linear(4, 1))
+        job.optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x, y in job.progress(job.loader(data, batch_size=4)):
+            job.backward(nn.functional.mse_loss(model(x), y))
+            job.step()
+    assert (tmp_path / "rank0.pt.trace.json").stat().st_size > 0
