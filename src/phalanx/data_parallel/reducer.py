@@ -32,11 +32,13 @@ class UnusedParameterError(RuntimeError):
 
 
 class _Bucket:
-    def __init__(self, index: int, plan: BucketPlan, params: list[nn.Parameter]) -> None:
+    def __init__(
+        self, index: int, plan: BucketPlan, params: list[nn.Parameter], extra: int = 0
+    ) -> None:
         self.index = index
         self.params = params
         device, dtype = params[0].device, params[0].dtype
-        self.buffer = torch.zeros(plan.numel, dtype=dtype, device=device)
+        self.buffer = torch.zeros(plan.numel + extra, dtype=dtype, device=device)
         self.views = [
             self.buffer[o : o + p.numel()].view_as(p) for o, p in zip(plan.offsets, params)
         ]
@@ -56,6 +58,7 @@ class Reducer:
         find_unused: bool,
         grad_as_bucket_view: bool,
         first_bucket_bytes: int | None = None,
+        join_flag: bool = False,
     ) -> None:
         self.group = group
         self.world_size = dist.get_world_size(group)
@@ -71,14 +74,20 @@ class Reducer:
             bucket_cap_bytes, 1024 * 1024
         )  # fmt: skip
         self.plans = plan_buckets(specs, bucket_cap_bytes, first)
+        # join_flag: one extra element after the last bucket's gradients carries "this rank is
+        # still training" (1) or "joined, shadowing" (0), so a joined rank learns from the
+        # round itself whether anyone still trains — no extra collective per step.
+        self.join_flag = join_flag
+        last = len(self.plans) - 1
         self.buckets = [
-            _Bucket(i, plan, [self.params[j] for j in plan.params])
+            _Bucket(i, plan, [self.params[j] for j in plan.params], int(join_flag and i == last))
             for i, plan in enumerate(self.plans)
         ]
         self.where: list[tuple[int, int]] = [(0, 0)] * len(self.params)
         for b in self.buckets:
             for k, j in enumerate(self.plans[b.index].params):
                 self.where[j] = (b.index, k)
+        self.shadowing = False
         self.wait_seconds = 0.0
         """Time spent at the end of backward waiting for communication (exposed comm)."""
         self.hook: Hook | None = None
@@ -158,6 +167,8 @@ class Reducer:
             self.next_launch += 1
 
     def _communicate(self, bucket: _Bucket) -> torch.futures.Future[torch.Tensor]:
+        if self.join_flag and bucket.index == len(self.buckets) - 1:
+            bucket.buffer[-1] = 0.0 if self.shadowing else 1.0
         if self.hook is not None:
             gb = GradBucket(
                 bucket.index, bucket.buffer, list(bucket.views), list(bucket.params),
@@ -247,18 +258,25 @@ class Reducer:
         )
 
     # ---- Join: shadow the collectives of one iteration with zeros -----------------------------
-    def shadow_iteration(self) -> None:
-        """Issue this iteration's bucket collectives with zero gradients (joined rank)."""
-        for b in self.buckets:
-            b.buffer.zero_()
-            b.pending = 0
-        self._launch_ready()
-        if self.find_unused:
-            c.all_reduce(self._used_map().zero_(), dist.ReduceOp.SUM, self.group)
-        for b in self.buckets:
-            if b.future is not None:
-                b.future.wait()
-        self._reset()
+    def shadow_iteration(self) -> bool:
+        """Issue this iteration's bucket collectives with zero gradients (joined rank).
+
+        Returns:
+            With ``join_flag``: whether any rank still trained in this round (else True).
+        """
+        self.shadowing = True
+        try:
+            for b in self.buckets:
+                b.buffer.zero_()
+                b.pending = 0
+            self._launch_ready()
+            if self.find_unused:
+                c.all_reduce(self._used_map().zero_(), dist.ReduceOp.SUM, self.group)
+            self._drain()
+            return not self.join_flag or bool(self.buckets[-1].buffer[-1] > 0)
+        finally:
+            self.shadowing = False
+            self._reset()
 
 
 def _work_future(work: Any, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:

@@ -8,8 +8,9 @@ as ``phalanx.DistributedDataParallel``. Differences from Horovod, all deliberate
   same collectives in the same order, as with ``torch.distributed``); handles are objects;
 * ``broadcast_object`` / ``allgather_object`` never unpickle: they carry plain data and tensors;
 * ``Adasum`` is not supported; a process set is a ``torch.distributed`` process group;
-* ``join()`` is a rendezvous returning the last rank to arrive; it does not shadow the
-  collectives of ranks still training.
+* ``join()`` shadows the ``DistributedOptimizer`` gradient all-reduces of ranks still training
+  (zeros) and returns the last rank to arrive; other collectives issued inside the training
+  loop cannot be shadowed.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -97,6 +98,10 @@ def _difference(ref: list[Any], other: list[Any], rank: int) -> str:
     return f"{head}: {len(ref)} parameters on the first rank, {len(other)} on rank {rank}"
 
 
+LIVE: weakref.WeakSet[GradientSync] = weakref.WeakSet()
+"""Every DistributedOptimizer's gradient sync, for ``join()`` to shadow."""
+
+
 class GradientSync:
     """Owns the reducer, the pass counter and the catch-up all-reduce of one optimizer."""
 
@@ -116,7 +121,8 @@ class GradientSync:
         self._handles = [p.register_post_accumulate_grad_hook(self._prepare_hook(j))
                          for j, p in enumerate(self.params)]  # fmt: skip
         self.reducer = Reducer(named, group, cap_bytes, find_unused, grad_as_bucket_view=False,
-                               first_bucket_bytes=first_bucket_bytes)  # fmt: skip
+                               first_bucket_bytes=first_bucket_bytes, join_flag=True)  # fmt: skip
+        LIVE.add(self)
         self.reducer.hook = make_comm_hook(op, compression, predivide)
         self.reducer.hook_state = group
         self._arm()

@@ -1,10 +1,13 @@
 """``join()`` and ``barrier()``: points where every rank waits for the others.
 
 ``join()`` returns the rank that arrived last, as Horovod's does. Arrival order comes from an
-atomic counter in the job's rendezvous store (a collective cannot tell who came last). Unlike
-Horovod, a rank waiting in ``join()`` does not take part in the collectives of ranks still
-training: give every rank the same number of batches (``DistributedSampler`` does), or use
-``phalanx.DistributedDataParallel.join()`` for uneven inputs.
+atomic counter in the job's rendezvous store (a collective cannot tell who came last). While it
+waits, a joined rank takes part in the gradient all-reduces of the ranks still training, with
+zero gradients (the average still divides by the world size, as in Horovod and torch's Join):
+the last bucket of every ``DistributedOptimizer`` carries a "still training" flag, so the joined
+rank learns from each round whether another one follows. Other collectives issued by the ranks
+still training (a metric all-reduce inside the loop) cannot be shadowed: call them after
+``join()``.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from torch.distributed import distributed_c10d
 from phalanx.comm import collectives as c
 from phalanx.comm.errors import CollectiveTimeoutError
 from phalanx.horovod.basics import ProcessSet, check_group
+from phalanx.horovod.grad_sync import LIVE
 
 __all__ = ["barrier", "join"]
 
@@ -39,6 +43,7 @@ def join(device: int = -1) -> int:
     """
     global _JOINS
     check_group(None)
+    _shadow_until_everyone_joined()
     store = distributed_c10d._get_default_store()
     prefix = f"phalanx/hvd-join/{_JOINS}/"
     _JOINS += 1
@@ -55,6 +60,18 @@ def join(device: int = -1) -> int:
             f"({_timeout(store)}); every rank must call join() once its data is exhausted"
         ) from exc
     return int(store.get(f"{prefix}last"))
+
+
+def _shadow_until_everyone_joined() -> None:
+    syncs = list(LIVE)
+    if not syncs:
+        return
+    while True:
+        still_training = False
+        for sync in syncs:
+            still_training |= sync.reducer.shadow_iteration()
+        if not still_training:
+            return
 
 
 def _timeout(store: dist.Store) -> str:
