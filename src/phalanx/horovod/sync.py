@@ -43,14 +43,14 @@ def join(device: int = -1) -> int:
     """
     global _JOINS
     check_group(None)
-    _shadow_until_everyone_joined()
     store = distributed_c10d._get_default_store()
     prefix = f"phalanx/hvd-join/{_JOINS}/"
     _JOINS += 1
     me, size = dist.get_rank(), dist.get_world_size()
     store.set(f"{prefix}{me}", "1")
-    if store.add(f"{prefix}count", 1) == size:
+    if store.add(f"{prefix}count", 1) == size:  # arrival order, before any shadowing
         store.set(f"{prefix}last", str(me))
+    _shadow_until_everyone_joined()
     try:
         store.wait([f"{prefix}last"])
     except Exception as exc:  # the store's timeout, or a store that went away
