@@ -15,6 +15,7 @@ USAGE = """usage: phalanx <command> [args]
 commands:
   run      launch a training script on N processes / machines (torchrun's flags)
   bench    benchmarks: `phalanx bench comm|ddp|checkpoint [--quick]` (ours vs torch, same run)
+  plan     model-state memory per device for DDP and ZeRO-1/2/3 (the ZeRO paper's formulas)
   doctor   check torch, backends, GPUs, network interfaces and ports
 """
 
@@ -40,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
         return launch.main(rest)
     if command == "bench":
         return _bench(rest)
+    if command == "plan":
+        from phalanx.plan import cli as plan_cli
+
+        return plan_cli.main(rest)
     if command == "doctor":
         from phalanx import doctor
 
