@@ -73,3 +73,17 @@ def test_profile_dir_writes_a_trace_through_the_job(tmp_path: Path) -> None:
             job.backward(nn.functional.mse_loss(model(x), y))
             job.step()
     assert (tmp_path / "rank0.pt.trace.json").stat().st_size > 0
+
+
+def test_a_save_before_any_batch_resumes_the_same_epoch(tmp_path: Path) -> None:
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+    with phalanx.Job(strategy="single", checkpoint_dir=tmp_path) as job:
+        job.setup(nn.Linear(4, 1))
+        job.loader(data, batch_size=4)
+        for _ in job.epochs(3):
+            job.save()  # at the start of epoch 0: nothing of it has been trained yet
+            break
+    with phalanx.Job(strategy="single", checkpoint_dir=tmp_path) as job:
+        job.setup(nn.Linear(4, 1))
+        job.loader(data, batch_size=4)
+        assert next(iter(job.epochs(3))) == 0

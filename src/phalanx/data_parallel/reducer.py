@@ -182,7 +182,7 @@ class Reducer:
                 if not done:
                     view.div_(self.world_size)
         work = c.all_reduce(bucket.buffer, dist.ReduceOp.SUM, self.group, async_op=True)
-        return _work_future(work, bucket.buffer)
+        return _WaitFuture(work, bucket.buffer)  # type: ignore[return-value]
 
     # ---- end of backward: the single wait site ----------------------------------------------
     def finalize(self) -> None:
@@ -277,12 +277,6 @@ class Reducer:
         finally:
             self.shadowing = False
             self._reset()
-
-
-def _work_future(work: Any, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    """A future that completes with ``buffer`` once ``work`` has; waits through phalanx."""
-    fut: torch.futures.Future[torch.Tensor] = _WaitFuture(work, buffer)  # type: ignore[assignment]
-    return fut
 
 
 class _WaitFuture:

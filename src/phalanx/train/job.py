@@ -267,12 +267,9 @@ class Job:
         return self.epoch
 
     def _epoch_done(self) -> bool:
-        sampler = self.sampler
-        return (
-            sampler is None
-            or getattr(sampler, "position", 0) == 0
-            or (getattr(sampler, "position", 0) >= len(sampler))
-        )
+        # Without a resumable position the epoch can only be redone whole: count it as done.
+        position = getattr(self.sampler, "position", None)
+        return position is None or position >= len(self.sampler)
 
     def summary(self) -> dict[str, float]:
         """Samples/s over the job and the share of step time spent waiting for communication."""
