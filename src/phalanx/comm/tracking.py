@@ -13,6 +13,7 @@ collective and compares all of them; every rank raises the same
 
 from __future__ import annotations
 
+import atexit
 import json
 import re
 import sys
@@ -30,6 +31,7 @@ from phalanx.comm.errors import CollectiveError, CollectiveMismatchError, Collec
 __all__ = ["comm_stats", "enter", "failure", "reset_comm_stats", "start", "stop"]
 
 PUBLISH_INTERVAL_S = 0.5
+PUBLISH_STORE_TIMEOUT_S = 10.0
 POLL = timedelta(seconds=1)
 
 
@@ -50,6 +52,7 @@ class _Tracker:
 
 
 _T: _Tracker | None = None
+_ATEXIT = False
 _RANKS: dict[str, list[int]] = {}
 _CALLS: dict[str, int] = {}
 _BYTES: dict[str, int] = {}
@@ -93,11 +96,19 @@ def start(
     pstore = dist.PrefixStore("phalanx/", store)
     t = _Tracker(pstore, rank, world_size, validate, timeout.total_seconds())
     if world_size > 1:
-        clone = dist.PrefixStore("phalanx/", store.clone())  # type: ignore[attr-defined]
+        raw = store.clone()  # type: ignore[attr-defined]
+        # Bounded store calls let stop() always join the thread: a daemon thread still inside a
+        # store call when the interpreter finalises dies in C++ (std::terminate, SIGABRT).
+        raw.set_timeout(timedelta(seconds=PUBLISH_STORE_TIMEOUT_S))
+        clone = dist.PrefixStore("phalanx/", raw)
         t.thread = threading.Thread(
             target=_publisher, args=(t, clone), name="phalanx-progress", daemon=True
         )
         t.thread.start()
+        global _ATEXIT
+        if not _ATEXIT:
+            atexit.register(stop)  # runs before finalisation, while the thread can still exit
+            _ATEXIT = True
     _T = t
 
 
@@ -107,7 +118,7 @@ def stop() -> None:
     if _T is not None:
         _T.stop_event.set()
         if _T.thread is not None:
-            _T.thread.join(timeout=2)
+            _T.thread.join(timeout=PUBLISH_STORE_TIMEOUT_S + 5)
     _T = None
     _RANKS.clear()
 

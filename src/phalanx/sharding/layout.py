@@ -1,0 +1,119 @@
+"""Pure layout of ZeRO-1/2 shards: parameters -> buckets -> one balanced range per rank.
+
+Parameters (per parameter group, in reverse registration order, as DDP buckets them) are packed
+into buckets; the buckets are laid end to end in one flat buffer that the parameters become
+views of. Each bucket is split by :func:`~phalanx.sharding.partition.partition` into ``world``
+contiguous ranges (sizes within one element), so a rank's shard of a bucket is one contiguous
+slice of the flat buffer: the optimizer steps that slice in place.
+
+Collectives need equal chunks: a bucket travels as a *staging* buffer of ``world * chunk``
+elements in which rank ``r``'s range sits at ``r * chunk`` followed by at most one padding
+element. :class:`Segment` records where each piece of a parameter lands in it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from phalanx.data_parallel.buckets import ParamSpec, plan_buckets
+from phalanx.sharding.partition import Partition, partition
+
+__all__ = ["BucketLayout", "Segment", "ShardLayout", "plan_shards"]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Elements ``param_start : param_start + length`` of flattened parameter ``param``,
+    owned by ``rank``, at ``staging`` in the bucket's staging buffer."""
+
+    param: int
+    param_start: int
+    length: int
+    rank: int
+    staging: int
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """One bucket: its parameters, where it lies in the flat buffer, and its partition."""
+
+    group: int
+    params: tuple[int, ...]
+    """Global parameter indices, in bucket order."""
+    offsets: tuple[int, ...]
+    """Offset of each parameter inside the bucket."""
+    flat_offset: int
+    part: Partition
+    segments: tuple[Segment, ...]
+
+    @property
+    def numel(self) -> int:
+        return self.part.total
+
+    @property
+    def chunk(self) -> int:
+        return self.part.chunk
+
+    def shard(self, rank: int) -> tuple[int, int]:
+        """``rank``'s range in flat-buffer coordinates."""
+        s, e = self.part.bounds[rank]
+        return self.flat_offset + s, self.flat_offset + e
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Every bucket of every parameter group, end to end in one flat buffer."""
+
+    world: int
+    numels: tuple[int, ...]
+    """Elements of each parameter (global index)."""
+    buckets: tuple[BucketLayout, ...]
+
+    @property
+    def total(self) -> int:
+        return sum(self.numels)
+
+    def param_offset(self, index: int) -> int:
+        """Where parameter ``index`` starts in the flat buffer."""
+        for b in self.buckets:
+            if index in b.params:
+                return b.flat_offset + b.offsets[b.params.index(index)]
+        raise KeyError(f"parameter {index} is in no bucket")
+
+
+def _segments(
+    params: list[int], offsets: list[int], numels: list[int], part: Partition
+) -> list[Segment]:
+    out = []
+    chunk = part.chunk
+    for p, off, n in zip(params, offsets, numels):
+        for r, (s, e) in enumerate(part.bounds):
+            lo, hi = max(off, s), min(off + n, e)
+            if lo < hi:
+                out.append(Segment(p, lo - off, hi - lo, r, r * chunk + lo - s))
+    return out
+
+
+def plan_shards(
+    groups: list[list[int]], world: int, element_size: int, cap_bytes: int
+) -> ShardLayout:
+    """Lay out parameter groups (each a list of element counts, global order) for ``world``.
+
+    Buckets never span groups (each group keeps its own hyperparameters). A parameter larger
+    than ``cap_bytes`` gets a bucket of its own.
+    """
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    numels = [n for g in groups for n in g]
+    buckets: list[BucketLayout] = []
+    flat = first = 0
+    for gi, group in enumerate(groups):
+        specs = [ParamSpec(first + i, n, element_size, "f", "d") for i, n in enumerate(group)]
+        first += len(group)
+        for plan in plan_buckets(specs, cap_bytes, first_cap_bytes=0) if specs else []:
+            part = partition(plan.numel, world)
+            sizes = [numels[p] for p in plan.params]
+            segs = _segments(list(plan.params), list(plan.offsets), sizes, part)
+            buckets.append(BucketLayout(gi, plan.params, plan.offsets, flat, part, tuple(segs)))
+            flat += plan.numel
+    return ShardLayout(world, tuple(numels), tuple(buckets))

@@ -1,0 +1,46 @@
+"""The pure ZeRO-1/2 layout: buckets, balanced per-rank ranges and staging segments."""
+
+from __future__ import annotations
+
+import pytest
+
+from phalanx.sharding.layout import plan_shards
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("cap_bytes", [16, 100, 1 << 20])
+def test_every_element_is_owned_once_and_lands_in_its_ranks_staging_slot(
+    world: int, cap_bytes: int
+) -> None:
+    groups = [[70, 7, 21, 3], [5, 1, 40]]
+    layout = plan_shards(groups, world, 4, cap_bytes)
+    assert layout.total == sum(map(sum, groups))
+    seen = {i: [0] * n for i, n in enumerate(layout.numels)}
+    flat_end = 0
+    for b in layout.buckets:
+        assert b.flat_offset == flat_end  # buckets lie end to end
+        flat_end += b.numel
+        sizes = [e - s for s, e in b.part.bounds]
+        assert max(sizes) - min(sizes) <= 1  # balanced
+        slots = set()
+        for seg in b.segments:
+            s, e = b.part.bounds[seg.rank]
+            slot = range(seg.staging, seg.staging + seg.length)
+            assert seg.rank * b.chunk <= slot.start and slot.stop <= seg.rank * b.chunk + e - s
+            assert not slots & set(slot)
+            slots |= set(slot)
+            for k in range(seg.param_start, seg.param_start + seg.length):
+                seen[seg.param][k] += 1
+    assert flat_end == layout.total
+    assert all(c == 1 for counts in seen.values() for c in counts)
+
+
+def test_buckets_never_mix_groups_and_hold_the_last_parameters_first() -> None:
+    layout = plan_shards([[10, 10], [10, 10]], 2, 4, 1 << 20)
+    assert [(b.group, b.params) for b in layout.buckets] == [(0, (1, 0)), (1, (3, 2))]
+    assert layout.param_offset(1) == 0 and layout.param_offset(0) == 10
+
+
+def test_bad_world_is_named() -> None:
+    with pytest.raises(ValueError, match="world must be >= 1, got 0"):
+        plan_shards([[3]], 0, 4, 16)
