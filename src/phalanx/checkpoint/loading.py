@@ -27,8 +27,10 @@ from phalanx.checkpoint.manifest import (
 )
 from phalanx.checkpoint.rng import restore as restore_rng
 from phalanx.checkpoint.saving import rank_section_name
+from phalanx.checkpoint.sharded import as_sharded, is_sharded_in, read_sharded
 from phalanx.checkpoint.state import load_into, load_model, read_section
 from phalanx.checkpoint.sync import Session, open_session
+from phalanx.sharding.zero_state import full_from_pieces
 
 __all__ = ["CheckpointInfo", "load"]
 
@@ -105,14 +107,46 @@ class _Targets:
     strict: bool
 
 
+def _load_model(
+    ckpt: Path, manifest: Manifest, model: nn.Module, sharded: Any, strict: bool
+) -> None:
+    where = str(ckpt / "model.safetensors")
+    if is_sharded_in(manifest, "model"):
+        meta, reader = read_sharded(ckpt, manifest, "model")
+        if sharded is not None:
+            sharded.load_sharded_state(meta, reader)
+            return
+        full = {k: reader.full(k) for k in reader.keys()}  # noqa: SIM118
+        load_model(model, full, strict, where)
+    elif (sd := _section(ckpt, manifest, "model", strict)) is not None:
+        if sharded is not None:
+            sharded.load_state_dict(sd)
+        else:
+            load_model(model, sd, strict, where)
+
+
+def _load_optimizer(ckpt: Path, manifest: Manifest, opt: Any, sharded: Any, strict: bool) -> None:
+    where = str(ckpt / "optimizer.json")
+    if is_sharded_in(manifest, "optimizer"):
+        meta, reader = read_sharded(ckpt, manifest, "optimizer")
+        if sharded is not None:
+            sharded.load_sharded_state(meta, reader)
+        else:
+            load_into(opt, full_from_pieces(meta, reader), "optimizer", where)
+    elif (sd := _section(ckpt, manifest, "optimizer", strict)) is not None:
+        load_into(sharded if sharded is not None else opt, sd, "optimizer", where)
+
+
 def _restore(ckpt: Path, session: Session, to: _Targets) -> CheckpointInfo:
     manifest = read_manifest(ckpt)
     notes: list[str] = []
-    if to.model is not None and (sd := _section(ckpt, manifest, "model", to.strict)) is not None:
-        load_model(to.model, sd, to.strict, str(ckpt / "model.safetensors"))
-    for what, obj in (("optimizer", to.optimizer), ("scheduler", to.scheduler)):
-        if obj is not None and (sd := _section(ckpt, manifest, what, to.strict)) is not None:
-            load_into(obj, sd, what, str(ckpt / f"{what}.json"))
+    sharded_model, sharded_opt = as_sharded(to.model, to.optimizer)
+    if to.model is not None:
+        _load_model(ckpt, manifest, to.model, sharded_model, to.strict)
+    if to.optimizer is not None:
+        _load_optimizer(ckpt, manifest, to.optimizer, sharded_opt, to.strict)
+    if to.scheduler is not None and (sd := _section(ckpt, manifest, "scheduler", to.strict)):
+        load_into(to.scheduler, sd, "scheduler", str(ckpt / "scheduler.json"))
     own = _rank_state(ckpt, manifest, session, notes)
     if to.sampler is not None:
         if own["sampler"] is None:

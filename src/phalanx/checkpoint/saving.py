@@ -27,6 +27,7 @@ from torch import nn
 
 from phalanx.checkpoint import atomic, catalog, rng, structure
 from phalanx.checkpoint.manifest import MANIFEST, CheckpointError, FileEntry, Manifest
+from phalanx.checkpoint.sharded import as_sharded, shard_section
 from phalanx.checkpoint.state import Section, parallel, unwrap
 from phalanx.checkpoint.sync import Session, open_session
 
@@ -79,9 +80,10 @@ def _write_sections(
 
 def _replicated(req: _Request) -> list[Section]:
     sections = []
-    if req.model is not None:
+    sharded_model, sharded_opt = as_sharded(req.model, req.optimizer)
+    if req.model is not None and sharded_model is None:
         sections.append(Section.of("model", unwrap(req.model).state_dict(), "model state"))
-    if req.optimizer is not None:
+    if req.optimizer is not None and sharded_opt is None:
         sections.append(Section.of("optimizer", req.optimizer.state_dict(), "optimizer state"))
     if req.scheduler is not None:
         sections.append(Section.of("scheduler", req.scheduler.state_dict(), "scheduler state"))
@@ -137,8 +139,10 @@ def _temp_dir(root: Path, step: int, token: str) -> str:
     return str(catalog.make_temp_dir(root, step, token))
 
 
-def _own_files(tmp: Path, rank: int, rng_state: dict[str, Any], sampler: Any) -> Any:
-    """Write this rank's RNG and sampler state; return the file entries or the exception."""
+def _own_files(
+    tmp: Path, rank: int, rng_state: dict[str, Any], sampler: Any, sharded: dict[str, Any]
+) -> Any:
+    """Write this rank's RNG, sampler and shard state; return the file entries or the exception."""
     if not tmp.is_dir():
         return CheckpointError(
             f"rank {rank} does not see {tmp}, which rank 0 created: the checkpoint directory "
@@ -147,7 +151,9 @@ def _own_files(tmp: Path, rank: int, rng_state: dict[str, Any], sampler: Any) ->
     try:
         sampler_state = None if sampler is None else sampler.state_dict()
         state = {"rank": rank, "rng": rng_state, "sampler": sampler_state}
-        return _write_sections(tmp, [Section.of(rank_section_name(rank), state, "rank state")])
+        sections = [Section.of(rank_section_name(rank), state, "rank state")]
+        sections += [shard_section(what, rank, obj) for what, obj in sharded.items()]
+        return _write_sections(tmp, sections)
     except Exception as exc:
         return exc
 
@@ -170,8 +176,11 @@ def save(
         directory: Where checkpoints live (one ``step-NNNNNN`` directory each); on a
             filesystem that every rank sees.
         step: Training step (an int >= 0); names the checkpoint.
-        model: A module, or a DDP / DataParallel wrapper (its ``.module`` is saved).
-        optimizer: Any ``torch.optim.Optimizer`` (tensors to safetensors, the rest JSON).
+        model: A module, or a DDP / DataParallel wrapper (its ``.module`` is saved). A ZeRO-3
+            model is saved as per-rank pieces (see :mod:`phalanx.checkpoint.sharded`).
+        optimizer: Any ``torch.optim.Optimizer`` (tensors to safetensors, the rest JSON); a
+            ZeRO optimizer (or one over a ZeRO-3 model) is saved as per-rank pieces, which
+            load at any world size.
         scheduler: An LR scheduler (its state dict must be JSON-able, tensors allowed).
         sampler: Anything with JSON-able ``state_dict()`` / ``load_state_dict()``; per rank.
         extra: JSON-able dict returned by :func:`load` as ``CheckpointInfo.extra``.
@@ -194,7 +203,11 @@ def save(
     session = open_session(group)
     try:
         tmp = Path(session.share("tmpdir", partial(_temp_dir, root, step, session.token)))
-        own = _own_files(tmp, session.rank, rng_state, sampler)
+        sharded_model, sharded_opt = as_sharded(model, optimizer)
+        sharded = {"model": sharded_model, "optimizer": sharded_opt}
+        own = _own_files(
+            tmp, session.rank, rng_state, sampler, {k: v for k, v in sharded.items() if v}
+        )
         if session.rank != 0:
             return _peer(session, own)
         req = _Request(step, model, optimizer, scheduler, extra_tree, keep_last)

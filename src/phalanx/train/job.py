@@ -31,7 +31,7 @@ from torch import nn
 
 from phalanx.comm import group as pg
 from phalanx.train.precision import Precision
-from phalanx.train.strategies import get_strategy
+from phalanx.train.strategies import get_optimizer_hook, get_strategy
 
 __all__ = ["Job"]
 
@@ -121,10 +121,22 @@ class Job:
 
         Build the optimizer on the unwrapped model's parameters before calling this (the
         strategies here keep parameter identity), or pass None and build it afterwards on the
-        returned model and assign ``job.optimizer``.
+        returned model and assign ``job.optimizer``. ZeRO strategies need it here: they return
+        a sharded optimizer of the same class and options (use the returned one).
         """
         model.to(self.world.device)
         wrapped = self._wrap(model, self.world)
+        rebuild = get_optimizer_hook(self.strategy)
+        if rebuild is not None:
+            if optimizer is None:
+                raise ValueError(
+                    f"strategy={self.strategy!r} rebuilds the optimizer in its sharded form: "
+                    f"pass it to Job.setup(model, optimizer)"
+                )
+            sharded = rebuild(wrapped, optimizer, self.world)
+            if scheduler is not None:
+                _repoint(scheduler, sharded)
+            optimizer = sharded
         self.precision.wrap_forward(wrapped)
         self.model, self.optimizer, self.scheduler = wrapped, optimizer, scheduler
         self._arm_sync()
@@ -188,9 +200,10 @@ class Job:
     def _arm_sync(self) -> None:
         # DDP decides at *forward* time whether the coming backward communicates (torch's and
         # ours alike), so the flag is set before each micro-step's forward, not in backward.
-        if self.model is not None and hasattr(self.model, "require_backward_grad_sync"):
-            last = self._micro + 1 >= self.grad_accum or self._last_batch
-            setattr(self.model, "require_backward_grad_sync", last)  # noqa: B010
+        last = self._micro + 1 >= self.grad_accum or self._last_batch
+        for owner in (self.model, self.optimizer):  # DDP and ZeRO-3 models; ZeRO-2 optimizers
+            if owner is not None and hasattr(owner, "require_backward_grad_sync"):
+                setattr(owner, "require_backward_grad_sync", last)  # noqa: B010
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss / grad_accum``; gradients sync only on the last micro-step."""
@@ -233,6 +246,14 @@ class Job:
             raise ValueError("Job.save() needs Job(checkpoint_dir=...)")
         from phalanx import checkpoint
 
+        if self.strategy == "torch-fsdp":
+            raise ValueError(
+                "Job.save() does not checkpoint strategy='torch-fsdp' (a benchmark baseline whose "
+                "parameters are DTensors); use strategy='zero3' for resumable sharded training"
+            )
+        consolidate = getattr(self.optimizer, "consolidate_state_dict", None)
+        if consolidate is not None:  # torch's ZeroRedundancyOptimizer gathers to rank 0 first
+            consolidate(to=0)
         return checkpoint.save(
             self.checkpoint_dir,
             self.step_count,
@@ -314,6 +335,24 @@ class _Timer:
             "comm_share": min(1.0, comm_seconds / secs),
             "train_seconds": self.seconds,
         }
+
+
+def _repoint(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Point an LR scheduler built on the user's optimizer at its sharded rebuild.
+
+    The rebuild copied the parameter groups (``lr``, ``initial_lr``) the scheduler set up; its
+    ``step`` gets the same marker torch's scheduler puts on an optimizer it wraps, so the
+    "scheduler stepped before optimizer" check still works.
+    """
+    scheduler.optimizer = optimizer
+    step = optimizer.step
+
+    def marked(*args: Any, **kwargs: Any) -> Any:
+        optimizer._opt_called = True  # type: ignore[attr-defined]
+        return step(*args, **kwargs)
+
+    marked._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = marked  # type: ignore[method-assign]
 
 
 def _seed_everything(seed: int) -> None:

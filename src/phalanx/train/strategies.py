@@ -1,7 +1,9 @@
 """Strategies by name: how the job API wraps a model for distributed training.
 
-A strategy is a function ``wrap(model, world) -> nn.Module``. Later strategies (ZeRO, pipeline,
-tensor parallel, parameter server) register themselves here under their own names.
+A strategy is a function ``wrap(model, world) -> nn.Module``, plus, for strategies that shard
+optimizer state (ZeRO), ``optimizer(wrapped, optimizer, world) -> optimizer`` which rebuilds the
+user's optimizer (same class and hyperparameters) in the strategy's form. Later strategies
+(pipeline, tensor parallel, parameter server) register themselves here under their own names.
 """
 
 from __future__ import annotations
@@ -13,17 +15,37 @@ from torch import nn
 
 from phalanx.comm.group import World
 
-__all__ = ["Strategy", "get_strategy", "register_strategy", "strategy_names"]
+__all__ = [
+    "OptimizerHook",
+    "Strategy",
+    "get_optimizer_hook",
+    "get_strategy",
+    "register_strategy",
+    "strategy_names",
+]
 
 Strategy = Callable[[nn.Module, World], nn.Module]
+OptimizerHook = Callable[[nn.Module, torch.optim.Optimizer, World], torch.optim.Optimizer]
 _REGISTRY: dict[str, Strategy] = {}
+_OPTIMIZERS: dict[str, OptimizerHook] = {}
 
 
-def register_strategy(name: str, wrap: Strategy, *, replace: bool = False) -> None:
-    """Make ``wrap`` available as ``Job(strategy=name)``."""
+def register_strategy(
+    name: str, wrap: Strategy, *, optimizer: OptimizerHook | None = None, replace: bool = False
+) -> None:
+    """Make ``wrap`` (and optimizer rebuild ``optimizer``) available as ``Job(strategy=name)``."""
     if name in _REGISTRY and not replace:
         raise ValueError(f"strategy {name!r} is already registered; pass replace=True")
     _REGISTRY[name] = wrap
+    _OPTIMIZERS.pop(name, None)
+    if optimizer is not None:
+        _OPTIMIZERS[name] = optimizer
+
+
+def get_optimizer_hook(name: str) -> OptimizerHook | None:
+    """How strategy ``name`` rebuilds the optimizer, or None when it keeps the user's."""
+    get_strategy(name)
+    return _OPTIMIZERS.get(name)
 
 
 def strategy_names() -> list[str]:
@@ -77,3 +99,6 @@ register_strategy("ddp", _ddp)
 register_strategy("torch-ddp", _torch_ddp)
 register_strategy("dp", _dp)
 register_strategy("single", _single)
+
+
+from phalanx.train import zero_strategies  # noqa: E402,F401  (registers zero1/2/3 and baselines)
