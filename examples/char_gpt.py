@@ -47,6 +47,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def build_model() -> GPT:
+    """The model ``main`` trains, with the default flags (for ``phalanx plan``)."""
+    args = parse_args([])
+    config = GPTConfig(char_corpus("shakespeare").vocab_size, args.block_size, args.n_layer,
+                       args.n_head, args.n_embd, dropout=args.dropout)  # fmt: skip
+    return GPT(config)
+
+
+def example_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One training micro-batch ``(x, y)`` of ``batch_size`` windows (for ``phalanx plan``)."""
+    args = parse_args([])
+    train_data, _ = char_corpus("shakespeare").split(0.9)
+    return random_windows(train_data, args.block_size, batch_size, torch.Generator().manual_seed(0))
+
+
 def lr_at(step: int, peak: float, warmup: int, total: int) -> float:
     """Linear warmup to ``peak``, then cosine decay to ``peak / 10`` at ``total``."""
     if step < warmup:

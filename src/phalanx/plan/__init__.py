@@ -1,7 +1,8 @@
-"""Memory and communication estimates per strategy (pure functions, no process group)."""
+"""Memory and communication per strategy: estimates (pure functions) and measurements."""
 
 from __future__ import annotations
 
 from phalanx.plan.memory import StrategyEstimate, bytes_per_param, estimate
+from phalanx.plan.report import MemoryReport, memory_report
 
-__all__ = ["StrategyEstimate", "bytes_per_param", "estimate"]
+__all__ = ["MemoryReport", "StrategyEstimate", "bytes_per_param", "estimate", "memory_report"]
