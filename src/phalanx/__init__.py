@@ -46,6 +46,9 @@ from phalanx.comm import (
 from phalanx.data import DistributedSampler
 from phalanx.data_parallel import DataParallel, DistributedDataParallel, SyncBatchNorm
 from phalanx.launch import SpawnError, spawn
+from phalanx.plan import MemoryReport, memory_report
+from phalanx.sharding import ZeroRedundancyOptimizer
+from phalanx.sharding.zero3 import FullyShardedDataParallel
 from phalanx.train import Job
 
 __version__ = "0.1.0"
@@ -57,11 +60,14 @@ __all__ = [
     "DataParallel",
     "DistributedDataParallel",
     "DistributedSampler",
+    "FullyShardedDataParallel",
     "Job",
+    "MemoryReport",
     "ReduceOp",
     "SpawnError",
     "SyncBatchNorm",
     "World",
+    "ZeroRedundancyOptimizer",
     "__version__",
     "all_gather",
     "all_gather_into_tensor",
@@ -83,6 +89,7 @@ __all__ = [
     "is_main",
     "isend",
     "main_first",
+    "memory_report",
     "process_group",
     "recv",
     "reduce",

@@ -44,7 +44,9 @@ def _train(name: str, stage: int) -> dict[str, Any]:
     cls, kw = OPTS[name]
     rank = phalanx.world().rank
     model, twin = _model(), _model()
-    opt = ZeroRedundancyOptimizer(_groups(model), cls, stage=stage, bucket_cap_mb=TINY_BUCKETS, **kw)
+    opt = ZeroRedundancyOptimizer(
+        _groups(model), cls, stage=stage, bucket_cap_mb=TINY_BUCKETS, **kw
+    )
     ddp = DistributedDataParallel(twin)
     ddp_opt = cls(_groups(twin), **kw)
     leftover_grads, grad_bytes = [], []
@@ -131,10 +133,8 @@ def test_no_sync_accumulation_and_global_norm_clipping(stage: int) -> None:
     for step in range(3):
         opt.zero_grad()
         parts = [_batch(step, r) for r in range(2)]
-        loss = sum(
-            nn.functional.mse_loss(model(x[:3]), y[:3]) + nn.functional.mse_loss(model(x[3:]), y[3:])
-            for x, y in parts
-        )
+        mse = nn.functional.mse_loss
+        loss = sum(mse(model(x[:3]), y[:3]) + mse(model(x[3:]), y[3:]) for x, y in parts)
         (loss / 4).backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
         opt.step()

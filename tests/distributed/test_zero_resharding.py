@@ -60,9 +60,9 @@ def _losses(strategy: str, directory: Path, world_size: int) -> list[float]:
     return list(results[0])
 
 
-@pytest.mark.parametrize("strategy", ["zero2"])
+@pytest.mark.parametrize(("strategy", "plain"), [("zero2", "ddp"), ("zero3", "single")])
 def test_save_at_4_resume_at_2_and_1_and_save_at_2_resume_at_4(
-    strategy: str, tmp_path: Path
+    strategy: str, plain: str, tmp_path: Path
 ) -> None:
     # Each run saves only at step SAVE_AT; later runs on the same directory resume from it.
     whole = _losses(strategy, tmp_path / "four", 4)
@@ -76,4 +76,8 @@ def test_save_at_4_resume_at_2_and_1_and_save_at_2_resume_at_4(
     two = _losses(strategy, tmp_path / "two", 2)
     assert two == pytest.approx(whole, rel=1e-5)
     resumed = _losses(strategy, tmp_path / "two", 4)
+    assert resumed == pytest.approx(whole[SAVE_AT:], rel=1e-5)
+    # A job without sharding (plain model and optimizer) resumes from the sharded pieces too.
+    world = 2 if plain == "ddp" else 1
+    resumed = _losses(plain, tmp_path / "two", world)
     assert resumed == pytest.approx(whole[SAVE_AT:], rel=1e-5)

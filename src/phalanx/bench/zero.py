@@ -26,6 +26,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -163,7 +164,7 @@ def _rank_job(cfg: dict[str, Any]) -> dict[str, Any]:
     runs = {impl: _build(impl) for impl in cfg["impls"]}
     out: dict[str, Any] = {i: {"times": []} for i in runs}
     for impl, (model, opt) in runs.items():  # memory and bytes first, one at a time
-        out[impl]["peak_bytes"] = _peak_growth(lambda m=model, o=opt: _step(m, o, x, y), 2)
+        out[impl]["peak_bytes"] = _peak_growth(partial(_step, model, opt, x, y), 2)
         phalanx.reset_comm_stats()
         _step(model, opt, x, y)
         out[impl]["comm_bytes"] = sum(b for _, b in phalanx.comm_stats().values())
@@ -173,7 +174,7 @@ def _rank_job(cfg: dict[str, Any]) -> dict[str, Any]:
         shift = it % len(names)
         for impl in names[shift:] + names[:shift]:
             model, opt = runs[impl]
-            took = _timed(lambda m=model, o=opt: _step(m, o, x, y))
+            took = _timed(partial(_step, model, opt, x, y))
             if it >= cfg["warmup"]:
                 out[impl]["times"].append(took)
     return out

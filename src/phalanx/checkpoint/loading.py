@@ -28,7 +28,7 @@ from phalanx.checkpoint.manifest import (
 from phalanx.checkpoint.rng import restore as restore_rng
 from phalanx.checkpoint.saving import rank_section_name
 from phalanx.checkpoint.sharded import as_sharded, is_sharded_in, read_sharded
-from phalanx.checkpoint.state import load_into, load_model, read_section
+from phalanx.checkpoint.state import load_into, load_model, read_section, unwrap
 from phalanx.checkpoint.sync import Session, open_session
 from phalanx.sharding.zero_state import full_from_pieces
 
@@ -125,14 +125,17 @@ def _load_model(
             load_model(model, sd, strict, where)
 
 
-def _load_optimizer(ckpt: Path, manifest: Manifest, opt: Any, sharded: Any, strict: bool) -> None:
+def _load_optimizer(
+    ckpt: Path, manifest: Manifest, model: nn.Module | None, opt: Any, sharded: Any, strict: bool
+) -> None:
     where = str(ckpt / "optimizer.json")
     if is_sharded_in(manifest, "optimizer"):
         meta, reader = read_sharded(ckpt, manifest, "optimizer")
         if sharded is not None:
             sharded.load_sharded_state(meta, reader)
         else:
-            load_into(opt, full_from_pieces(meta, reader), "optimizer", where)
+            names = [n for n, _ in unwrap(model).named_parameters()] if model is not None else None
+            load_into(opt, full_from_pieces(meta, reader, names), "optimizer", where)
     elif (sd := _section(ckpt, manifest, "optimizer", strict)) is not None:
         load_into(sharded if sharded is not None else opt, sd, "optimizer", where)
 
@@ -144,7 +147,7 @@ def _restore(ckpt: Path, session: Session, to: _Targets) -> CheckpointInfo:
     if to.model is not None:
         _load_model(ckpt, manifest, to.model, sharded_model, to.strict)
     if to.optimizer is not None:
-        _load_optimizer(ckpt, manifest, to.optimizer, sharded_opt, to.strict)
+        _load_optimizer(ckpt, manifest, to.model, to.optimizer, sharded_opt, to.strict)
     if to.scheduler is not None and (sd := _section(ckpt, manifest, "scheduler", to.strict)):
         load_into(to.scheduler, sd, "scheduler", str(ckpt / "scheduler.json"))
     own = _rank_state(ckpt, manifest, session, notes)

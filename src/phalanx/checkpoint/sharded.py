@@ -21,6 +21,7 @@ from torch import nn
 from phalanx.checkpoint import structure
 from phalanx.checkpoint.manifest import CheckpointError, Manifest, safe_path, verify_files
 from phalanx.checkpoint.state import Section, _json
+from phalanx.sharding.shard_optim import optimizer_view
 from phalanx.sharding.state import Piece, PieceReader, Sharded
 
 __all__ = ["as_sharded", "is_sharded_in", "read_sharded", "shard_section", "shard_section_name"]
@@ -35,13 +36,12 @@ def as_sharded(model: nn.Module | None, optimizer: Any) -> tuple[Any, Any]:
     """``(model, optimizer)`` as :class:`Sharded` objects where their state is sharded.
 
     An optimizer over a ZeRO-3 model's flat shards is a plain ``torch.optim`` optimizer; the
-    model knows its layout and gives a sharded view of it (``sharded_optimizer``).
+    model knows its layout (``shard_layout()``) and gives a sharded view of it.
     """
     sharded_model = model if isinstance(model, Sharded) else None
     sharded_opt = optimizer if isinstance(optimizer, Sharded) else None
-    view = getattr(model, "sharded_optimizer", None)
-    if sharded_opt is None and optimizer is not None and callable(view):
-        sharded_opt = view(optimizer)
+    if sharded_opt is None:
+        sharded_opt = optimizer_view(model, optimizer)
     return sharded_model, sharded_opt
 
 

@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from phalanx.sharding.zero import ZeroRedundancyOptimizer
 
 __all__ = [
+    "decode_scalar",
+    "encode_scalar",
     "full_from_pieces",
     "full_state_dict",
     "load_full_state_dict",
@@ -47,7 +49,7 @@ def _split(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, An
     return per_element, {k: v for k, v in state.items() if k not in per_element}
 
 
-def _encode_scalar(key: str, v: Any) -> dict[str, Any]:
+def encode_scalar(key: str, v: Any) -> dict[str, Any]:
     if isinstance(v, torch.Tensor):
         return {"value": v.item(), "dtype": str(v.dtype).removeprefix("torch.")}
     if v is None or isinstance(v, (bool, int, float, str)):
@@ -55,7 +57,7 @@ def _encode_scalar(key: str, v: Any) -> dict[str, Any]:
     raise TypeError(f"optimizer state {key!r} holds a {type(v).__name__}, which cannot be saved")
 
 
-def _decode_scalar(doc: dict[str, Any], device: torch.device) -> Any:
+def decode_scalar(doc: dict[str, Any]) -> Any:
     if "dtype" in doc:
         return torch.tensor(doc["value"], dtype=getattr(torch, doc["dtype"]))
     return doc["value"]
@@ -98,7 +100,7 @@ def sharded_state(opt: ZeroRedundancyOptimizer) -> ShardedState:
     keys: set[str] = set()
     for b, shard in enumerate(opt.shards):
         per_element, rest = _split(opt.optim.state.get(shard, {}))
-        scalars.update({k: _encode_scalar(k, v) for k, v in rest.items()})
+        scalars.update({k: encode_scalar(k, v) for k, v in rest.items()})
         keys.update(per_element)
         for k, t in per_element.items():
             for param, start, length, off in _own_segments(opt, b):
@@ -126,9 +128,7 @@ def load_sharded_state(
         )
     _set_hyperparameters(opt, meta["param_groups"], where)
     for b, shard in enumerate(opt.shards):
-        state: dict[str, Any] = {
-            k: _decode_scalar(v, shard.device) for k, v in meta["scalars"].items()
-        }
+        state: dict[str, Any] = {k: decode_scalar(v) for k, v in meta["scalars"].items()}
         for k in meta["per_element"]:
             t = torch.zeros(
                 shard.numel(),
@@ -141,15 +141,31 @@ def load_sharded_state(
         opt.optim.state[shard] = state
 
 
-def full_from_pieces(meta: dict[str, Any], reader: PieceReader) -> dict[str, Any]:
-    """A ``torch.optim`` state dict assembled from a ZeRO checkpoint's pieces (any world size)."""
-    if meta.get("format") != FORMAT:
+def full_from_pieces(
+    meta: dict[str, Any], reader: PieceReader, names: list[str] | None = None
+) -> dict[str, Any]:
+    """A ``torch.optim`` state dict assembled from a ZeRO checkpoint's pieces (any world size).
+
+    Works for ZeRO-1/2 optimizers and for optimizers over ZeRO-3 shards (whose pieces are keyed
+    by parameter name): a plain optimizer over the unwrapped model's ``parameters()`` loads
+    it, given that model's parameter ``names`` in order.
+    """
+    if "num_params" not in meta or "per_element" not in meta:
         raise ValueError(f"not a ZeRO optimizer checkpoint (format {meta.get('format')!r})")
+    n = int(meta["num_params"])
+    keys = meta.get("param_keys") or [f"param{i}" for i in range(n)]
+    if meta.get("param_keys") and names is not None:
+        if sorted(names) != sorted(keys):
+            raise ValueError(
+                f"the checkpoint's optimizer covers parameters {sorted(keys)}, the model has "
+                f"{sorted(names)}"
+            )
+        keys = names
     state: dict[int, dict[str, Any]] = {}
-    for i in range(int(meta["num_params"])):
-        st = {k: _decode_scalar(v, torch.device("cpu")) for k, v in meta["scalars"].items()}
+    for i in range(n):
+        st = {k: decode_scalar(v) for k, v in meta["scalars"].items()}
         for k in meta["per_element"]:
-            st[k] = reader.full(f"param{i}/{k}")
+            st[k] = reader.full(f"{keys[i]}/{k}")
         state[i] = st
     return {"state": state, "param_groups": meta["param_groups"]}
 

@@ -27,7 +27,7 @@ def _options(group: dict[str, Any]) -> dict[str, Any]:
 def _accepted(cls: type, options: dict[str, Any]) -> dict[str, Any]:
     """The ``options`` that ``cls``'s constructor takes (``defaults`` holds a few it does not,
     e.g. AdamW's ``decoupled_weight_decay``; the parameter groups keep those)."""
-    names = inspect.signature(cls.__init__).parameters
+    names = inspect.signature(cls).parameters
     return {k: v for k, v in options.items() if k in names}
 
 

@@ -1,0 +1,176 @@
+"""ZeRO-3 state: full state dicts (gathered, original keys) and world-size-free sharded pieces.
+
+Keys are always the wrapped module's own state-dict keys, so a checkpoint written from a
+``FullyShardedDataParallel`` loads into the plain model and back, and sharded pieces written
+by N ranks load at any other world size (:mod:`phalanx.sharding.state`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from phalanx.comm import collectives as c
+from phalanx.sharding.state import Piece, PieceReader, ShardedState
+from phalanx.sharding.zero3.unit import Entry, FlatUnit, GroupInfo
+
+__all__ = [
+    "StateLayout",
+    "full_state_dict",
+    "load_full_state_dict",
+    "load_sharded_state",
+    "sharded_state",
+]
+
+
+@dataclass
+class StateLayout:
+    """The original state dict's keys, in order, and where each value now lives."""
+
+    keys: list[str] = field(default_factory=list)
+    params: dict[str, tuple[FlatUnit, Entry]] = field(default_factory=dict)
+    """Every parameter key (tied aliases included) -> its unit and entry."""
+    buffers: dict[str, tuple[nn.Module, str]] = field(default_factory=dict)
+    """Persistent buffer key -> (owning module, buffer name)."""
+
+    @staticmethod
+    def tensor_keys(module: nn.Module) -> list[str]:
+        """``module``'s state-dict keys holding tensors (call before sharding it)."""
+        sd = module.state_dict(keep_vars=True)
+        return [k for k, v in sd.items() if isinstance(v, torch.Tensor)]
+
+    @staticmethod
+    def build(keys: list[str], module: nn.Module, units: list[FlatUnit]) -> StateLayout:
+        """Locate every key of :meth:`tensor_keys` in the units or among the buffers.
+
+        Extra state (``get_extra_state``) is not handled.
+        """
+        layout = StateLayout(keys=list(keys))
+        layout.params = {k: (u, e) for u in units for e in u.entries for k in e.keys}
+        for key in keys:
+            if key not in layout.params:
+                prefix, _, name = key.rpartition(".")
+                layout.buffers[key] = (module.get_submodule(prefix), name)
+        return layout
+
+    def buffer(self, key: str) -> torch.Tensor:
+        mod, name = self.buffers[key]
+        buf = mod._buffers[name]
+        assert buf is not None
+        return buf
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"`` (what :class:`Piece` stores)."""
+    return str(dtype).removeprefix("torch.")
+
+
+@torch.no_grad()
+def gather_flat(unit: FlatUnit) -> torch.Tensor:
+    """The unit's full flat tensor in its original dtype (a collective: every rank calls it)."""
+    out = torch.empty(unit.padded, dtype=unit.dtype, device=unit.device)
+    c.all_gather_into_tensor(out, unit.flat_param.detach(), group=unit.info.group)
+    return out
+
+
+def full_state_dict(
+    layout: StateLayout, units: list[FlatUnit], info: GroupInfo, rank0_only: bool
+) -> dict[str, torch.Tensor]:
+    """Gathered parameters and buffers under the original keys (``{}`` off rank 0 if asked)."""
+    keep = not rank0_only or info.rank == 0
+    values: dict[int, torch.Tensor] = {}  # id(entry) -> full parameter
+    for unit in units:
+        flat = gather_flat(unit)
+        if keep:
+            for e in unit.entries:
+                values[id(e)] = flat[e.offset : e.offset + e.numel].view(e.shape).clone()
+        del flat
+    if not keep:
+        return {}
+    out: dict[str, torch.Tensor] = {}
+    for key in layout.keys:
+        if key in layout.params:
+            out[key] = values[id(layout.params[key][1])]  # tied aliases share one tensor
+        else:
+            out[key] = layout.buffer(key).detach().clone()
+    return out
+
+
+def _pick(keys: list[str], available: Mapping[str, Any] | set[str]) -> str | None:
+    return next((k for k in keys if k in available), None)
+
+
+def missing_keys(layout: StateLayout, available: Mapping[str, Any] | set[str]) -> list[str]:
+    """Keys of ``layout`` with no value in ``available`` (a tied parameter needs one alias)."""
+    missing = [k for k in layout.buffers if k not in available]
+    for entry in {id(e): e for _, e in layout.params.values()}.values():
+        if _pick(entry.keys, available) is None:
+            missing.append(entry.keys[0])
+    return missing
+
+
+@torch.no_grad()
+def load_full_state_dict(
+    layout: StateLayout, units: list[FlatUnit], state: Mapping[str, torch.Tensor], rank: int
+) -> None:
+    """Copy this rank's shard of every full parameter (and every buffer) from ``state``."""
+    missing = missing_keys(layout, state)
+    if missing:
+        raise KeyError(f"[rank {rank}] load_full_state_dict: state is missing keys {missing}")
+    for unit in units:
+        shard = unit.flat_param.detach()
+        for seg in unit.segments:
+            entry = layout.params[seg.key][1]
+            key = _pick(entry.keys, state)
+            assert key is not None
+            value = state[key]
+            if tuple(value.shape) != entry.shape:
+                raise ValueError(
+                    f"[rank {rank}] load_full_state_dict: {key!r} has shape "
+                    f"{tuple(value.shape)}, the model's is {entry.shape}"
+                )
+            n = seg.end - seg.start
+            shard[seg.offset : seg.offset + n].copy_(value.reshape(-1)[seg.start : seg.end])
+    for key in layout.buffers:
+        layout.buffer(key).copy_(state[key])
+
+
+def sharded_state(layout: StateLayout, units: list[FlatUnit], info: GroupInfo) -> ShardedState:
+    """This rank's pieces of every parameter; buffers whole from the group's rank 0."""
+    pieces: list[tuple[Piece, torch.Tensor]] = []
+    for unit in units:
+        shard, dt = unit.flat_param.detach(), dtype_name(unit.dtype)
+        for seg in unit.segments:
+            n = seg.end - seg.start
+            piece = Piece(seg.key, seg.shape, seg.start, seg.end, dt)
+            pieces.append((piece, shard[seg.offset : seg.offset + n]))
+    if info.rank == 0:
+        for key in layout.buffers:
+            buf = layout.buffer(key).detach()
+            piece = Piece(key, tuple(buf.shape), 0, buf.numel(), dtype_name(buf.dtype))
+            pieces.append((piece, buf.reshape(-1).contiguous()))
+    return ShardedState({"zero3_world_size": info.world}, pieces)
+
+
+@torch.no_grad()
+def load_sharded_state(
+    layout: StateLayout, units: list[FlatUnit], reader: PieceReader, rank: int
+) -> None:
+    """Fill this rank's shard from pieces saved at any world size."""
+    available = set(reader.keys())
+    missing = missing_keys(layout, available)
+    if missing:
+        raise KeyError(f"[rank {rank}] load_sharded_state: the checkpoint lacks keys {missing}")
+    for unit in units:
+        shard = unit.flat_param.detach()
+        for seg in unit.segments:
+            key = _pick(layout.params[seg.key][1].keys, available)
+            assert key is not None
+            n = seg.end - seg.start
+            reader.read(key, seg.start, seg.end, out=shard[seg.offset : seg.offset + n])
+    for key in layout.buffers:
+        layout.buffer(key).copy_(reader.full(key))
