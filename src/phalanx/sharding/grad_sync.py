@@ -4,7 +4,8 @@ Stage 2 launches a bucket's reduce-scatter from the parameters' post-accumulate-
 during backward, as soon as the bucket and every bucket before it are complete (all ranks
 launch the same buckets in the same order), and frees each parameter's full gradient once it
 is copied into the bucket's staging buffer: a rank keeps its gradient shard plus at most
-:data:`MAX_IN_FLIGHT` buckets. Stage 1 runs the same reduction at ``step()``.
+:data:`MAX_IN_FLIGHT` buckets. Stage 1 runs the same reduction at ``step()`` (so the full
+gradients, 4Ψ bytes, live from backward to step, as the ZeRO-1 formula counts them).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ class _Flight:
     work: dist.Work | None
     out: torch.Tensor
     staging: torch.Tensor
-    accumulate: bool
 
 
 class ShardSync:
@@ -54,10 +54,7 @@ class ShardSync:
         self._pool = [
             torch.empty(biggest, dtype=flat.dtype, device=flat.device) for _ in range(MAX_IN_FLIGHT)
         ]
-        self._grads = [
-            torch.zeros(b.chunk, dtype=flat.dtype, device=flat.device) for b in layout.buckets
-        ]
-        self._has_grad = [False] * len(layout.buckets)
+        self._grads: list[torch.Tensor | None] = [None] * len(layout.buckets)
         self._bucket_of = {p: i for i, b in enumerate(layout.buckets) for p in b.params}
         self._ready = [0] * len(layout.buckets)
         self._next = 0
@@ -106,23 +103,23 @@ class ShardSync:
         pool = self._staging()
         stage = pool[: bucket.chunk * self.world]
         _fill(stage, bucket, self.params)
-        if self.stage == 2:
-            for p in bucket.params:
-                self.params[p].grad = None
-        accumulate = self._has_grad[index]
-        out = torch.empty_like(self._grads[index]) if accumulate else self._grads[index]
+        for p in bucket.params:  # copied: the full gradient is not needed any more
+            self.params[p].grad = None
+        out = torch.empty(bucket.chunk, dtype=stage.dtype, device=stage.device)
         work = c.reduce_scatter_tensor(out, stage, group=self.group, async_op=True)
-        self._flights.append(_Flight(index, work, out, pool, accumulate))
+        self._flights.append(_Flight(index, work, out, pool))
 
     def _complete(self, flight: _Flight) -> None:
         if flight.work is not None:
             flight.work.wait()
         b = flight.bucket
         flight.out.div_(self.world)  # sum -> average (``out`` is the shard itself when fresh)
-        if flight.accumulate:
-            self._grads[b].add_(flight.out)
-        self._has_grad[b] = True
-        self.shards[b].grad = self._grads[b][: self.shards[b].numel()]
+        grad = self._grads[b]
+        if grad is None:
+            grad = self._grads[b] = flight.out
+        else:
+            grad.add_(flight.out)
+        self.shards[b].grad = grad[: self.shards[b].numel()]
 
     def flush(self) -> None:
         """Launch every bucket not yet launched this pass (in order) and wait for all."""
@@ -141,17 +138,15 @@ class ShardSync:
             self.flush()
 
     def zero_grad(self) -> None:
-        """Forget the gradient shards (their buffers are kept for the next iteration)."""
+        """Free the gradient shards."""
         for s in self.shards:
             s.grad = None
-        self._has_grad = [False] * len(self.layout.buckets)
+        self._grads = [None] * len(self.layout.buckets)
         self.reduced = False
 
     def grad_bytes(self) -> int:
         """Bytes of gradient shards currently held."""
-        return sum(
-            g.numel() * g.element_size() for g, has in zip(self._grads, self._has_grad) if has
-        )
+        return sum(g.numel() * g.element_size() for g in self._grads if g is not None)
 
     # ---- all-gather ----------------------------------------------------------------------------
     def gather_params(self) -> None:
