@@ -213,6 +213,8 @@ def _bad(kind: str) -> str:
             ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, stage=3, lr=0.1)
         elif kind == "class":
             ZeroRedundancyOptimizer(model.parameters(), "adam", lr=0.1)  # type: ignore[arg-type]
+        elif kind == "lbfgs":
+            ZeroRedundancyOptimizer(model.parameters(), torch.optim.LBFGS)
         elif kind == "clip":
             ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1).clip_grad_norm_(0)
     except (TypeError, ValueError) as exc:
@@ -222,7 +224,12 @@ def _bad(kind: str) -> str:
 
 @pytest.mark.parametrize(
     ("kind", "words"),
-    [("stage", "stage must be 1 or 2"), ("class", "'adam'"), ("clip", "max_norm must be positive")],
+    [
+        ("stage", "stage must be 1 or 2"),
+        ("class", "'adam'"),
+        ("lbfgs", "optimizer_class=LBFGS cannot step a ZeRO shard"),
+        ("clip", "max_norm must be positive"),
+    ],
 )
 def test_bad_arguments_are_named(kind: str, words: str) -> None:
     assert words in _bad(kind)

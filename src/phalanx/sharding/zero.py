@@ -28,7 +28,25 @@ from phalanx.sharding.grad_sync import ShardSync
 from phalanx.sharding.layout import ShardLayout, plan_shards
 from phalanx.sharding.state import PieceReader, ShardedState
 
-__all__ = ["ZeroRedundancyOptimizer"]
+__all__ = ["ZeroRedundancyOptimizer", "check_elementwise"]
+
+NOT_ELEMENTWISE = {
+    "LBFGS": "it needs the whole parameter vector and a closure",
+    "Adafactor": "it factors each matrix's second moment by rows and columns",
+    "Muon": "it orthogonalises each weight matrix",
+    "SparseAdam": "it steps sparse gradients",
+}
+
+
+def check_elementwise(cls: type) -> None:
+    """Refuse optimizers that need whole tensors: a flat shard is a 1-D slice of several."""
+    why = NOT_ELEMENTWISE.get(cls.__name__)
+    if why is not None and cls.__module__.startswith("torch.optim"):
+        raise ValueError(
+            f"optimizer_class={cls.__name__} cannot step a ZeRO shard: {why}, while a shard is "
+            f"a flat slice of the parameters; use an element-wise optimizer (SGD, Adam, AdamW, "
+            f"Adagrad, RMSprop, ...) or strategy='ddp'"
+        )
 
 
 def _groups(params: Iterable[Any]) -> list[dict[str, Any]]:
@@ -85,6 +103,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             raise TypeError(
                 f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}"
             )
+        check_elementwise(optimizer_class)
         groups = _groups(params)
         self.params: list[nn.Parameter] = [p for g in groups for p in g["params"]]
         if not self.params:

@@ -93,6 +93,9 @@ def _zero3(model: nn.Module, world: World) -> nn.Module:
 def _zero3_optimizer(
     model: nn.Module, opt: torch.optim.Optimizer, world: World
 ) -> torch.optim.Optimizer:
+    from phalanx.sharding.zero import check_elementwise
+
+    check_elementwise(type(opt))
     return _rebuild_one_group(opt, model.parameters(), "zero3")
 
 
