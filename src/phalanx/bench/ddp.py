@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["main"]
+__all__ = ["main", "timed"]
 
 CAPS_MB = (1.0, 4.0, 25.0)
 
@@ -60,7 +60,8 @@ def _step(ddp: Any, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
     opt.step()
 
 
-def _timed(fn: Callable[[], None]) -> float:
+def timed(fn: Callable[[], None]) -> float:
+    """Seconds ``fn`` took on the slowest rank, started together after a barrier."""
     import phalanx
 
     phalanx.barrier()
@@ -92,9 +93,9 @@ def _measure(model_name: str, cap: float, iters: int, warmup: int) -> dict[str, 
             def one_step(ddp: Any = ddp, opt: torch.optim.Optimizer = opt) -> None:
                 _step(ddp, opt, x, y)
 
-            step = _timed(one_step)
+            step = timed(one_step)
             with ddp.no_sync():
-                compute = _timed(one_step)
+                compute = timed(one_step)
             if it >= warmup:
                 times[impl].append(step)
                 times[f"{impl}_compute"].append(compute)

@@ -24,13 +24,14 @@ import argparse
 import gc
 import json
 import statistics
-import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
+
+from phalanx.bench.ddp import timed
 
 __all__ = ["main"]
 
@@ -86,17 +87,6 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torc
     _, loss = model(x, y)
     loss.backward()
     opt.step()
-
-
-def _timed(fn: Callable[[], None]) -> float:
-    import phalanx
-
-    phalanx.barrier()
-    start = time.perf_counter()
-    fn()
-    took = torch.tensor([time.perf_counter() - start])
-    phalanx.all_reduce(took, phalanx.ReduceOp.MAX)
-    return float(took)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -174,7 +164,7 @@ def _rank_job(cfg: dict[str, Any]) -> dict[str, Any]:
         shift = it % len(names)
         for impl in names[shift:] + names[:shift]:
             model, opt = runs[impl]
-            took = _timed(partial(_step, model, opt, x, y))
+            took = timed(partial(_step, model, opt, x, y))
             if it >= cfg["warmup"]:
                 out[impl]["times"].append(took)
     return out
