@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, NoReturn
+
+from phalanx.bench.common import emit
 
 __all__ = ["BenchConfig", "Row", "busbw_factor", "main", "parse_args", "size_list", "summarize"]
 
@@ -334,10 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"p50/p90 over {config.iters} iterations of the slowest rank"
     )
     print(format_table(rows))
-    if config.json_path:
-        with open(config.json_path, "w") as f:
-            json.dump(result, f, indent=1)
-    print("RESULT " + json.dumps(result), flush=True)
+    emit(result, config.json_path)
     return 0
 
 

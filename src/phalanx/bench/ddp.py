@@ -10,16 +10,16 @@ hook puts on the wire per step come from ``phalanx.comm_stats()``. Last line: ``
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["main", "timed"]
+from phalanx.bench.common import emit, timed
+
+__all__ = ["main"]
 
 CAPS_MB = (1.0, 4.0, 25.0)
 
@@ -58,18 +58,6 @@ def _step(ddp: Any, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
     opt.zero_grad(set_to_none=True)
     nn.functional.cross_entropy(ddp(x), y).backward()
     opt.step()
-
-
-def timed(fn: Callable[[], None]) -> float:
-    """Seconds ``fn`` took on the slowest rank, started together after a barrier."""
-    import phalanx
-
-    phalanx.barrier()
-    start = time.perf_counter()
-    fn()
-    took = torch.tensor([time.perf_counter() - start])
-    phalanx.all_reduce(took, phalanx.ReduceOp.MAX)
-    return float(took)
 
 
 def _measure(model_name: str, cap: float, iters: int, warmup: int) -> dict[str, Any]:
@@ -209,10 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     _print_table(rows, result["bytes"])
     payload = {"config": {**cfg, "caps": list(cfg["caps"]), "world_size": 2}, "rows": rows,
                "hook_bytes": result["bytes"]}  # fmt: skip
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(payload, f, indent=1)
-    print("RESULT " + json.dumps(payload))
+    emit(payload, args.json)
     return 0
 
 

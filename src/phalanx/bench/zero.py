@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 from collections.abc import Callable
 from functools import partial
@@ -31,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from phalanx.bench.ddp import timed
+from phalanx.bench.common import emit, timed
 
 __all__ = ["main"]
 
@@ -89,32 +88,15 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torc
     opt.step()
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return getattr(t, "_local_tensor", t)  # a DTensor's shard
-
-
 def _state_bytes(model: nn.Module, opt: Any) -> dict[str, int]:
     """Bytes held after a step: parameters, gradients (incl. ZeRO-2 shards), optimizer state."""
-    seen: set[tuple[int, int]] = set()
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
-    def size(t: torch.Tensor | None) -> int:
-        if t is None:
-            return 0
-        t = _local(t)
-        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-        if key in seen or not key[1]:
-            return 0
-        seen.add(key)
-        return key[1]
+    from phalanx.plan import memory_report
 
-    params = sum(size(p) for p in model.parameters())
-    grads = sum(size(p.grad) for p in model.parameters())
-    grads += int(getattr(opt, "grad_bytes", lambda: 0)())
-    inner = getattr(opt, "optim", opt)  # torch's and our ZeRO wrap a local optimizer
-    state = sum(
-        size(t) for st in inner.state.values() for t in st.values() if isinstance(t, torch.Tensor)
-    )
-    return {"params": params, "grads": grads, "optimizer": state}
+    inner = opt.optim if isinstance(opt, TorchZero) else opt  # torch's keeps state in .optim
+    report = memory_report(model, inner)
+    return {"params": report.params, "grads": report.grads, "optimizer": report.optimizer}
 
 
 def _peak_growth(fn: Callable[[], None], steps: int) -> float:
@@ -227,10 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = summarize(result[0])
     _print(rows)
     payload = {"config": {**cfg, "world_size": 2, "model": "char_gpt"}, "rows": rows}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(payload, f, indent=1)
-    print("RESULT " + json.dumps(payload))
+    emit(payload, args.json)
     return 0
 
 

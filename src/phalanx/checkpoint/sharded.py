@@ -77,16 +77,21 @@ def read_sharded(ckpt: Path, manifest: Manifest, what: str) -> tuple[dict[str, A
             meta = plain["meta"]
         index.extend((Piece.from_json(p), name, t) for p, t in plain["index"])
 
+    opened: dict[str, dict[str, Any]] = {}
+
     def fetch(source: str) -> dict[str, Any]:
-        # Verify the source's files (streaming sha256), then slice them through mmap: a rank
+        # Verify a source's files once (streaming sha256), then slice them through mmap: a rank
         # reads only the element ranges it needs, never a whole peer's state.
-        doc = _json(ckpt, manifest, f"{source}.json")
-        files = {f: manifest.files[f] for f in doc["tensor_files"]}
-        verify_files(ckpt, Manifest(manifest.step, manifest.world_size, files, []))
-        slices: dict[str, Any] = {}
-        for f in files:
-            handle = safe_open(str(safe_path(ckpt, f)), framework="pt")
-            slices.update({k: handle.get_slice(k) for k in handle.keys()})  # noqa: SIM118
-        return {name: slices[ref["__tensor__"]] for name, ref in doc["state"]["tensors"].items()}
+        if source not in opened:
+            doc = _json(ckpt, manifest, f"{source}.json")
+            files = {f: manifest.files[f] for f in doc["tensor_files"]}
+            verify_files(ckpt, Manifest(manifest.step, manifest.world_size, files, []))
+            slices: dict[str, Any] = {}
+            for f in files:
+                handle = safe_open(str(safe_path(ckpt, f)), framework="pt")
+                slices.update({k: handle.get_slice(k) for k in handle.keys()})  # noqa: SIM118
+            tensors = doc["state"]["tensors"]
+            opened[source] = {name: slices[ref["__tensor__"]] for name, ref in tensors.items()}
+        return opened[source]
 
     return meta, PieceReader(index, fetch)

@@ -67,8 +67,14 @@ def format_mb(nbytes: float) -> str:
     return f"{rounded:.{decimals}f} MB"
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: a DTensor's local shard (torch FSDP2), else ``t`` itself."""
+    return getattr(t, "_local_tensor", t)
+
+
 def storage_key(t: torch.Tensor) -> StorageKey:
     """Identifies the memory behind ``t``: views into one storage share a key."""
+    t = _local(t)
     storage = t.untyped_storage()
     ptr = storage.data_ptr()
     if ptr == 0:  # empty or meta storage: no address to share, count per tensor
@@ -78,7 +84,7 @@ def storage_key(t: torch.Tensor) -> StorageKey:
 
 def storage_nbytes(t: torch.Tensor) -> int:
     """Bytes of the whole storage behind ``t`` (not only the part ``t`` views)."""
-    return int(t.untyped_storage().nbytes())
+    return int(_local(t).untyped_storage().nbytes())
 
 
 def _count(tensors: Iterable[torch.Tensor], seen: set[StorageKey]) -> int:
