@@ -46,6 +46,7 @@ from phalanx.comm import (
 from phalanx.data import DistributedSampler
 from phalanx.data_parallel import DataParallel, DistributedDataParallel, SyncBatchNorm
 from phalanx.launch import SpawnError, spawn
+from phalanx.model_parallel import split_across_devices
 from phalanx.plan import MemoryReport, memory_report
 from phalanx.sharding import ZeroRedundancyOptimizer
 from phalanx.sharding.zero3 import FullyShardedDataParallel
@@ -100,5 +101,6 @@ __all__ = [
     "scatter_object_list",
     "send",
     "spawn",
+    "split_across_devices",
     "world",
 ]

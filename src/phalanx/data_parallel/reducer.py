@@ -10,6 +10,7 @@ optimizer can see a gradient.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -94,6 +95,9 @@ class Reducer:
         self.hook_state: Any = None
         self.enabled = True
         self._handles: list[Any] = []
+        # Autograd runs each accelerator's backward on its own thread, so the hooks of a model
+        # spread over several devices (model_parallel.split) race; torch's reducer locks too.
+        self._lock = threading.Lock()
         self._reset()
         if grad_as_bucket_view:
             for p, (bi, k) in zip(self.params, self.where):
@@ -121,7 +125,8 @@ class Reducer:
     def _make_hook(self, j: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
             if self.enabled:
-                self._mark_ready(j, param)
+                with self._lock:
+                    self._mark_ready(j, param)
 
         return hook
 
