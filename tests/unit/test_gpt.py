@@ -144,3 +144,12 @@ def test_random_windows_are_deterministic_and_shifted() -> None:
     assert torch.equal(x, x2)
     with pytest.raises(ValueError, match="block_size=8"):
         random_windows(torch.arange(8), 8, 4, torch.Generator())
+
+
+def test_forward_with_targets_refuses_a_vocabulary_shard_instead_of_a_wrong_loss() -> None:
+    model = GPT(GPTConfig(65, 8, 1, 2, 16))
+    model.head = torch.nn.Linear(16, 33, bias=False)  # what a tp=2 "vocab_head" holds
+    idx = torch.zeros(1, 4, dtype=torch.long)
+    assert model(idx)[0].shape[-1] == 33  # logits alone are fine
+    with pytest.raises(ValueError, match=r"33 of vocab_size=65 logits.*gpt_loss"):
+        model(idx, idx)

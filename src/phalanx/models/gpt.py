@@ -199,6 +199,12 @@ class GPT(nn.Module):
         logits = self.head(self.ln_f(x))  # (B, T, C) @ (C, V)
         if targets is None:
             return logits, None
+        if logits.shape[-1] != self.config.vocab_size:  # a tensor-parallel vocabulary shard
+            raise ValueError(
+                f"GPT: the head returns {logits.shape[-1]} of vocab_size="
+                f"{self.config.vocab_size} logits (tensor-parallel vocabulary shard); compute "
+                f"the loss with phalanx.tensor_parallel.gpt_loss(model, idx, targets)"
+            )
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         return logits, loss
 
