@@ -1,12 +1,17 @@
-"""Train a small character-level GPT on Shakespeare with phalanx's DDP.
+"""Train a small character-level GPT on Shakespeare with phalanx's DDP, pipeline or tensor parallel.
 
     phalanx run --standalone --nproc-per-node 2 examples/char_gpt.py
+    phalanx run --standalone --nproc-per-node 4 examples/char_gpt.py --pp 2 --micro-batches 4
+    phalanx run --standalone --nproc-per-node 4 examples/char_gpt.py --tp 2
     python examples/char_gpt.py            # one process, no DDP
 
-Each rank draws its own random windows of the training text (seeded by rank); DDP averages the
-gradients, so N ranks train on N x --batch-size windows per step. Rank 0 prints train/val loss
-every --eval-every steps and a 200-character sample at the end. Exits 1 when the final val loss
-is not below the initial one.
+Each data-parallel replica draws its own random windows of the training text (seeded by its
+replica index; the ranks of one replica — its pipeline stages and tensor shards — read the same
+windows); gradients are averaged over the replicas, so dp replicas train on dp x --batch-size
+windows per step. With --pp / --tp the model is split by ``phalanx.mesh.parallelize`` (tensor
+parallel, then pipeline, then data parallel over what remains). Rank 0 prints train/val loss
+every --eval-every steps and, when the model is whole, a 200-character sample at the end. Exits
+1 when the final val loss is not below the initial one.
 """
 
 from __future__ import annotations
@@ -16,13 +21,16 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from functools import partial
+from typing import Any
 
 import torch
 import torch.nn as nn
 
 import phalanx
 from phalanx.datasets import CharCorpus, char_corpus, random_windows
+from phalanx.mesh import ParallelConfig, ParallelModel, make_groups, parallelize
 from phalanx.models import GPT, GPTConfig
 
 
@@ -40,8 +48,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-batches", type=int, default=8, help="batches per rank per estimate")
     p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    p.add_argument("--micro-batches", type=int, default=None, help="per step (default 4 if --pp)")
+    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved"))
     args = p.parse_args(argv)
-    for name in ("steps", "batch_size", "block_size", "eval_every", "eval_batches"):
+    if args.micro_batches is None:
+        args.micro_batches = 4 if args.pp > 1 else 1
+    names = ("steps", "batch_size", "block_size", "eval_every", "eval_batches", "pp", "tp")
+    for name in names:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     return args
@@ -70,61 +85,105 @@ def lr_at(step: int, peak: float, warmup: int, total: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
-def make_optimizer(model: nn.Module, lr: float) -> torch.optim.AdamW:
+def make_optimizer(params: Iterable[nn.Parameter], lr: float) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (not on biases, LayerNorm gains)."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for p in params if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
 
 
-@torch.no_grad()
-def estimate_loss(
-    model: GPT, data: torch.Tensor, args: argparse.Namespace, world: phalanx.World
-) -> float:
-    """Mean loss over fixed windows (the same ones at every call), averaged over the ranks."""
-    model.eval()
-    g = torch.Generator().manual_seed(args.seed + 7919 * (world.rank + 1))
+class Trainer:
+    """One training step and one loss estimate, for the whole model under DDP or split by
+    ``phalanx.mesh.parallelize`` (--pp / --tp)."""
+
+    def __init__(self, model: GPT, world: phalanx.World, args: argparse.Namespace) -> None:
+        self.model, self.world = model, world
+        self.split: ParallelModel | None = None
+        self.replica = world.rank  # seeds this rank's windows: one stream per dp replica
+        if args.pp > 1 or args.tp > 1:
+            config = ParallelConfig(pp=args.pp, tp=args.tp, micro_batches=args.micro_batches,
+                                    schedule=args.schedule)  # fmt: skip
+            groups = make_groups(config.topology(world.world_size))
+            self.split = parallelize(
+                model,
+                groups,
+                config,
+                partial(lm_loss, group=groups.tp, vocab=model.config.vocab_size),
+            )
+            self.replica = groups.index("dp")
+            self.params = list(self.split.parameters())
+        else:
+            self.ddp = phalanx.DistributedDataParallel(model) if world.world_size > 1 else model
+            self.params = list(model.parameters())
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Forward and backward of one batch, gradients averaged and clipped to norm 1."""
+        if self.split is not None:
+            self.split.train_step(x, y)
+            self.split.clip_grad_norm_(1.0)
+            return
+        _, loss = self.ddp(x, y)
+        assert loss is not None
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+
+    @torch.no_grad()
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The batch's mean loss, without gradients."""
+        if self.split is not None:
+            return self.split.evaluate(x, y)
+        loss = self.model(x, y)[1]
+        assert loss is not None
+        return loss
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, group: Any, vocab: int) -> torch.Tensor:
+    """Cross-entropy of (B, T, V) logits; under tensor parallel V is this rank's vocab shard."""
+    from phalanx.tensor_parallel import vocab_parallel_cross_entropy
+
+    return vocab_parallel_cross_entropy(logits, targets, group, vocab_size=vocab)
+
+
+def estimate_loss(trainer: Trainer, data: torch.Tensor, args: argparse.Namespace) -> float:
+    """Mean loss over fixed windows (the same ones at every call), averaged over the replicas."""
+    trainer.model.eval()
+    g = torch.Generator().manual_seed(args.seed + 7919 * (trainer.replica + 1))
     losses = []
     for _ in range(args.eval_batches):
         x, y = random_windows(data, args.block_size, args.batch_size, g)
-        loss = model(x, y)[1]
-        assert loss is not None
-        losses.append(loss)
-    model.train()
+        losses.append(trainer.loss(x, y))
+    trainer.model.train()
     mean = torch.stack(losses).mean()
-    if world.world_size > 1:
+    world = trainer.world
+    if world.world_size > 1:  # every rank of a replica holds its loss: the world mean is fair
         phalanx.all_reduce(mean)
         mean /= world.world_size
     return float(mean)
 
 
 def train(
-    model: GPT,
-    ddp: nn.Module,
+    trainer: Trainer,
     train_data: torch.Tensor,
     args: argparse.Namespace,
-    rank: int,
     on_eval: Callable[[int], None],
 ) -> list[float]:
     """Run ``args.steps`` optimizer steps, calling ``on_eval(step)`` every ``--eval-every``.
 
     Returns the wall time of each step in seconds.
     """
-    opt = make_optimizer(model, args.lr)
+    opt = make_optimizer(trainer.params, args.lr)
     warmup = args.steps // 10 if args.warmup is None else args.warmup
-    batches = torch.Generator().manual_seed(args.seed + 1 + rank)  # each rank its own windows
+    batches = torch.Generator().manual_seed(args.seed + 1 + trainer.replica)
     times = []
     for step in range(args.steps):
         start = time.perf_counter()
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.lr, warmup, args.steps)
         x, y = random_windows(train_data, args.block_size, args.batch_size, batches)
-        _, loss = ddp(x, y)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        trainer.step(x, y)
         opt.step()
         times.append(time.perf_counter() - start)
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
@@ -149,25 +208,27 @@ def main(argv: list[str] | None = None) -> int:
     config = GPTConfig(corpus.vocab_size, args.block_size, args.n_layer, args.n_head,
                        args.n_embd, dropout=args.dropout)  # fmt: skip
     model = GPT(config)
-    ddp: nn.Module = phalanx.DistributedDataParallel(model) if world.world_size > 1 else model
+    n_params = model.num_parameters()  # before the split, which keeps this rank's share
+    trainer = Trainer(model, world, args)
 
     def log(message: str) -> None:
         if world.is_main:
             print(message, flush=True)
 
-    log(f"GPT {model.num_parameters():,} parameters, vocab {corpus.vocab_size}, world "
-        f"{world.world_size} x batch {args.batch_size} x block {args.block_size}")  # fmt: skip
+    log(f"GPT {n_params:,} parameters, vocab {corpus.vocab_size}, world "
+        f"{world.world_size} (pp {args.pp} x tp {args.tp}) x batch {args.batch_size} x block "
+        f"{args.block_size}")  # fmt: skip
     vals: list[float] = []
 
     def on_eval(step: int) -> None:
-        losses = [estimate_loss(model, d, args, world) for d in (train_data, val_data)]
+        losses = [estimate_loss(trainer, d, args) for d in (train_data, val_data)]
         log(f"step {step}: train {losses[0]:.2f} val {losses[1]:.2f}")
         vals.append(losses[1])
 
     on_eval(0)
-    times = train(model, ddp, train_data, args, world.rank, on_eval)
+    times = train(trainer, train_data, args, on_eval)
     log(f"median step time {1000 * statistics.median(times):.0f} ms")
-    if world.is_main:
+    if world.is_main and trainer.split is None:  # a split model has no single-rank generate()
         log("sample:\n" + sample_text(model, corpus, 200, args.seed))
     phalanx.destroy_process_group()
     if vals[-1] >= vals[0]:

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -23,3 +25,20 @@ def test_char_gpt_val_loss_falls_under_phalanx_run() -> None:
     assert vals[-1] < math.log(65) - 1.0, proc.stdout  # ln(65) = 4.17 is a uniform guess
     assert "[rank 1] step" not in proc.stdout  # only rank 0 prints
     assert "[rank 0] sample:" in proc.stdout
+
+
+@pytest.mark.parametrize("split", [["--pp", "2"], ["--tp", "2"]], ids=["dp2xpp2", "dp2xtp2"])
+def test_char_gpt_trains_split_over_four_ranks(split: list[str]) -> None:
+    script = str(ROOT / "examples" / "char_gpt.py")
+    cmd = [sys.executable, "-m", "phalanx", "run", "--standalone", "--nproc-per-node", "4",
+           script, "--steps", "30", "--eval-every", "30", "--eval-batches", "2",
+           "--batch-size", "8", *split]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"(pp {2 if split[0] == '--pp' else 1} x tp {2 if split[0] == '--tp' else 1})" in (
+        proc.stdout
+    )
+    assert "GPT 818,176 parameters" in proc.stdout  # the whole model's count, before the split
+    vals = [float(v) for v in re.findall(r"\[rank 0\] step \d+: train \S+ val (\S+)", proc.stdout)]
+    assert len(vals) == 2, proc.stdout  # steps 0 and 30
+    assert vals[-1] < math.log(65) - 1.0, proc.stdout

@@ -58,6 +58,7 @@ class ShardedOptimizerState:
                     scalars[k] = encode_scalar(k, v)
                     continue
                 per_element.add(k)
+                v = v.reshape(-1)  # flat shards are 1-D already; whole parameters are not
                 dtype = str(v.dtype).removeprefix("torch.")
                 for key, shape, start, end, off in segs:
                     piece = Piece(f"{key}/{k}", tuple(shape), start, end, dtype)
@@ -87,7 +88,7 @@ class ShardedOptimizerState:
                 t = torch.zeros(flat.numel(), dtype=flat.dtype, device=flat.device)
                 for key, _, start, end, off in segs:
                     reader.read(f"{key}/{k}", start, end, out=t[off : off + end - start])
-                state[k] = t
+                state[k] = t.view_as(flat)
             if segs:
                 self.optimizer.state[flat] = state
 

@@ -20,16 +20,23 @@ from __future__ import annotations
 
 import logging
 import os
-import random
-import time
-from collections.abc import Iterable, Iterator, Sized
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
-import numpy as np
 import torch
 from torch import nn
 
 from phalanx.comm import group as pg
+from phalanx.mesh.groups import ParallelGroups
+from phalanx.train.loop_helpers import (
+    Timer,
+    batch_len,
+    batches_left,
+    configure_logging,
+    repoint,
+    seed_everything,
+    to_device,
+)
 from phalanx.train.precision import Precision
 from phalanx.train.strategies import get_optimizer_hook, get_strategy
 
@@ -53,6 +60,13 @@ class Job:
         tensorboard_dir: Also write metrics to TensorBoard (``pip install 'phalanx[tensorboard]'``).
         profile_dir: Write a torch.profiler trace per rank here (Perfetto / chrome://tracing).
         backend: c10d backend when the job initialises the process group.
+        dp, pp, tp: Data, pipeline and tensor-parallel degrees for strategy "pipeline" or
+            "tensor" (the strategy's own degree defaults to every rank the others leave).
+        micro_batches: Micro-batches per step of a pipeline (must divide the batch).
+        schedule: Pipeline schedule: "gpipe", "1f1b" or "interleaved".
+        chunks: Model chunks per pipeline rank (interleaved schedule).
+        balance: Layers per pipeline stage, or "params" / "time".
+        tp_plan: Module name -> "colwise" / "rowwise" / ...; GPT models have a default.
     """
 
     def __init__(
@@ -68,6 +82,14 @@ class Job:
         tensorboard_dir: str | None = None,
         profile_dir: str | os.PathLike[str] | None = None,
         backend: str | None = None,
+        dp: int | None = None,
+        pp: int | None = None,
+        tp: int | None = None,
+        micro_batches: int = 1,
+        schedule: str = "1f1b",
+        chunks: int = 1,
+        balance: Sequence[int] | str | None = None,
+        tp_plan: Mapping[str, str] | None = None,
     ) -> None:
         if grad_accum < 1:
             raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
@@ -83,12 +105,37 @@ class Job:
             if self.owns_group:  # leave no half-made job behind
                 pg.destroy_process_group()
             raise
+        from phalanx.train.parallel_strategies import parallel_config
+
+        try:
+            self.parallel = parallel_config(
+                strategy, self.world.world_size, dp=dp, pp=pp, tp=tp,
+                micro_batches=micro_batches, schedule=schedule, chunks=chunks,
+                balance=balance, tp_plan=tp_plan,
+            )  # fmt: skip
+        except ValueError:
+            if self.owns_group:
+                pg.destroy_process_group()
+            raise
+        """The dp x pp x tp split of strategies "pipeline" and "tensor" (None for others)."""
+        if self.parallel is not None and self.parallel.pp > 1 and grad_accum > 1:
+            raise ValueError(
+                f"grad_accum={grad_accum} with a pipeline (pp={self.parallel.pp}): the pipeline "
+                f"already accumulates over micro_batches={micro_batches}; raise that instead"
+            )
+        self.loss_fn: Any = None
+        self.groups: ParallelGroups | None = None
+        """Process groups along dp / pp / tp, for strategies "pipeline" and "tensor"."""
+        if self.parallel is not None:
+            from phalanx.mesh import make_groups
+
+            self.groups = make_groups(self.parallel.topology(self.world.world_size))
         self.grad_accum = grad_accum
         self.seed = seed
         self.checkpoint_dir = checkpoint_dir
         self.keep_last = keep_last
-        _seed_everything(seed)
-        _configure_logging(self.world.rank)
+        seed_everything(seed)
+        configure_logging(self.world.rank)
         metrics_path = metrics_file
         if metrics_path is None and checkpoint_dir is not None:
             metrics_path = os.path.join(checkpoint_dir, "metrics.jsonl")
@@ -108,7 +155,7 @@ class Job:
         self._micro = 0
         self._last_batch = False
         self._resumed = False
-        self._timer = _Timer()
+        self._timer = Timer()
 
     # ---- setup ---------------------------------------------------------------------------------
     def setup(
@@ -116,15 +163,26 @@ class Job:
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
         scheduler: Any = None,
+        *,
+        loss_fn: Any = None,
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         """Move ``model`` to this rank's device, wrap it with the strategy, keep the optimizer.
 
         Build the optimizer on the unwrapped model's parameters before calling this (the
         strategies here keep parameter identity), or pass None and build it afterwards on the
         returned model and assign ``job.optimizer``. ZeRO strategies need it here: they return
-        a sharded optimizer of the same class and options (use the returned one).
+        a sharded optimizer of the same class and options (use the returned one), and so do
+        "pipeline" and "tensor", over this rank's parameters.
+
+        ``loss_fn(output, targets)`` is what :meth:`forward_backward` minimises; strategies
+        "pipeline" and "tensor" need it (the last pipeline stage computes the loss), except
+        for a :class:`phalanx.models.GPT`, whose default is the vocabulary-parallel
+        cross-entropy over ``job.groups.tp``.
         """
         model.to(self.world.device)
+        self.loss_fn = loss_fn
+        if self.parallel is not None:
+            return self._setup_parallel(model, optimizer, scheduler)
         wrapped = self._wrap(model, self.world)
         rebuild = get_optimizer_hook(self.strategy)
         if rebuild is not None:
@@ -135,9 +193,24 @@ class Job:
                 )
             sharded = rebuild(wrapped, optimizer, self.world)
             if scheduler is not None:
-                _repoint(scheduler, sharded)
+                repoint(scheduler, sharded)
             optimizer = sharded
         self.precision.wrap_forward(wrapped)
+        self.model, self.optimizer, self.scheduler = wrapped, optimizer, scheduler
+        self._arm_sync()
+        return wrapped, optimizer
+
+    def _setup_parallel(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any
+    ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        from phalanx.train.parallel_strategies import setup_parallel
+
+        assert self.parallel is not None and self.groups is not None
+        wrapped, optimizer, self.loss_fn = setup_parallel(
+            model, optimizer, self.parallel, self.loss_fn, self.groups, self.precision
+        )
+        if scheduler is not None and optimizer is not None:
+            repoint(scheduler, optimizer)
         self.model, self.optimizer, self.scheduler = wrapped, optimizer, scheduler
         self._arm_sync()
         return wrapped, optimizer
@@ -155,12 +228,16 @@ class Job:
         """A DataLoader over this rank's shard (``phalanx.DistributedSampler``)."""
         from phalanx.data import DistributedSampler
 
+        # Ranks of one replica (its pipeline stages, its tensor shards) read the same samples.
+        replicas, replica = self.world.world_size, self.world.rank
+        if self.groups is not None:
+            replicas, replica = self.groups.topology.dp, self.groups.index("dp")
         if "sampler" in kwargs or "batch_sampler" in kwargs:
             raise ValueError("Job.loader() builds its own sampler; drop sampler=/batch_sampler=")
         self.sampler = DistributedSampler(
             dataset,
-            num_replicas=self.world.world_size,
-            rank=self.world.rank,
+            num_replicas=replicas,
+            rank=replica,
             shuffle=shuffle,
             seed=self.seed,
             drop_last=drop_last,
@@ -185,16 +262,16 @@ class Job:
         """Iterate ``loader`` with a progress bar on rank 0, moving batches to the device."""
         from phalanx.train.progress import progress
 
-        total = _batches_left(loader, self.sampler)
+        total = batches_left(loader, self.sampler)
         bar = progress(loader, desc=desc or f"epoch {self.epoch}", total=total)
         self._timer.start_epoch()
         for i, batch in enumerate(bar):
             self._last_batch = total is not None and i == total - 1
             self._arm_sync()
-            yield _to_device(batch, self.world.device)
+            yield to_device(batch, self.world.device)
             if self.sampler is not None and hasattr(self.sampler, "advance"):
-                self.sampler.advance(_batch_len(batch))
-            self._timer.count(_batch_len(batch))
+                self.sampler.advance(batch_len(batch))
+            self._timer.count(batch_len(batch))
             self.profiler.step()
 
     def _arm_sync(self) -> None:
@@ -204,6 +281,20 @@ class Job:
         for owner in (self.model, self.optimizer):  # DDP and ZeRO-3 models; ZeRO-2 optimizers
             if owner is not None and hasattr(owner, "require_backward_grad_sync"):
                 setattr(owner, "require_backward_grad_sync", last)  # noqa: B010
+
+    def forward_backward(self, inputs: Any, targets: Any) -> torch.Tensor:
+        """``loss_fn(model(inputs), targets)`` and its backward, for every strategy.
+
+        A pipeline runs its whole schedule here (micro-batches, every stage) and averages the
+        gradients over the data-parallel group. Returns the batch's mean loss, detached.
+        """
+        if self.model is None or self.loss_fn is None:
+            raise ValueError("Job.forward_backward() needs Job.setup(model, ..., loss_fn=...)")
+        if getattr(self.model, "pipelined", False):
+            return cast(torch.Tensor, self.model.train_step(inputs, targets))  # type: ignore[operator]
+        loss = self.loss_fn(self.model(inputs), targets)
+        self.backward(loss)
+        return loss.detach()
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss / grad_accum``; gradients sync only on the last micro-step."""
@@ -254,11 +345,12 @@ class Job:
         consolidate = getattr(self.optimizer, "consolidate_state_dict", None)
         if consolidate is not None:  # torch's ZeroRedundancyOptimizer gathers to rank 0 first
             consolidate(to=0)
+        model, optimizer = self._checkpointed()
         return checkpoint.save(
             self.checkpoint_dir,
             self.step_count,
-            model=self.model,
-            optimizer=self.optimizer,
+            model=model,
+            optimizer=optimizer,
             scheduler=self.scheduler,
             sampler=self.sampler,
             extra={"epoch": self.epoch, "epoch_done": self._epoch_done(), **extra},
@@ -272,10 +364,11 @@ class Job:
             return 0
         from phalanx import checkpoint
 
+        model, optimizer = self._checkpointed()
         info = checkpoint.load(
             self.checkpoint_dir,
-            model=self.model,
-            optimizer=self.optimizer,
+            model=model,
+            optimizer=optimizer,
             scheduler=self.scheduler,
             sampler=self.sampler,
         )
@@ -286,6 +379,13 @@ class Job:
         if self.world.is_main:
             log.info("resumed from %s (step %d, epoch %d)", info.path, info.step, self.epoch)
         return self.epoch
+
+    def _checkpointed(self) -> tuple[Any, Any]:
+        """The model and optimizer as checkpoints see them: split models as per-rank pieces."""
+        views = getattr(self.model, "checkpoint_views", None)
+        if self.parallel is not None and views is not None:
+            return cast(tuple[Any, Any], views(self.optimizer))
+        return self.model, self.optimizer
 
     def _epoch_done(self) -> bool:
         # Without a resumable position the epoch can only be redone whole: count it as done.
@@ -310,90 +410,3 @@ class Job:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _Timer:
-    def __init__(self) -> None:
-        self.samples = 0
-        self.seconds = 0.0
-        self._t: float | None = None
-
-    def start_epoch(self) -> None:
-        self._t = time.perf_counter()
-
-    def count(self, n: int) -> None:
-        now = time.perf_counter()
-        if self._t is not None:
-            self.seconds += now - self._t
-        self._t = now
-        self.samples += n
-
-    def summary(self, comm_seconds: float, world_size: int) -> dict[str, float]:
-        secs = max(self.seconds, 1e-9)
-        return {
-            "samples_per_s": self.samples * world_size / secs,
-            "comm_share": min(1.0, comm_seconds / secs),
-            "train_seconds": self.seconds,
-        }
-
-
-def _repoint(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
-    """Point an LR scheduler built on the user's optimizer at its sharded rebuild.
-
-    The rebuild copied the parameter groups (``lr``, ``initial_lr``) the scheduler set up; its
-    ``step`` gets the same marker torch's scheduler puts on an optimizer it wraps, so the
-    "scheduler stepped before optimizer" check still works.
-    """
-    scheduler.optimizer = optimizer
-    step = optimizer.step
-
-    def marked(*args: Any, **kwargs: Any) -> Any:
-        optimizer._opt_called = True  # type: ignore[attr-defined]
-        return step(*args, **kwargs)
-
-    marked._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = marked  # type: ignore[method-assign]
-
-
-def _seed_everything(seed: int) -> None:
-    torch.manual_seed(seed)
-    np.random.seed(seed % 2**32)
-    random.seed(seed)
-
-
-def _configure_logging(rank: int) -> None:
-    if log.handlers:
-        return
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    log.addHandler(handler)
-    log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    log.propagate = False
-
-
-def _to_device(batch: Any, device: torch.device) -> Any:
-    if device.type == "cpu":
-        return batch
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _to_device(v, device) for k, v in batch.items()}
-    return batch
-
-
-def _batches_left(loader: Iterable[Any], sampler: Any) -> int | None:
-    """Batches this epoch still has (fewer than ``len(loader)`` after a mid-epoch resume)."""
-    if isinstance(loader, torch.utils.data.DataLoader) and loader.sampler is sampler is not None:
-        size = loader.batch_size or 1
-        left = int(cast(Any, sampler).remaining)
-        return left // size if loader.drop_last else -(-left // size)
-    return len(loader) if isinstance(loader, Sized) else None
-
-
-def _batch_len(batch: Any) -> int:
-    first = batch[0] if isinstance(batch, (list, tuple)) else batch
-    if isinstance(first, dict):
-        first = next(iter(first.values()))
-    return int(first.shape[0]) if isinstance(first, torch.Tensor) else 1

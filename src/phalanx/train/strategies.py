@@ -95,7 +95,16 @@ def _single(model: nn.Module, world: World) -> nn.Module:
     return model
 
 
+def _configured_by_job(model: nn.Module, world: World) -> nn.Module:
+    raise ValueError(
+        "strategies 'pipeline' and 'tensor' split the model over dp x pp x tp groups: use "
+        "Job(strategy=..., pp=..., tp=...), or phalanx.mesh.parallelize directly"
+    )
+
+
 register_strategy("ddp", _ddp)
+register_strategy("pipeline", _configured_by_job)
+register_strategy("tensor", _configured_by_job)
 register_strategy("torch-ddp", _torch_ddp)
 register_strategy("dp", _dp)
 register_strategy("single", _single)

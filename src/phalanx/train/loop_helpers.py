@@ -1,0 +1,114 @@
+"""What the job loop needs besides the Job itself: timing, seeding, logging, batch moves.
+
+Kept apart from :mod:`phalanx.train.job` so that module reads as the loop's story.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Iterable, Sized
+from typing import Any, cast
+
+import numpy as np
+import torch
+
+__all__ = [
+    "Timer",
+    "batch_len",
+    "batches_left",
+    "configure_logging",
+    "repoint",
+    "seed_everything",
+    "to_device",
+]
+
+log = logging.getLogger("phalanx.train")
+
+
+class Timer:
+    def __init__(self) -> None:
+        self.samples = 0
+        self.seconds = 0.0
+        self._t: float | None = None
+
+    def start_epoch(self) -> None:
+        self._t = time.perf_counter()
+
+    def count(self, n: int) -> None:
+        now = time.perf_counter()
+        if self._t is not None:
+            self.seconds += now - self._t
+        self._t = now
+        self.samples += n
+
+    def summary(self, comm_seconds: float, world_size: int) -> dict[str, float]:
+        secs = max(self.seconds, 1e-9)
+        return {
+            "samples_per_s": self.samples * world_size / secs,
+            "comm_share": min(1.0, comm_seconds / secs),
+            "train_seconds": self.seconds,
+        }
+
+
+def repoint(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Point an LR scheduler built on the user's optimizer at its sharded rebuild.
+
+    The rebuild copied the parameter groups (``lr``, ``initial_lr``) the scheduler set up; its
+    ``step`` gets the same marker torch's scheduler puts on an optimizer it wraps, so the
+    "scheduler stepped before optimizer" check still works.
+    """
+    scheduler.optimizer = optimizer
+    step = optimizer.step
+
+    def marked(*args: Any, **kwargs: Any) -> Any:
+        optimizer._opt_called = True  # type: ignore[attr-defined]
+        return step(*args, **kwargs)
+
+    marked._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = marked  # type: ignore[method-assign]
+
+
+def seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
+def configure_logging(rank: int) -> None:
+    if log.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    log.propagate = False
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    if device.type == "cpu":
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def batches_left(loader: Iterable[Any], sampler: Any) -> int | None:
+    """Batches this epoch still has (fewer than ``len(loader)`` after a mid-epoch resume)."""
+    if isinstance(loader, torch.utils.data.DataLoader) and loader.sampler is sampler is not None:
+        size = loader.batch_size or 1
+        left = int(cast(Any, sampler).remaining)
+        return left // size if loader.drop_last else -(-left // size)
+    return len(loader) if isinstance(loader, Sized) else None
+
+
+def batch_len(batch: Any) -> int:
+    first = batch[0] if isinstance(batch, (list, tuple)) else batch
+    if isinstance(first, dict):
+        first = next(iter(first.values()))
+    return int(first.shape[0]) if isinstance(first, torch.Tensor) else 1
