@@ -1,7 +1,7 @@
 """dp x pp and dp x tp (and pp x tp) on 4 ranks equal one process training the whole model.
 
-Each data-parallel replica trains on its own quarter-batch... rather half-batch: the reference
-runs the unsplit GPT on the replicas' batches concatenated, with a mean loss, so its gradient is
+Each data-parallel replica trains on its own half of the batch; the reference runs the unsplit
+GPT on the replicas' batches concatenated, with a mean loss, so its gradient is
 the average of the replicas' gradients. Tolerances: the split model computes the same sums in
 another order (micro-batches, shards summed by all-reduce, replicas averaged), so parameters and
 gradients agree up to float32 reassociation: rtol 1e-4 / atol 1e-6 on gradients of magnitude
@@ -73,12 +73,19 @@ def _case(pp: int, tp: int, schedule: str, micro: int) -> dict[str, Any]:
         ref_losses.append(float(ref_loss))
         dense = dict(ref.named_parameters())
         for p in split.parameters():
-            want = _dense_slice(dense[names[id(p)]].grad, p, tp_rank, tp)  # type: ignore[arg-type]
-            torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-6,
-                                       msg=lambda m, n=names[id(p)]: f"step {step} {n}: {m}")  # fmt: skip
+            name = names[id(p)]
+            want = _dense_slice(dense[name].grad, p, tp_rank, tp)  # type: ignore[arg-type]
+            where = f"step {step} {name}"
+            torch.testing.assert_close(
+                p.grad, want, rtol=1e-4, atol=1e-6, msg=lambda m, w=where: f"{w}: {m}"
+            )
         opt.step()
         ref_opt.step()
-    return {"losses": losses, "ref": ref_losses, "params": sum(p.numel() for p in split.parameters())}
+    return {
+        "losses": losses,
+        "ref": ref_losses,
+        "params": sum(p.numel() for p in split.parameters()),
+    }
 
 
 def _all_cases() -> list[dict[str, Any]]:

@@ -29,7 +29,9 @@ def test_fp32_adamw_step_matches_the_plan_for_dp_1(char_gpt: dict[str, Any]) -> 
     torch.manual_seed(0)
     model = char_gpt["build_model"]()
     x, y = char_gpt["example_batch"](2)
-    opt = char_gpt["make_optimizer"](model.parameters(), 1e-3)  # the example's AdamW, two parameter groups
+    opt = char_gpt["make_optimizer"](
+        model.parameters(), 1e-3
+    )  # the example's AdamW, two parameter groups
     model(x, y)[1].backward()
     opt.step()
     measured = memory_report(model, opt)
