@@ -15,49 +15,12 @@ real images with cross-entropy, so the loss visibly falls.
 from __future__ import annotations
 
 import argparse
-from collections import OrderedDict
 
 import torch
 from torch import nn
 
 from phalanx.model_parallel import split_across_devices
-
-
-class BasicBlock(nn.Module):
-    """ResNet's basic residual block (He et al. 2016)."""
-
-    def __init__(self, cin: int, cout: int, stride: int = 1) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.shortcut: nn.Module = nn.Identity()
-        if stride != 1 or cin != cout:
-            self.shortcut = nn.Sequential(
-                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
-            )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.relu(self.bn1(self.conv1(x)))
-        return torch.relu(self.bn2(self.conv2(y)) + self.shortcut(x))
-
-
-def resnet(width: int = 16, classes: int = 10) -> nn.Sequential:
-    """The seed's chain conv1, bn1, relu, layer1..layer3, avgpool, fc for 1x8x8 inputs."""
-    return nn.Sequential(
-        OrderedDict(
-            conv1=nn.Conv2d(1, width, 3, 1, 1, bias=False),
-            bn1=nn.BatchNorm2d(width),
-            relu=nn.ReLU(),
-            layer1=BasicBlock(width, width),
-            layer2=BasicBlock(width, 2 * width, stride=2),
-            layer3=BasicBlock(2 * width, 4 * width, stride=2),
-            avgpool=nn.AdaptiveAvgPool2d(1),
-            flatten=nn.Flatten(),  # the seed's x.view(x.size(0), -1)
-            fc=nn.Linear(4 * width, classes),
-        )
-    )
+from phalanx.models import small_resnet
 
 
 def two_devices() -> list[str]:
@@ -91,7 +54,7 @@ def profiler(enabled: bool, trace_dir: str) -> torch.profiler.profile | None:
 
 def train(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
-    model = split_across_devices(resnet(), two_devices())
+    model = split_across_devices(small_resnet(), two_devices())
     print(model.describe())
     images, labels = digits()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import itertools
 import random
-from collections import OrderedDict
 from typing import Any
 
 import pytest
@@ -20,46 +19,15 @@ from torch import nn
 from phalanx.data_parallel.buckets import ParamSpec, plan_buckets
 from phalanx.model_parallel import SplitModule, split_across_devices
 from phalanx.model_parallel._balance import balance_by_cost
+from phalanx.models import small_resnet
 
 CPU = torch.device("cpu")
 META = torch.device("meta")  # parameters really move there; shapes propagate, nothing computes
 
 
-class BasicBlock(nn.Module):
-    """ResNet's basic residual block (He et al. 2016), with a 1x1 projection when needed."""
-
-    def __init__(self, cin: int, cout: int, stride: int = 1) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.shortcut: nn.Module = nn.Identity()
-        if stride != 1 or cin != cout:
-            self.shortcut = nn.Sequential(
-                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
-            )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.relu(self.bn1(self.conv1(x)))
-        return torch.relu(self.bn2(self.conv2(y)) + self.shortcut(x))
-
-
-def resnet_like(in_channels: int = 1, classes: int = 10, width: int = 8) -> nn.Sequential:
-    """The seed's ResNet layer chain (conv1, bn1, relu, layers, avgpool, fc), tiny."""
-    return nn.Sequential(
-        OrderedDict(
-            conv1=nn.Conv2d(in_channels, width, 3, 1, 1, bias=False),
-            bn1=nn.BatchNorm2d(width),
-            relu=nn.ReLU(),
-            layer1=BasicBlock(width, width),
-            layer2=BasicBlock(width, 2 * width, stride=2),
-            layer3=BasicBlock(2 * width, 4 * width, stride=2),
-            avgpool=nn.AdaptiveAvgPool2d(1),
-            flatten=nn.Flatten(),
-            fc=nn.Linear(4 * width, classes),
-        )
-    )
+def resnet_like() -> nn.Sequential:
+    """Seed 001's layer chain, tiny (width 8)."""
+    return small_resnet(width=8)
 
 
 # ---- balance_by_cost (pure) -----------------------------------------------------------------

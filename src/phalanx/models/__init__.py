@@ -3,5 +3,6 @@
 from __future__ import annotations
 
 from phalanx.models.gpt import GPT, Block, GPTConfig, gpt_as_sequential
+from phalanx.models.resnet import BasicBlock, small_resnet
 
-__all__ = ["GPT", "Block", "GPTConfig", "gpt_as_sequential"]
+__all__ = ["GPT", "BasicBlock", "Block", "GPTConfig", "gpt_as_sequential", "small_resnet"]
