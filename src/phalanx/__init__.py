@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from torch.distributed import ReduceOp
 
+from phalanx import hogwild
 from phalanx.comm import (
     CollectiveError,
     CollectiveMismatchError,
@@ -84,6 +85,7 @@ __all__ = [
     "destroy_process_group",
     "gather",
     "gather_object",
+    "hogwild",
     "init_process_group",
     "irecv",
     "is_initialized",

@@ -180,7 +180,9 @@ class MetricsLogger:
 
     def _raise_mismatch(self, keys: list[str]) -> None:
         gathered: list[Any] = [None] * self._world_size()
-        dist.all_gather_object(gathered, keys, group=self.group)
+        from phalanx.comm.objects import all_gather_object  # JSON, not pickle
+
+        all_gather_object(gathered, keys, group=self.group)
         listing = "; ".join(f"rank {r}: {k}" for r, k in enumerate(gathered))
         raise ValueError(
             f"MetricsLogger.log: ranks passed different metric names ({listing}); "
