@@ -104,25 +104,14 @@ def _start(
     ctx: Any = mp.get_context(start_method)
     if start_method == "forkserver":
         ctx.set_forkserver_preload(_PRELOAD)  # no effect once the server runs; harmless then
-    context = SpawnContext([], [], None, timeout)
-    try:
-        for rank in range(num_processes):
-            reader, writer = ctx.Pipe(duplex=False)
-            context._conns.append(reader)
-            proc = ctx.Process(
-                target=_process_entry,
-                name=f"phalanx-hogwild-{rank}",
-                args=(rank, num_processes, train_fn, model, options, writer),
-            )
-            try:
-                proc.start()
-            finally:
-                writer.close()
-            context.processes.append(proc)
-    except BaseException:
-        context._stop()
-        raise
-    return context
+    return SpawnContext.start(
+        ctx,
+        num_processes,
+        _process_entry,
+        lambda rank, writer: (rank, num_processes, train_fn, model, options, writer),
+        timeout=timeout,
+        name="phalanx-hogwild",
+    )
 
 
 def _process_entry(

@@ -89,6 +89,39 @@ class SpawnContext:
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._timeout = timeout
 
+    @classmethod
+    def start(
+        cls,
+        ctx: Any,
+        nprocs: int,
+        target: Callable[..., Any],
+        args_of: Callable[[int, Any], tuple[Any, ...]],
+        *,
+        store: Any = None,
+        timeout: float | None = None,
+        name: str = "phalanx-rank",
+    ) -> SpawnContext:
+        """Start ``target(*args_of(rank, writer))`` for each rank in a context ``ctx``.
+
+        ``writer`` is the child's end of a pipe: it sends its traceback there on failure. If
+        a start fails, the processes already started are stopped before the error propagates.
+        """
+        context = cls([], [], store, timeout)
+        try:
+            for rank in range(nprocs):
+                reader, writer = ctx.Pipe(duplex=False)
+                context._conns.append(reader)
+                proc = ctx.Process(target=target, args=args_of(rank, writer), name=f"{name}-{rank}")
+                try:
+                    proc.start()
+                finally:
+                    writer.close()
+                context.processes.append(proc)
+        except BaseException:
+            context._stop()
+            raise
+        return context
+
     def pids(self) -> list[int]:
         """Process ids of the children, in rank order."""
         return [int(p.pid) for p in self.processes]
@@ -187,22 +220,15 @@ def spawn(
     from phalanx.comm.store import host_store
 
     store, port = host_store("127.0.0.1", 0, timedelta(seconds=timeout or 300))
-    ctx = mp.get_context("spawn")
-    context = SpawnContext([], [], store, timeout)
-    try:
-        for rank in range(nprocs):
-            reader, writer = ctx.Pipe(duplex=False)
-            env = _child_env(rank, nprocs, port)
-            proc = ctx.Process(target=_child_entry, args=(fn, rank, args, env, writer, os.getpid()))
-            context._conns.append(reader)
-            try:
-                proc.start()
-            finally:
-                writer.close()
-            context.processes.append(proc)
-    except BaseException:
-        context._stop()
-        raise
+    parent = os.getpid()
+    context = SpawnContext.start(
+        mp.get_context("spawn"),
+        nprocs,
+        _child_entry,
+        lambda rank, writer: (fn, rank, args, _child_env(rank, nprocs, port), writer, parent),
+        store=store,
+        timeout=timeout,
+    )
     if not join:
         return context
     context.join()
