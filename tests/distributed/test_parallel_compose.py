@@ -79,6 +79,9 @@ def _case(pp: int, tp: int, schedule: str, micro: int) -> dict[str, Any]:
             torch.testing.assert_close(
                 p.grad, want, rtol=1e-4, atol=1e-6, msg=lambda m, w=where: f"{w}: {m}"
             )
+        # The whole model's gradient norm: shards summed over tp and pp, replicas counted once.
+        total = split.clip_grad_norm_(1e9)  # a bound this large clips nothing
+        torch.testing.assert_close(total, torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9))
         opt.step()
         ref_opt.step()
     return {

@@ -22,7 +22,13 @@ from torch import nn
 from phalanx.sharding.shard_optim import ShardedOptimizerState
 from phalanx.sharding.state import Piece, PieceReader, ShardedState
 
-__all__ = ["FORMAT", "ParallelModelState", "ParallelOptimizerState", "segments_of"]
+__all__ = [
+    "FORMAT",
+    "ParallelModelState",
+    "ParallelOptimizerState",
+    "segments_of",
+    "tp_slices",
+]
 
 FORMAT = "phalanx.mesh-model/1"
 
@@ -47,7 +53,7 @@ def segments_of(key: str, full: tuple[int, ...], dim: int, start: int, end: int)
             for o in range(outer)]  # fmt: skip
 
 
-def _tp_slices(model: nn.Module) -> dict[int, tuple[int, int, int, int]]:
+def tp_slices(model: nn.Module) -> dict[int, tuple[int, int, int, int]]:
     """``id(param) -> (dim, start, end, full size)`` for every tensor-parallel shard."""
     from phalanx.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from phalanx.tensor_parallel import VocabParallelEmbedding as Vocab
@@ -69,7 +75,7 @@ def plan_segments(
 ) -> tuple[list[tuple[nn.Parameter, list[Segment]]], set[int]]:
     """Each kept parameter of ``model`` (by unsplit name) with its segments, and which this
     rank writes (its shards; replicated parameters on tensor rank 0 only)."""
-    slices = _tp_slices(model)
+    slices = tp_slices(model)
     layout: list[tuple[nn.Parameter, list[Segment]]] = []
     writes: set[int] = set()
     for name, p in model.named_parameters():

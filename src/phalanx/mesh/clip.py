@@ -15,26 +15,10 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx.comm import collectives as C
+from phalanx.mesh.checkpoint import tp_slices
 from phalanx.mesh.groups import ParallelGroups
 
-__all__ = ["clip_grad_norm_", "tensor_parallel_params"]
-
-
-def tensor_parallel_params(module: nn.Module) -> set[int]:
-    """``id()`` of every parameter of ``module`` that is a tensor-parallel shard."""
-    from phalanx.tensor_parallel import (
-        ColumnParallelLinear,
-        RowParallelLinear,
-        VocabParallelEmbedding,
-    )
-
-    ids: set[int] = set()
-    for m in module.modules():
-        if isinstance(m, (ColumnParallelLinear, VocabParallelEmbedding)):
-            ids.update(id(p) for p in m.parameters(recurse=False))
-        elif isinstance(m, RowParallelLinear):  # its bias is added after the reduction
-            ids.add(id(m.weight))
-    return ids
+__all__ = ["clip_grad_norm_"]
 
 
 def clip_grad_norm_(module: nn.Module, max_norm: float, groups: ParallelGroups) -> torch.Tensor:
@@ -45,7 +29,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, groups: ParallelGroups) 
     """
     if max_norm <= 0:
         raise ValueError(f"clip_grad_norm_: max_norm must be > 0, got {max_norm}")
-    sharded = tensor_parallel_params(module) if groups.topology.tp > 1 else set()
+    sharded = set(tp_slices(module)) if groups.topology.tp > 1 else set()
     count_replicated = groups.index("tp") == 0
     grads = [p.grad for p in module.parameters() if p.grad is not None]
     counted = [
