@@ -18,7 +18,7 @@ import shutil
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 __all__ = ["DistributedTestError", "run_distributed"]
@@ -95,6 +95,7 @@ def run_distributed(
     collective_timeout: float = 20.0,
     validate: bool = False,
     env: Mapping[str, str] | None = None,
+    may_die: Collection[int] = (),
 ) -> list[Any]:
     """Call ``fn(*args)`` on ``world_size`` ranks and return each rank's result, by rank.
 
@@ -108,6 +109,7 @@ def run_distributed(
         collective_timeout: Per-collective timeout in seconds (short, unlike gloo's 30 min).
         validate: Turn on phalanx's cross-rank collective validation.
         env: Extra environment variables for the ranks.
+        may_die: Ranks a test kills on purpose: their result is None when they die without one.
 
     Raises:
         DistributedTestError: naming the first rank that raised (with its traceback), died, or
@@ -138,13 +140,15 @@ def run_distributed(
             send.close()
             procs.append(p)
             conns.append(recv)
-        return _collect(procs, conns, time.monotonic() + timeout, timeout)
+        return _collect(procs, conns, time.monotonic() + timeout, timeout, set(may_die))
     finally:
         _kill_all(procs)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _collect(procs: list[Any], conns: list[Any], deadline: float, timeout: float) -> list[Any]:
+def _collect(
+    procs: list[Any], conns: list[Any], deadline: float, timeout: float, may_die: set[int]
+) -> list[Any]:
     results: dict[int, Any] = {}
     pending = dict(enumerate(conns))
     while pending:
@@ -158,7 +162,11 @@ def _collect(procs: list[Any], conns: list[Any], deadline: float, timeout: float
             try:
                 msg = conn.recv_bytes()  # type: ignore[union-attr]
             except EOFError:
+                del pending[rank]
                 procs[rank].join(timeout=2)
+                if rank in may_die:
+                    results[rank] = None
+                    continue
                 raise DistributedTestError(
                     f"rank {rank} died without a result (exit code {procs[rank].exitcode})"
                 ) from None

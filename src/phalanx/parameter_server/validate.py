@@ -50,15 +50,21 @@ def _check_dtype(header: Header, payload: torch.Tensor, dtype: torch.dtype | Non
         raise _fail(header, f"payload dtype {payload.dtype}, the server holds {dtype}")
 
 
-def _check_finite(header: Header, payload: torch.Tensor) -> None:
+def _check_finite(header: Header, payload: torch.Tensor, plan: ShardPlan) -> None:
     finite = torch.isfinite(payload)
     if bool(finite.all()):
         return
     nan = int(torch.isnan(payload).sum())
     bad = int((~finite).sum())
+    where = [
+        f"{s.name!r} ({int((~finite[s.offset : s.offset + s.numel]).sum())})"
+        for s in plan.slots(header.shard)
+        if not bool(finite[s.offset : s.offset + s.numel].all())
+    ]
     raise _fail(
         header,
-        f"{bad} of {payload.numel()} elements are not finite ({nan} NaN, {bad - nan} Inf)",
+        f"{bad} of {payload.numel()} elements are not finite ({nan} NaN, {bad - nan} Inf) in "
+        f"tensor {', '.join(where)}",
     )
 
 
@@ -84,4 +90,4 @@ def check_update(
     """
     _check_layout(header, payload, plan)
     _check_dtype(header, payload, dtype)
-    _check_finite(header, payload)
+    _check_finite(header, payload, plan)

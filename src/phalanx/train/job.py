@@ -29,6 +29,7 @@ from torch import nn
 from phalanx.comm import group as pg
 from phalanx.mesh.groups import ParallelGroups
 from phalanx.train.job_checkpoint import CheckpointMixin
+from phalanx.train.job_ps import PSMixin
 from phalanx.train.loop_helpers import (
     Timer,
     batch_len,
@@ -46,7 +47,7 @@ __all__ = ["Job"]
 log = logging.getLogger("phalanx.train")
 
 
-class Job(CheckpointMixin):
+class Job(CheckpointMixin, PSMixin):
     """One distributed training job: process group, strategy, data, steps, metrics, checkpoints.
 
     Args:
@@ -91,6 +92,11 @@ class Job(CheckpointMixin):
         chunks: int = 1,
         balance: Sequence[int] | str | None = None,
         tp_plan: Mapping[str, str] | None = None,
+        servers: int | None = None,
+        staleness: int | None = None,
+        staleness_lr: bool = False,
+        max_updates: int | None = None,
+        straggler: tuple[int | str, float] | None = None,
     ) -> None:
         if grad_accum < 1:
             raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
@@ -107,6 +113,7 @@ class Job(CheckpointMixin):
                 pg.destroy_process_group()
             raise
         from phalanx.train.parallel_strategies import parallel_config
+        from phalanx.train.ps_strategies import ps_config
 
         try:
             self.parallel = parallel_config(
@@ -114,6 +121,13 @@ class Job(CheckpointMixin):
                 micro_batches=micro_batches, schedule=schedule, chunks=chunks,
                 balance=balance, tp_plan=tp_plan,
             )  # fmt: skip
+            self.ps_config = ps_config(
+                strategy, self.world.world_size, servers=servers, staleness=staleness,
+                staleness_lr=staleness_lr, max_updates=max_updates,
+            )  # fmt: skip
+            _check_ps_options(self.ps_config, checkpoint_dir, precision)
+            self.seed = seed
+            self._init_roles(straggler)
         except ValueError:
             if self.owns_group:
                 pg.destroy_process_group()
@@ -142,7 +156,9 @@ class Job(CheckpointMixin):
             metrics_path = os.path.join(checkpoint_dir, "metrics.jsonl")
         from phalanx.train.metrics import MetricsLogger
 
-        self.metrics = MetricsLogger(metrics_path, tensorboard_dir=tensorboard_dir)
+        self.metrics = MetricsLogger(
+            metrics_path, tensorboard_dir=tensorboard_dir, group=self._worker_group()
+        )
         from phalanx.train.profiling import profile
 
         self.profiler = profile(profile_dir)
@@ -182,6 +198,11 @@ class Job(CheckpointMixin):
         """
         model.to(self.world.device)
         self.loss_fn = loss_fn
+        if self.ps_config is not None:
+            self._setup_ps(model, optimizer, scheduler)
+            self.precision.wrap_forward(model)
+            self.model, self.optimizer, self.scheduler = model, None, None
+            return model, optimizer
         if self.parallel is not None:
             return self._setup_parallel(model, optimizer, scheduler)
         wrapped = self._wrap(model, self.world)
@@ -233,6 +254,7 @@ class Job(CheckpointMixin):
         replicas, replica = self.world.world_size, self.world.rank
         if self.groups is not None:
             replicas, replica = self.groups.topology.dp, self.groups.index("dp")
+        replicas, replica = self._replicas() or (replicas, replica)
         if "sampler" in kwargs or "batch_sampler" in kwargs:
             raise ValueError("Job.loader() builds its own sampler; drop sampler=/batch_sampler=")
         self.sampler = DistributedSampler(
@@ -252,23 +274,35 @@ class Job(CheckpointMixin):
     # ---- the loop ------------------------------------------------------------------------------
     def epochs(self, n: int) -> Iterator[int]:
         """Yield epoch numbers ``start..n-1``, resuming from the newest checkpoint if any."""
+        if self._serving():
+            return
         start = self.resume() if not self._resumed else self.epoch
         for epoch in range(start, n):
             self.epoch = epoch
             if self.sampler is not None:
                 self.sampler.set_epoch(epoch)
             yield epoch
+            if self.ps is not None and self.ps.done:
+                break
+        self._finish_roles()
 
     def progress(self, loader: Iterable[Any], desc: str | None = None) -> Iterator[Any]:
         """Iterate ``loader`` with a progress bar on rank 0, moving batches to the device."""
         from phalanx.train.progress import progress
 
+        if self._serving():
+            return
         total = batches_left(loader, self.sampler)
-        bar = progress(loader, desc=desc or f"epoch {self.epoch}", total=total)
+        first_worker = self.world.rank == (self.ps_config.servers if self.ps_config else 0)
+        bar = progress(
+            loader, desc=desc or f"epoch {self.epoch}", total=total, enabled=first_worker
+        )
         self._timer.start_epoch()
         for i, batch in enumerate(bar):
             self._last_batch = total is not None and i == total - 1
             self._arm_sync()
+            if not self._before_batch():
+                break
             yield to_device(batch, self.world.device)
             if self.sampler is not None and hasattr(self.sampler, "advance"):
                 self.sampler.advance(batch_len(batch))
@@ -308,7 +342,7 @@ class Job(CheckpointMixin):
             True when the optimizer stepped.
         """
         opt = optimizer or self.optimizer
-        if opt is None:
+        if opt is None and self.ps is None:
             raise ValueError("Job.step(): no optimizer given and none passed to setup()")
         self._micro += 1
         if self._micro < self.grad_accum and not self._last_batch:
@@ -316,18 +350,30 @@ class Job(CheckpointMixin):
             return False
         self._micro = 0
         self._arm_sync()
-        self.precision.step(opt)
-        opt.zero_grad(set_to_none=True)
-        if self.scheduler is not None:
-            self.scheduler.step()
+        self._slow_down(self.step_count)
+        if self.ps is not None:  # the servers step the optimizer (and the scheduler)
+            assert self.model is not None
+            self._ps_step(self.model)
+        else:
+            assert opt is not None
+            self.precision.step(opt)
+            opt.zero_grad(set_to_none=True)
+            if self.scheduler is not None:
+                self.scheduler.step()
         self.step_count += 1
         return True
 
     # ---- metrics and checkpoints -----------------------------------------------------------------
     def log(self, **metrics: float) -> dict[str, float]:
-        """Average ``metrics`` over the ranks, write them (rank 0) and return the averages."""
-        averaged = self.metrics.log(self.step_count, **metrics)
-        if self.world.is_main:
+        """Average ``metrics`` over the ranks, write them (rank 0) and return the averages.
+
+        Parameter-server workers are not in step with each other (one may be told to stop
+        while another is mid-epoch), so there each worker returns its own values, without
+        communication, and the first worker writes its own.
+        """
+        record = self.metrics.log_local if self.ps_config is not None else self.metrics.log
+        averaged = record(self.step_count, **metrics)
+        if self.metrics.is_writer:
             shown = " ".join(f"{k}={v:.4g}" for k, v in averaged.items())
             log.info("epoch %d step %d: %s", self.epoch, self.step_count, shown)
         return averaged
@@ -340,6 +386,7 @@ class Job(CheckpointMixin):
 
     def close(self) -> None:
         """Flush metrics; leave the process group if the job created it."""
+        self._finish_roles()
         self.metrics.close()
         self.profiler.stop()
         if self.owns_group:
@@ -350,3 +397,18 @@ class Job(CheckpointMixin):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_ps_options(config: Any, checkpoint_dir: Any, precision: str) -> None:
+    if config is None:
+        return
+    if checkpoint_dir is not None:
+        raise ValueError(
+            f"checkpoint_dir={str(checkpoint_dir)!r}: parameter-server strategies do not "
+            f"checkpoint yet (the state lives on the servers); drop checkpoint_dir"
+        )
+    if precision == "fp16":
+        raise ValueError(
+            "precision='fp16' with a parameter server: workers would push loss-scaled "
+            "gradients; use precision='bf16' or 'fp32'"
+        )

@@ -129,6 +129,11 @@ class MetricsLogger:
         distributed = dist.is_available() and dist.is_initialized()
         return dist.get_world_size(self.group) if distributed else 1
 
+    @property
+    def is_writer(self) -> bool:
+        """True on the rank that writes (rank 0 of the group)."""
+        return self._rank() == 0
+
     def _rank(self) -> int:
         distributed = dist.is_available() and dist.is_initialized()
         return dist.get_rank(self.group) if distributed else 0

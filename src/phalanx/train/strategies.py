@@ -110,4 +110,5 @@ register_strategy("dp", _dp)
 register_strategy("single", _single)
 
 
-from phalanx.train import zero_strategies  # noqa: E402,F401  (registers zero1/2/3 and baselines)
+# Registering modules import this one, so they come last.
+from phalanx.train import ps_strategies, zero_strategies  # noqa: E402,F401

@@ -1,0 +1,122 @@
+"""Job strategies "ps-sync", "ps-async", "ssp" and "hogwild", and the straggler option."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import phalanx
+from phalanx.testing import DistributedTestError, run_distributed
+
+
+def _data() -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(96, 10, generator=g)
+    return torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
+
+
+def _train(strategy: str, kwargs: dict) -> dict:
+    job = phalanx.Job(strategy=strategy, seed=1, **kwargs)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
+    model, _ = job.setup(model, opt, sched, loss_fn=nn.functional.cross_entropy)
+    loader = job.loader(_data(), batch_size=8)
+    batches, logged = 0, []
+    for _ in job.epochs(2):
+        for x, y in job.progress(loader):
+            loss = job.forward_backward(x, y)
+            job.step()
+            batches += 1
+        logged.append(job.log(loss=float(loss)))  # per worker: no collective among them
+    state = {k.removeprefix("module."): v.detach().clone() for k, v in model.state_dict().items()}
+    report = job.ps.report if job.ps is not None else None
+    job.close()
+    return {
+        "state": state, "batches": batches, "server": job.is_server, "report": report,
+        "logged": logged,
+    }  # fmt: skip
+
+
+def test_ps_sync_job_equals_ddp_job() -> None:
+    ddp = run_distributed(_train, "ddp", {}, world_size=2, timeout=60)
+    ps = run_distributed(_train, "ps-sync", {}, world_size=3, timeout=60)
+    assert ps[0]["server"] and ps[0]["batches"] == 0
+    assert ps[1]["batches"] == ps[2]["batches"] == ddp[0]["batches"] == 12
+    report = ps[0]["report"]
+    assert report.version == 12 and report.applied == 24
+    assert ps[0]["logged"] == [] and len(ps[1]["logged"]) == 2
+    for r in ps:  # the server holds the whole model (one server); workers load the final one
+        for k, v in r["state"].items():
+            # DDP's all-reduce and the server's average sum in different orders: rounding only.
+            torch.testing.assert_close(v, ddp[0]["state"][k], rtol=1e-5, atol=1e-6)
+
+
+def test_ssp_job_with_straggler_and_async_budget() -> None:
+    ssp = run_distributed(
+        _train, "ssp", {"staleness": 1, "straggler": (1, 3.0)}, world_size=3, timeout=60
+    )
+    report = ssp[0]["report"]
+    assert report.applied == 24 and max(report.staleness) <= 1
+    budget = run_distributed(_train, "ps-async", {"max_updates": 10}, world_size=3, timeout=60)
+    assert budget[0]["report"].applied == 10
+    assert budget[1]["batches"] + budget[2]["batches"] == 10
+
+
+def _hogwild() -> dict:
+    job = phalanx.Job(strategy="hogwild", seed=0)
+    torch.manual_seed(job.world.rank)  # different inits: the job must start all from rank 0's
+    model = nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, opt = job.setup(model, opt, loss_fn=nn.functional.cross_entropy)
+    first = model[0].weight.detach().clone()  # type: ignore[index]
+    dist.barrier()
+    with torch.no_grad():  # each rank adds rank+1 to one shared element, 5 times
+        for _ in range(5):
+            model[2].bias[0] += job.world.rank + 1  # type: ignore[index]
+            dist.barrier()
+    shared_sum = float(model[2].bias[0])  # type: ignore[index]
+    loader = job.loader(_data(), batch_size=8)
+    for _ in job.epochs(2):
+        for x, y in job.progress(loader):
+            job.forward_backward(x, y)
+            job.step()
+    dist.barrier()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    job.close()
+    return {"first": first, "sum": shared_sum, "state": state}
+
+
+def test_hogwild_job_shares_one_model() -> None:
+    r = run_distributed(_hogwild, world_size=2, timeout=60)
+    assert torch.equal(r[0]["first"], r[1]["first"])
+    assert r[0]["sum"] == r[1]["sum"]
+    torch.manual_seed(0)
+    start = float(nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 3))[2].bias[0].detach())
+    assert r[0]["sum"] == pytest.approx(start + 5 * (1 + 2), abs=1e-5)
+    for k, v in r[0]["state"].items():  # one storage: both ranks see every update
+        assert torch.equal(v, r[1]["state"][k]), k
+
+
+def _bad(strategy: str, kwargs: dict) -> None:
+    phalanx.Job(strategy=strategy, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "kwargs", "match"),
+    [
+        ("ssp", {}, r"strategy='ssp' needs a staleness bound"),
+        ("ps-async", {"staleness": 2}, r"staleness=2 applies to strategy='ssp'"),
+        ("ddp", {"servers": 1}, r"servers=1 applies to strategies"),
+        ("ps-sync", {"servers": 2}, r"servers=2 needs more ranks than servers.*world_size=2"),
+        ("ps-sync", {"checkpoint_dir": "/tmp/x"}, r"checkpoint_dir='/tmp/x'"),
+        ("ddp", {"straggler": (5, 2.0)}, r"who=5 must be 'random' or a participant index"),
+        ("ddp", {"straggler": 4.0}, r"straggler must be \(who, factor\)"),
+    ],
+)
+def test_bad_ps_options(strategy: str, kwargs: dict, match: str) -> None:
+    with pytest.raises(DistributedTestError, match=match):
+        run_distributed(_bad, strategy, kwargs, world_size=2, timeout=30)
