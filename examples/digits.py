@@ -1,10 +1,15 @@
 """The phalanx demo: a small CNN on scikit-learn's handwritten digits, data parallel.
 
     phalanx run --standalone --nproc-per-node 2 examples/digits.py      # `make demo`
+    phalanx run --standalone --nproc-per-node 3 examples/digits.py --strategy ps-async
+    phalanx run --standalone --nproc-per-node 3 examples/digits.py --strategy ssp --staleness 2 \
+        --straggler 1:4
 
 Real 8x8 handwritten digits that ship with scikit-learn (no download). Progress bar on rank 0,
 metrics averaged over the ranks, a checkpoint every epoch; run it again and it resumes from the
 newest checkpoint. Ends with a summary: test accuracy, samples/s, share of time communicating.
+With a parameter-server strategy rank 0 serves (and prints the staleness histogram), the other
+ranks train; parameter servers do not checkpoint.
 """
 
 from __future__ import annotations
@@ -52,17 +57,28 @@ def main(argv: list[str] | None = None) -> float:
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
     parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--strategy", default="ddp", help="ddp, torch-ddp, dp, single")
+    parser.add_argument(
+        "--strategy",
+        default="ddp",
+        help="ddp, torch-ddp, dp, single, ps-sync, ps-async, ssp, hogwild",
+    )
+    parser.add_argument("--staleness", type=int, default=None, help="SSP bound (strategy ssp)")
+    parser.add_argument(
+        "--straggler", default=None, help="WHO:FACTOR, e.g. 1:4 (worker 1 4x slower) or random:4"
+    )
     parser.add_argument("--checkpoint-dir", default="runs/digits")
     parser.add_argument("--precision", default="fp32", help="fp32 or bf16 (fp16 on GPU)")
     parser.add_argument("--grad-accum", type=int, default=1)
     args = parser.parse_args(argv)
 
+    ps = args.strategy in ("ps-sync", "ps-async", "ssp")
     job = phalanx.Job(
         strategy=args.strategy,
         precision=args.precision,
         grad_accum=args.grad_accum,
-        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_dir=None if ps else args.checkpoint_dir,
+        staleness=args.staleness,
+        straggler=_straggler(args.straggler),
     )
     with phalanx.main_first():  # rank 0 loads (and caches) the data set first
         train_set, test_set = digits_datasets()
@@ -79,10 +95,18 @@ def main(argv: list[str] | None = None) -> float:
             total, batches = total + loss.item(), batches + 1
         test_loss, accuracy = evaluate(model, test_set)
         job.log(train_loss=total / max(batches, 1), test_loss=test_loss, accuracy=accuracy)
-        job.save()
+        if not ps:
+            job.save()
     _, accuracy = evaluate(model, test_set)
     summary = job.summary()
-    if job.world.is_main and summary["train_seconds"] == 0:
+    if job.is_server and job.ps is not None and job.ps.report is not None:
+        r = job.ps.report
+        print(
+            f"done: test accuracy {100 * accuracy:.2f}% | server applied {r.applied} gradients "
+            f"in {r.seconds:.1f} s ({r.applied / max(r.seconds, 1e-9):.0f}/s) | staleness "
+            f"histogram {r.staleness} | lost workers {sorted(r.lost) or 'none'}"
+        )
+    elif job.world.is_main and summary["train_seconds"] == 0:
         print(
             f"nothing left to train: all {args.epochs} epochs are in {args.checkpoint_dir}; "
             f"test accuracy {100 * accuracy:.2f}% (delete the directory to start over)"
@@ -95,6 +119,13 @@ def main(argv: list[str] | None = None) -> float:
         )
     job.close()
     return accuracy
+
+
+def _straggler(spec: str | None) -> tuple[int | str, float] | None:
+    if spec is None:
+        return None
+    who, _, factor = spec.partition(":")
+    return (who if who == "random" else int(who), float(factor or 2.0))
 
 
 if __name__ == "__main__":

@@ -97,3 +97,16 @@ def test_digits_demo_reaches_97_percent_and_resumes(tmp_path: Path) -> None:
     assert "samples/s" in done and "waiting for communication" in done
     again = _launch("digits.py", "--checkpoint-dir", ckpt)
     assert "nothing left to train" in again
+
+
+@pytest.mark.parametrize(
+    "args",
+    [("--strategy", "ssp", "--staleness", "2", "--straggler", "1:2"), ("--strategy", "ps-async")],
+)
+def test_digits_demo_on_a_parameter_server(args: tuple[str, ...], tmp_path: Path) -> None:
+    out = _launch("digits.py", *args, "--epochs", "4", nproc=3, cwd=tmp_path)
+    done = next(line for line in out.splitlines() if "done: test accuracy" in line)
+    assert float(done.split("test accuracy ")[1].split("%")[0]) >= 90.0, out
+    applied = int(done.split("server applied ")[1].split()[0])
+    assert applied == 2 * 4 * 23  # every batch of both workers' shards, applied once
+    assert "staleness histogram {" in done and "lost workers none" in done

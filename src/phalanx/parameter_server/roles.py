@@ -46,7 +46,9 @@ class ParameterServer:
         model: The model, built identically on every rank (same parameter names and shapes).
         make_optimizer: Builds a server's optimizer over its parameters (name -> parameter),
             e.g. ``lambda ps: torch.optim.SGD(ps.values(), lr=0.1)``.
-        group: The process group (default: the world).
+        group: A gloo process group (default: the world). With NCCL for the model, create one
+            with ``torch.distributed.new_group(backend="gloo")``; parameters and gradients
+            cross it as CPU tensors, so the model itself may live on a GPU.
         num_servers: Server ranks, ``1 <= num_servers < group size``.
         mode: ``"sync"``, ``"async"`` or ``"ssp"`` (see :mod:`phalanx.parameter_server.core`).
         bound: Staleness bound ``s`` for ``"ssp"``; 0 behaves exactly like ``"sync"``.
@@ -69,11 +71,18 @@ class ParameterServer:
         staleness_lr: bool = False,
         max_updates: int | None = None,
         heartbeat: float = 1.0,
-        dead_after: float = 10.0,
+        dead_after: float = 5.0,
         on_version: Callable[[int, torch.Tensor], None] | None = None,
     ) -> None:
         self.group = group if group is not None else dist.group.WORLD
         assert self.group is not None
+        backend = str(dist.get_backend(self.group))
+        if backend != "gloo":
+            raise ValueError(
+                f"ParameterServer needs a gloo group (its messages are CPU tensors with tags, "
+                f"received on one thread per worker), got backend {backend!r}: pass "
+                f"group=torch.distributed.new_group(backend='gloo'); models may stay on the GPU"
+            )
         check_mode(mode, bound)
         _check(dist.get_world_size(self.group), num_servers, heartbeat, dead_after)
         self.model, self.mode = model, mode

@@ -97,9 +97,8 @@ class Server:
     ) -> None:
         self.plan, self.shard, self.group = plan, shard, group
         self.heartbeat, self.dead_after, self.on_version = heartbeat, dead_after, on_version
-        first = next(iter(params.values()))
-        self.device = first.device
-        self.flat = plan.flatten({k: v.detach() for k, v in params.items()}, shard).clone()
+        self.device = torch.device("cpu")  # the wire (gloo) carries CPU tensors
+        self.flat = plan.flatten({k: v.detach().cpu() for k, v in params.items()}, shard).clone()
         shapes = {s.name: tuple(params[s.name].shape) for s in plan.slots(shard)}
         self.shapes = shapes
         self.params = {

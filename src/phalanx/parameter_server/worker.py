@@ -60,8 +60,7 @@ class Worker:
                 f"group rank {dist.get_rank(group)} is a server (ranks 0..{plan.num_servers - 1})"
             )
         self.named = dict(model.named_parameters())
-        self.device = next(iter(self.named.values())).device
-        self.dtype = next(iter(self.named.values())).dtype
+        self.device = torch.device("cpu")  # the wire (gloo) carries CPU tensors
         self.clock = 0
         self.versions = [0] * plan.num_servers
         self.history = WorkerHistory()
@@ -99,7 +98,7 @@ class Worker:
             n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in self.named.items()
         }
         for s in range(self.plan.num_servers):
-            flat = self.plan.flatten(grads, s).detach()
+            flat = self.plan.flatten(grads, s).detach().cpu()
             self._send(s, Kind.PUSH, step=self.clock, payload=flat)
         self.clock += 1
 

@@ -99,8 +99,12 @@ class PSRunner:
                 repoint(scheduler, opt)
             return opt
 
+        import torch.distributed as dist
+
+        # The parameter server speaks over gloo; with NCCL for the model, a gloo group of all.
+        group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         self.ps = ParameterServer(
-            model, make_optimizer, num_servers=config.servers, mode=config.mode,
+            model, make_optimizer, group, num_servers=config.servers, mode=config.mode,
             bound=config.staleness, staleness_lr=config.staleness_lr,
             max_updates=config.max_updates,
             on_version=self._on_version if scheduler is not None else None,
