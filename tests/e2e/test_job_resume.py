@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "tests" / "e2e" / "scripts" / "resume_job.py")
 
 
-def _run(ckpt: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "phalanx", "run", "--standalone", "--nproc-per-node", "2",
-           SCRIPT, str(ckpt), *extra]  # fmt: skip
+def _run(
+    ckpt: Path, *extra: str, nproc: int = 2, restarts: int = 0
+) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "phalanx", "run", "--standalone", "--nproc-per-node", str(nproc),
+           "--max-restarts", str(restarts), SCRIPT, str(ckpt), *extra]  # fmt: skip
     return subprocess.run(cmd, capture_output=True, text=True, timeout=180)
 
 
@@ -39,3 +44,25 @@ def test_sigkill_then_restart_is_bit_identical(tmp_path: Path) -> None:
     assert "resumed from" in resumed.stdout + resumed.stderr
     assert _digest(resumed.stdout) == _digest(clean.stdout)
     assert _trace(tmp_path / "killed") == _trace(tmp_path / "clean")
+
+
+def _digest_and_first_step(out: str) -> tuple[str, float]:
+    first = next(line for line in out.splitlines() if "FIRST_STEP" in line)
+    return _digest(out), float(first.split("FIRST_STEP ")[1].split()[0])
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_max_restarts_resumes_by_itself_bit_identical(tmp_path: Path, nproc: int) -> None:
+    # Rank 1 is SIGKILLed at a (seeded) random step; `--max-restarts 1` restarts everyone and
+    # the job resumes from its newest checkpoint without being asked.
+    step = random.Random(nproc).randrange(1, 12)
+    clean = _run(tmp_path / "clean", nproc=nproc)
+    assert clean.returncode == 0, clean.stderr
+    stamp = tmp_path / "stamp"
+    killed = _run(tmp_path / "killed", "--kill-step", str(step), "--stamp", str(stamp),
+                  nproc=nproc, restarts=1)  # fmt: skip
+    assert killed.returncode == 0, killed.stderr
+    assert "restarting all workers (restart 1 of 1" in killed.stderr
+    digest, first_step = _digest_and_first_step(killed.stdout)
+    assert digest == _digest(clean.stdout)
+    assert first_step > float(stamp.read_text())  # the restart happened after the kill
