@@ -8,14 +8,14 @@ import sys
 
 __all__ = ["main"]
 
-SUITES = ("comm", "ddp", "checkpoint", "zero", "pipeline", "tensor_parallel")
+SUITES = ("comm", "ddp", "checkpoint", "zero", "pipeline", "tensor_parallel", "param_server")
 
 USAGE = """usage: phalanx <command> [args]
 
 commands:
   run      launch a training script on N processes / machines (torchrun's flags)
-  bench    benchmarks: `phalanx bench comm|ddp|checkpoint|zero|pipeline|tensor_parallel`
-           [--quick] (ours vs torch, same run)
+  bench    benchmarks: `phalanx bench SUITE [--quick]`, SUITE one of comm, ddp, checkpoint,
+           zero, pipeline, tensor_parallel, param_server (ours vs torch, same run)
   plan     model-state memory per device for DDP and ZeRO-1/2/3 (the ZeRO paper's formulas)
   doctor   check torch, backends, GPUs, network interfaces and ports
 """

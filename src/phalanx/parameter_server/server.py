@@ -30,7 +30,7 @@ from phalanx.parameter_server.protocol import Kind, ProtocolError, encode_header
 from phalanx.parameter_server.shards import ShardPlan
 from phalanx.parameter_server.validate import MalformedUpdate, check_update
 
-__all__ = ["FLAG_FATAL", "FLAG_FINAL", "Server", "ServerReport"]
+__all__ = ["FLAG_FATAL", "FLAG_FINAL", "FLAG_PULL", "Server", "ServerReport"]
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,8 @@ FLAG_FINAL = 1
 """STOP flag: the worker wants the final parameters once every worker has finished."""
 FLAG_FATAL = 2
 """ERROR flag: the server stopped the job (a synchronous server lost a worker)."""
+FLAG_PULL = 4
+"""PUSH flag: the worker also asks for the parameters of its next step."""
 
 MakeOptimizer = Callable[[dict[str, nn.Parameter]], torch.optim.Optimizer]
 OnVersion = Callable[[int, torch.Tensor], None]
@@ -199,17 +201,22 @@ class Server:
             self._lose(worker, f"sent a header claiming to be worker {h.worker}")
         elif h.kind is Kind.PUSH:
             self._push(worker, msg)
+            if h.flags & FLAG_PULL:
+                self._pull(worker, h.step + 1)
         elif h.kind is Kind.PULL_REQUEST:
-            if worker in self._errors:
-                self._send(worker, Kind.ERROR, 0, wire.error_payload(self._errors.pop(worker)))
-            else:
-                self._reply(self.core.pull(worker, h.step))
+            self._pull(worker, h.step)
         elif h.kind is Kind.STOP:
             if h.flags & FLAG_FINAL:
                 self._final.add(worker)
             self._reply(self.core.leave(worker))
         else:
             self._lose(worker, f"sent a {h.kind.name} message, which workers do not send")
+
+    def _pull(self, worker: int, clock: int) -> None:
+        if worker in self._errors:
+            self._send(worker, Kind.ERROR, 0, wire.error_payload(self._errors.pop(worker)))
+        else:
+            self._reply(self.core.pull(worker, clock))
 
     def _push(self, worker: int, msg: wire.Message) -> None:
         h = msg.header

@@ -19,7 +19,7 @@ from torch import nn
 from phalanx.parameter_server import wire
 from phalanx.parameter_server.core import WorkerLost
 from phalanx.parameter_server.protocol import Kind, encode_header
-from phalanx.parameter_server.server import FLAG_FATAL, FLAG_FINAL
+from phalanx.parameter_server.server import FLAG_FATAL, FLAG_FINAL, FLAG_PULL
 from phalanx.parameter_server.shards import ShardPlan
 
 __all__ = ["ServerError", "Worker", "WorkerHistory"]
@@ -65,6 +65,8 @@ class Worker:
         self.versions = [0] * plan.num_servers
         self.history = WorkerHistory()
         self.stopped = False
+        self._outstanding = 0
+        """Replies owed by the servers: each push also asks for the next parameters."""
         self._lock = threading.Lock()
         self._quiet = threading.Event()
         self._heartbeat = heartbeat
@@ -81,9 +83,11 @@ class Worker:
         """
         if self.stopped:
             return False
-        for s in range(self.plan.num_servers):
-            self._send(s, Kind.PULL_REQUEST, step=self.clock)
-        replies = [self._receive(s) for s in range(self.plan.num_servers)]
+        if not self._outstanding:
+            for s in range(self.plan.num_servers):
+                self._send(s, Kind.PULL_REQUEST, step=self.clock)
+            self._outstanding = 1
+        replies = self._replies()
         if any(m.header.kind is Kind.STOP for m in replies):
             self.stopped = True
             return False
@@ -93,13 +97,18 @@ class Worker:
         return True
 
     def push(self) -> None:
-        """Send the model's gradients (zeros where a parameter has none) for step ``clock``."""
+        """Send the model's gradients (zeros where a parameter has none) for step ``clock``.
+
+        The push also asks for the parameters of the next step (one message less per step);
+        :meth:`pull` receives them.
+        """
         grads = {
             n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in self.named.items()
         }
         for s in range(self.plan.num_servers):
             flat = self.plan.flatten(grads, s).detach().cpu()
-            self._send(s, Kind.PUSH, step=self.clock, payload=flat)
+            self._send(s, Kind.PUSH, step=self.clock, payload=flat, flags=FLAG_PULL)
+        self._outstanding += 1
         self.clock += 1
 
     def close(self, final: bool = True) -> None:
@@ -108,6 +117,8 @@ class Worker:
         The final parameters arrive once every worker has finished (or was lost).
         """
         self._stop_heartbeats()
+        if self._outstanding and not self.stopped:
+            self._replies()  # the answer to the last push's request, superseded by STOP
         flags = FLAG_FINAL if final else 0
         for s in range(self.plan.num_servers):
             self._send(s, Kind.STOP, step=self.clock, flags=flags)
@@ -133,6 +144,16 @@ class Worker:
         )  # fmt: skip
         with self._lock:
             wire.send(header, server, self.group, payload)
+
+    def _replies(self) -> list[wire.Message]:
+        """Every outstanding reply of every server; the last one of each counts."""
+        owed, self._outstanding = self._outstanding, 0
+        last = []
+        for s in range(self.plan.num_servers):
+            for _ in range(owed - 1):
+                self._receive(s)
+            last.append(self._receive(s))
+        return last
 
     def _receive(self, server: int) -> wire.Message:
         msg = wire.receive(server, self.group, self.plan, self.device)
