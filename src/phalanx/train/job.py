@@ -69,6 +69,15 @@ class Job(CheckpointMixin, PSMixin):
         chunks: Model chunks per pipeline rank (interleaved schedule).
         balance: Layers per pipeline stage, or "params" / "time".
         tp_plan: Module name -> "colwise" / "rowwise" / ...; GPT models have a default.
+        servers: Parameter-server ranks for "ps-sync" / "ps-async" / "ssp" (default 1).
+        staleness: The staleness bound of strategy "ssp".
+        staleness_lr: Scale parameter-server updates by 1 / (1 + staleness).
+        max_updates: Parameter servers apply exactly this many gradients, then stop workers.
+        straggler: ``(who, factor)``: make rank (or parameter-server worker) ``who``, or a
+            random one each step with ``who="random"``, ``factor`` times slower (experiments).
+        straggler_check_every: Every this many steps compare the ranks' compute times (one
+            small all-gather) and report a rank that is consistently slower, in the log and
+            the metrics, and as :attr:`straggler_finding`; 0 disables.
     """
 
     def __init__(
@@ -97,6 +106,7 @@ class Job(CheckpointMixin, PSMixin):
         staleness_lr: bool = False,
         max_updates: int | None = None,
         straggler: tuple[int | str, float] | None = None,
+        straggler_check_every: int = 10,
     ) -> None:
         if grad_accum < 1:
             raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
@@ -127,7 +137,7 @@ class Job(CheckpointMixin, PSMixin):
             )  # fmt: skip
             _check_ps_options(self.ps_config, checkpoint_dir, precision)
             self.seed = seed
-            self._init_roles(straggler)
+            self._init_roles(straggler, straggler_check_every)
         except ValueError:
             if self.owns_group:
                 pg.destroy_process_group()
@@ -361,6 +371,7 @@ class Job(CheckpointMixin, PSMixin):
             if self.scheduler is not None:
                 self.scheduler.step()
         self.step_count += 1
+        self._check_stragglers()
         return True
 
     # ---- metrics and checkpoints -----------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The parameter-server and straggler hooks of :class:`phalanx.Job`.
+"""The parameter-server, straggler and straggler-detection hooks of :class:`phalanx.Job`.
 
 Kept apart from ``job.py`` so the data-parallel loop reads without them: the job calls
 :meth:`PSMixin._before_batch` before yielding a batch and :meth:`PSMixin._ps_step` instead of
@@ -7,6 +7,7 @@ stepping a local optimizer.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -16,8 +17,12 @@ from torch import nn
 from phalanx.comm.group import World
 from phalanx.train.ps_strategies import PSConfig, PSRunner
 from phalanx.train.straggler import Straggler
+from phalanx.train.straggler_monitor import StragglerMonitor
+from phalanx.train.stragglers import StragglerFinding
 
 __all__ = ["PSMixin"]
+
+log = logging.getLogger("phalanx.train")
 
 
 class PSMixin:
@@ -28,10 +33,20 @@ class PSMixin:
     ps_config: PSConfig | None
     ps: PSRunner | None
     straggler: Straggler | None
+    metrics: Any
+    model: Any
+    step_count: int
 
-    def _init_roles(self, straggler: tuple[int | str, float] | None) -> None:
+    def _init_roles(self, straggler: tuple[int | str, float] | None, check_every: int = 0) -> None:
         self.ps = None
         self.straggler = None
+        self._monitor: StragglerMonitor | None = None
+        if check_every < 0:
+            raise ValueError(f"straggler_check_every must be >= 0 (0 disables), got {check_every}")
+        # Parameter-server workers are not in step: a collective among them would re-couple
+        # them, so they are not compared.
+        if check_every and self.world.world_size > 1 and self.ps_config is None:
+            self._monitor = StragglerMonitor(check_every)
         if straggler is None:
             return
         if not isinstance(straggler, tuple) or len(straggler) != 2:
@@ -102,6 +117,22 @@ class PSMixin:
         assert self.ps is not None
         self.ps.ps.push()
         model.zero_grad(set_to_none=True)
+
+    @property
+    def straggler_finding(self) -> StragglerFinding | None:
+        """The latest rank found consistently slower than the others (every rank knows it)."""
+        return None if self._monitor is None else self._monitor.finding
+
+    def _check_stragglers(self) -> None:
+        if self._monitor is None:
+            return
+        reducer = getattr(self.model, "reducer", None)
+        found = self._monitor.step(float(getattr(reducer, "wait_seconds", 0.0)))
+        if found is not None and self.world.rank == 0:
+            log.warning("straggler: %s", found.describe())
+            self.metrics.log_local(
+                self.step_count, straggler_rank=found.rank, straggler_factor=found.factor
+            )
 
     def _finish_roles(self) -> None:
         if self.ps is not None:

@@ -54,7 +54,7 @@ class Straggler:
         return int(self.who)
 
     def begin(self) -> None:
-        """Mark the start of this participant's step."""
+        """Mark the start of this participant's step (default: when the last one ended)."""
         self._started = time.perf_counter()
 
     def end(self, step: int) -> float:
@@ -64,4 +64,5 @@ class Straggler:
         if pause > 0:
             time.sleep(pause)
             self.slept += pause
+        self._started = time.perf_counter()  # the next step starts now unless begin() says
         return pause
