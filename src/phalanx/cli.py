@@ -1,4 +1,4 @@
-"""The ``phalanx`` command: ``run`` (launcher), ``bench comm``, ``doctor``."""
+"""The ``phalanx`` command: ``run``, ``bench``, ``plan``, ``doctor``, ``diagnose``."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ commands:
            zero, pipeline, tensor_parallel, param_server (ours vs torch, same run)
   plan     model-state memory per device for DDP and ZeRO-1/2/3 (the ZeRO paper's formulas)
   doctor   check torch, backends, GPUs, network interfaces and ports
+  diagnose DIR: merge the ranks' flight records (PHALANX_DUMP_DIR) and print the first
+           collective where they diverge
 """
 
 
@@ -50,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         from phalanx import doctor
 
         return doctor.main(rest)
+    if command == "diagnose":
+        from phalanx.comm import diagnose
+
+        return diagnose.main(rest)
     if command in ("--version", "version"):
         from phalanx import __version__
 

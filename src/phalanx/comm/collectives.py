@@ -59,6 +59,7 @@ class TrackedWork:
             done = self._work.wait() if timeout is None else self._work.wait(timeout)
         except RuntimeError as exc:
             raise tracking.failure(self._op, self._seq, self._group, exc) from exc
+        tracking.leave(self._group, self._seq)
         if self._post is not None:
             post, self._post = self._post, None
             post()
@@ -88,6 +89,7 @@ def _run(
     except RuntimeError as exc:
         raise tracking.failure(op, seq, group, exc) from exc
     if work is None:
+        tracking.leave(group, seq)
         if post is not None:
             post()
         return None

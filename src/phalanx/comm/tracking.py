@@ -26,9 +26,21 @@ import torch
 import torch.distributed as dist
 
 from phalanx.comm import fingerprint as fpr
+from phalanx.comm import watchdog
 from phalanx.comm.errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
+from phalanx.comm.flight import FlightRecorder
 
-__all__ = ["comm_stats", "enter", "failure", "reset_comm_stats", "start", "stop"]
+__all__ = [
+    "comm_stats",
+    "enter",
+    "failure",
+    "hang_reports",
+    "leave",
+    "recorder",
+    "reset_comm_stats",
+    "start",
+    "stop",
+]
 
 PUBLISH_INTERVAL_S = 0.5
 PUBLISH_STORE_TIMEOUT_S = 10.0
@@ -46,12 +58,14 @@ class _Tracker:
     last_op: dict[str, str] = field(default_factory=dict)
     stop_event: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
+    watch: watchdog.Watchdog | None = None
 
     def snapshot(self) -> str:
         return json.dumps({g: [n, self.last_op[g]] for g, n in self.seq.items()})
 
 
 _T: _Tracker | None = None
+_RECORDER = FlightRecorder()
 _ATEXIT = False
 _RANKS: dict[str, list[int]] = {}
 _CALLS: dict[str, int] = {}
@@ -73,16 +87,28 @@ def reset_comm_stats() -> None:
     _BYTES.clear()
 
 
+def recorder() -> FlightRecorder:
+    """This process's flight recorder (its recent collectives)."""
+    return _RECORDER
+
+
+def hang_reports() -> list[str]:
+    """The hang reports this rank printed since the process group started."""
+    return [] if _T is None or _T.watch is None else list(_T.watch.reports)
+
+
 def _publisher(t: _Tracker, store: dist.Store) -> None:
     last = ""
     while not t.stop_event.wait(PUBLISH_INTERVAL_S):
         snap = t.snapshot()
-        if snap != last:
-            try:
+        try:
+            if snap != last:
                 store.set(f"progress/{t.rank}", snap)
-            except Exception:  # the store is gone: the job is ending
-                return
-            last = snap
+                last = snap
+            if t.watch is not None:
+                t.watch.tick(store)
+        except Exception:  # the store is gone: the job is ending
+            return
 
 
 def start(
@@ -101,6 +127,7 @@ def start(
         # store call when the interpreter finalises dies in C++ (std::terminate, SIGABRT).
         raw.set_timeout(timedelta(seconds=PUBLISH_STORE_TIMEOUT_S))
         clone = dist.PrefixStore("phalanx/", raw)
+        t.watch = watchdog.Watchdog(_RECORDER, rank, world_size)
         t.thread = threading.Thread(
             target=_publisher, args=(t, clone), name="phalanx-progress", daemon=True
         )
@@ -153,10 +180,23 @@ def enter(
     seq = t.seq.get(name, 0) + 1
     t.seq[name] = seq
     t.last_op[name] = op
+    site = _call_site()
+    shape = (
+        "-"
+        if tensor is None
+        else f"{list(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
+    )
+    _RECORDER.start(name, seq, op, shape, site)
     if t.validate:
-        fp = fpr.make(op, name, seq, tensor, reduce_op, root, compare_shape, _call_site())
+        fp = fpr.make(op, name, seq, tensor, reduce_op, root, compare_shape, site)
         _validate(t, name, ranks, seq, fp)
     return seq
+
+
+def leave(group: dist.ProcessGroup | None, seq: int) -> None:
+    """Record that collective ``seq`` (from :func:`enter`) completed on this rank."""
+    if seq >= 0 and _T is not None:
+        _RECORDER.finish(_group_ranks(group)[0], seq)
 
 
 def _call_site() -> str:
@@ -234,6 +274,7 @@ def failure(op: str, seq: int, group: dist.ProcessGroup | None, exc: BaseExcepti
         return CollectiveError(f"{op} failed: {exc}")
     name, ranks = _group_ranks(group)
     behind = _ranks_behind(t, name, ranks, seq)
+    watchdog.dump_on_failure(_RECORDER, t.rank)
     text = _backend_text(exc)
     timed_out = "timeout" in text.lower() or "timed out" in text.lower()
     kind = CollectiveTimeoutError if timed_out else CollectiveError

@@ -1,0 +1,135 @@
+"""Live hang reports: which ranks have not reached a stuck collective, and what they are doing.
+
+Runs on each rank's progress thread (every 0.5 s, see :mod:`.tracking`). When this rank's oldest
+in-flight collective has waited longer than ``PHALANX_HANG_TIMEOUT`` seconds (default 60) it
+raises a request in the store. Every rank's watchdog sees the request on its next tick and
+publishes its Python stacks and the tail of its flight record; each then collects everyone's,
+and prints one report to stderr (so the launcher, which forwards the ranks' output, shows it
+too) while the ranks are still alive. The report names the collective, the ranks that never
+reached it with their last completed collective and their main thread's stack, and the first
+collective where the ranks' records diverge (a different call site at the same position: ranks
+on different code paths). With ``PHALANX_DUMP_DIR`` each rank also writes its flight record
+there for ``phalanx diagnose DIR``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from dataclasses import asdict
+from typing import Any
+
+from phalanx.comm.flight import FlightRecorder, Record, first_divergence
+
+__all__ = ["Watchdog", "dump_on_failure", "hang_timeout"]
+
+TAIL = 64
+COLLECT_S = 3.0
+
+
+def hang_timeout() -> float:
+    """``PHALANX_HANG_TIMEOUT`` seconds (default 60); a malformed value is named."""
+    raw = os.environ.get("PHALANX_HANG_TIMEOUT", "60")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"PHALANX_HANG_TIMEOUT={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise ValueError(f"PHALANX_HANG_TIMEOUT={raw!r} must be > 0 seconds")
+    return value
+
+
+def dump_on_failure(recorder: FlightRecorder, rank: int) -> None:
+    """Write this rank's flight record to ``PHALANX_DUMP_DIR`` (if set) after a failure."""
+    where = os.environ.get("PHALANX_DUMP_DIR")
+    if where:
+        os.makedirs(where, exist_ok=True)
+        recorder.dump(os.path.join(where, f"rank-{rank}.json"), rank)
+
+
+def _main_stack() -> list[str]:
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    return [] if frame is None else traceback.format_stack(frame)
+
+
+class Watchdog:
+    """One rank's hang detector and report writer."""
+
+    def __init__(self, recorder: FlightRecorder, rank: int, world_size: int) -> None:
+        self.recorder, self.rank, self.world_size = recorder, rank, world_size
+        self.timeout = hang_timeout()
+        self._requested: set[tuple[str, int]] = set()
+        self._answered = 0
+        self.reports: list[str] = []
+        """Reports this rank printed (for tests and tools)."""
+
+    def tick(self, store: Any) -> None:
+        """Detect this rank's stuck collective; answer and report other ranks' requests."""
+        stuck = self.recorder.in_flight()
+        if stuck is not None and time.time() - stuck.start > self.timeout:
+            key = (stuck.group, stuck.seq)
+            if key not in self._requested:
+                self._requested.add(key)
+                store.set(f"hang/req/{self.rank}", json.dumps(asdict(stuck)))
+                store.set("hang/who", str(self.rank))
+                store.add("hang/count", 1)
+        count = store.add("hang/count", 0)
+        if count > self._answered:
+            self._answered = count
+            self._answer(store, count)
+
+    def _answer(self, store: Any, count: int) -> None:
+        requester = int(store.get("hang/who"))
+        stuck = Record(**json.loads(store.get(f"hang/req/{requester}")))
+        mine = {
+            "stack": _main_stack(),
+            "records": [asdict(r) for r in self.recorder.records()[-TAIL:]],
+        }
+        store.set(f"hang/{count}/{self.rank}", json.dumps(mine))
+        dump_on_failure(self.recorder, self.rank)
+        keys = [f"hang/{count}/{r}" for r in range(self.world_size)]
+        deadline = time.time() + COLLECT_S
+        while time.time() < deadline and not all(store.check([k]) for k in keys):
+            time.sleep(0.05)
+        states = {r: json.loads(store.get(k)) for r, k in enumerate(keys) if store.check([k])}
+        report = build_report(self.rank, requester, stuck, states, self.world_size)
+        self.reports.append(report)
+        sys.stderr.write(report + "\n")
+        sys.stderr.flush()
+
+
+def build_report(
+    me: int, requester: int, stuck: Record, states: dict[int, dict[str, Any]], world_size: int
+) -> str:
+    """The hang report text from every rank's published state (pure)."""
+    waited = time.time() - stuck.start
+    records = {r: [Record(**x) for x in st["records"]] for r, st in states.items()}
+    lines = [
+        f"phalanx hang report (printed by rank {me}): rank {requester} has waited "
+        f"{waited:.0f} s in {stuck.where()} (collective #{stuck.seq} on group {stuck.group})."
+    ]
+    behind = [
+        r for r, recs in records.items()
+        if not any(x.group == stuck.group and x.seq >= stuck.seq for x in recs)
+    ]  # fmt: skip
+    silent = sorted(set(range(world_size)) - set(states))
+    if behind:
+        lines.append(f"Rank(s) {behind} never reached it.")
+    if silent:
+        lines.append(f"Rank(s) {silent} did not answer (dead, or stuck holding the GIL).")
+    for r in behind:
+        done = [x for x in records[r] if x.end is not None]
+        last = f"{done[-1].where()} (#{done[-1].seq})" if done else "none"
+        lines.append(f"rank {r}: last completed collective: {last}")
+        lines.append(f"rank {r} main thread stack (most recent call last):")
+        lines.extend("  " + ln.rstrip() for ln in "".join(states[r]["stack"]).splitlines())
+    div = first_divergence(records)
+    if div is not None and (div.group, div.seq) == (stuck.group, stuck.seq) and div.missing:
+        div = None  # only the stuck collective itself, already described above
+    if div is not None:
+        lines.append("First divergence: " + div.describe())
+    return "\n".join(lines)

@@ -1,0 +1,23 @@
+"""Under `phalanx run` the hang report of a live job shows in the launcher's output."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_launcher_output_carries_the_hang_report() -> None:
+    cmd = [sys.executable, "-m", "phalanx", "run", "--standalone", "--nproc-per-node", "2",
+           str(ROOT / "tests" / "e2e" / "scripts" / "hang_rank1.py")]  # fmt: skip
+    env = {**os.environ, "PHALANX_HANG_TIMEOUT": "1.5"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr  # the job is not killed: rank 1 wakes, it ends
+    err = proc.stderr
+    assert "[rank 0] phalanx hang report (printed by rank 0): rank 0 has waited" in err
+    assert "[rank 1] phalanx hang report (printed by rank 1)" in err
+    assert "[rank 0] Rank(s) [1] never reached it." in err
+    assert "in wait_for_the_report" in err

@@ -1,0 +1,66 @@
+"""The flight recorder's ring and the pure divergence finder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from phalanx.comm import diagnose
+from phalanx.comm.flight import FlightRecorder, Record, first_divergence, load_dump
+
+
+def _rec(seq: int, site: str = "t.py:1 in f", op: str = "all_reduce", g: str = "0") -> Record:
+    return Record(g, seq, op, "[2] float32", site, float(seq), float(seq) + 0.1)
+
+
+def test_ring_keeps_the_last_records_and_tracks_in_flight() -> None:
+    fr = FlightRecorder(capacity=3)
+    for seq in range(1, 6):
+        fr.start("0", seq, "all_reduce", "[2]", "x.py:1")
+        if seq != 4:
+            fr.finish("0", seq)
+    assert [r.seq for r in fr.records()] == [3, 4, 5]
+    stuck = fr.in_flight()
+    assert stuck is not None and stuck.seq == 4
+    last = fr.last_completed()
+    assert last is not None and last.seq == 5
+
+
+def test_same_records_do_not_diverge() -> None:
+    recs = [_rec(1), _rec(2)]
+    assert first_divergence({0: recs, 1: list(recs)}) is None
+
+
+def test_different_call_site_at_the_same_position() -> None:
+    a = [_rec(1), _rec(2, "t.py:9 in log"), _rec(3)]
+    b = [_rec(1), _rec(2), _rec(3)]
+    div = first_divergence({0: a, 1: b})
+    assert div is not None and div.seq == 2 and not div.missing
+    text = div.describe()
+    assert "rank(s) [0] issued all_reduce [2] float32 at t.py:9 in log" in text
+    assert "rank(s) [1] issued all_reduce [2] float32 at t.py:1 in f" in text
+
+
+def test_a_rank_that_stops_early_is_missing() -> None:
+    div = first_divergence({0: [_rec(1), _rec(2)], 1: [_rec(1)]})
+    assert div is not None and div.seq == 2 and div.missing == (1,)
+    assert "rank(s) [1] never issued it" in div.describe()
+
+
+def test_forgotten_records_are_not_compared() -> None:
+    # rank 0's ring dropped seq 1; seq 1 is not reported as missing on rank 0.
+    assert first_divergence({0: [_rec(2)], 1: [_rec(1), _rec(2)]}) is None
+
+
+def test_dump_round_trip_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for rank in (0, 1):
+        fr = FlightRecorder()
+        fr.start("0", 1, "broadcast", "[4]", "a.py:3 in g")
+        fr.finish("0", 1)
+        fr.dump(tmp_path / f"rank-{rank}.json", rank)
+    rank, recs = load_dump(tmp_path / "rank-1.json")
+    assert rank == 1 and recs[0].op == "broadcast" and recs[0].end is not None
+    assert diagnose.main([str(tmp_path)]) == 0
+    assert "no divergence" in capsys.readouterr().out
+    assert diagnose.main([str(tmp_path / "nothing")]) == 2
