@@ -147,7 +147,7 @@ def test_master_address_not_of_this_machine_is_named(capsys: pytest.CaptureFixtu
         (["--node-rank", "2", "--nnodes", "2"], ["--node-rank", "2", "--nnodes 2"]),
         (["--master-port", "70000"], ["--master-port", "70000"]),
         (["--backend", "foo"], ["--backend", "foo"]),
-        (["--nnodes", "1:4"], ["--nnodes", "1:4", "not supported"]),
+        (["--nnodes", "4:1"], ["--nnodes 4:1", "MIN=4 is larger than MAX=1"]),
         (["--max-restarts", "x"], ["--max-restarts", "'x'"]),
     ],
 )

@@ -144,3 +144,33 @@ def test_unreachable_network_fails_fast(pair: Pair) -> None:
     assert proc.returncode == 1
     assert "cannot reach the master 10.99.0.1:29561: network is unreachable" in proc.stderr
     assert float(proc.stdout.split("ELAPSED ")[1]) < 5.0
+
+
+ELASTIC = str(Path(__file__).resolve().parent / "scripts" / "elastic_job.py")
+
+
+def test_node_loss_continues_on_the_remaining_node(pair: Pair, tmp_path: Path) -> None:
+    # --nnodes 1:2: when node 1 disappears (its launcher and workers SIGKILLed), node 0's
+    # workers fail, node 0 restarts, closes the next rendezvous with itself alone after the
+    # last call, and resumes from the newest checkpoint at world size 2 with ranks 0..1.
+    ckpt = tmp_path / "ckpt"
+    common = ["--nnodes", "1:2", "--nproc-per-node", "2", "--master-addr", pair.addr[0],
+              "--master-port", "29563", "--rdzv-timeout", "30", "--max-restarts", "1"]  # fmt: skip
+    procs = [_start(pair.ns[0], *common, "--node-rank", "0", ELASTIC, str(ckpt)),
+             _start(pair.ns[1], *common, "--node-rank", "1", ELASTIC, str(ckpt))]  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not list(ckpt.glob("step-*")):  # training (at world size 4) has saved once
+            assert procs[0].poll() is None, procs[0].communicate()
+            assert time.monotonic() < deadline, "no checkpoint within 60 s"
+            time.sleep(0.05)
+        os.killpg(procs[1].pid, signal.SIGKILL)  # the machine disappears
+        out, err = procs[0].communicate(timeout=120)
+    finally:
+        for p in procs:
+            _stop(p)
+    assert procs[0].returncode == 0, out + err
+    assert "[rank 0] GEN 0 WORLD 4" in out and "[rank 0] GEN 1 WORLD 2" in out
+    assert "generation 1 starts with nodes [0]" in err
+    assert "resumed from" in out + err
+    assert "[rank 0] DONE WORLD 2 STEPS" in out

@@ -86,7 +86,7 @@ def test_nnodes_range_with_equal_bounds_is_fixed() -> None:
         (["--master-port", "0"], "--master-port 0 is outside"),
         (["--rdzv-endpoint", "h:x"], "--rdzv-endpoint 'x' is not a port"),
         (["--backend", "foo"], "--backend 'foo' is not one of auto, gloo, nccl, mpi"),
-        (["--nnodes", "1:4"], "elastic node ranges"),
+        (["--nnodes", "3:2"], "--nnodes 3:2: MIN=3 is larger than MAX=2"),
         (["--monitor-interval", "0"], "--monitor-interval 0 is invalid"),
         (["--rdzv-timeout", "soon"], "--rdzv-timeout 'soon' is not a number"),
         (["--max-restarts", "-1"], "--max-restarts -1 is invalid"),
@@ -281,3 +281,9 @@ def test_multi_node_master_on_loopback_warns(capsys: pytest.CaptureFixture[str])
     _warn_if_loopback(cfg, ["10.0.0.5"])
     _warn_if_loopback(parse_args(["x.py"]), ["127.0.0.1"])
     assert capsys.readouterr().err == ""
+
+
+def test_elastic_node_range() -> None:
+    cfg = parse_args(["--nnodes", "1:2", "--node-rank", "1", "--master-addr", "h", "x.py"])
+    assert (cfg.min_nodes, cfg.nnodes, cfg.node_rank) == (1, 2, 1)
+    assert parse_args(["--nnodes", "3", "--master-addr", "h", "x.py"]).min_nodes == 0  # fixed

@@ -160,3 +160,15 @@ def test_errors_name_values() -> None:
 def test_defaults_come_from_world() -> None:
     s = DistributedSampler(range(5))
     assert (s.num_replicas, s.rank, len(s)) == (1, 0, 5)
+
+
+def test_finished_epoch_loads_at_another_world_size() -> None:
+    # An elastic restart: saved by 4 replicas at the end of epoch 2, resumed by 2 replicas.
+    s = DistributedSampler(range(64), 4, 1, seed=5)
+    s.set_epoch(2)
+    s.advance(len(s))
+    resumed = DistributedSampler(range(64), 2, 1)
+    resumed.load_state_dict(s.state_dict())
+    assert (resumed.epoch, resumed.seed, resumed.position) == (2, 5, len(resumed))
+    resumed.set_epoch(3)  # the loop moves on to the next epoch, from its start
+    assert resumed.position == 0 and len(list(resumed)) == 32

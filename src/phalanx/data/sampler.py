@@ -215,13 +215,20 @@ class DistributedSampler(Sampler[int]):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore epoch, seed and position; the next ``iter()`` resumes after the consumed ones.
 
+        A finished epoch (``position`` equal to the saved per-rank count) loads into any
+        sampler over the same data: it stays finished.
+
         Raises:
             ValueError: when resuming mid-epoch (``position > 0``) with a different number of
                 replicas, dataset size, per-rank count or ``shuffle``: the consumed indices
                 would not match.
         """
         position = int(state.get("position", 0))
-        if position:
+        if position and position == state.get("num_samples"):
+            # The saved epoch was finished: nothing of it is left to skip, whatever the
+            # number of replicas now (an elastic restart at another world size).
+            position = self.num_samples
+        elif position:
             keys = ("num_replicas", "dataset_len", "num_samples", "shuffle")
             saved = tuple(state.get(k) for k in keys)
             here = (self.num_replicas, self._n, self.num_samples, self.shuffle)

@@ -36,6 +36,7 @@ __all__ = ["Agent", "AgentStopped"]
 STOP_GRACE_S = 3.0
 EXIT_ACK_TIMEOUT_S = 10.0
 PEER_SILENCE_TIMEOUT_S = 30.0
+NODE_SILENT = f"no heartbeat from its agent for {PEER_SILENCE_TIMEOUT_S:.0f} s"
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -53,7 +54,7 @@ class Agent:
     def __init__(self, cfg: LaunchConfig, store: Any, log: Callable[[str], None]) -> None:
         self.cfg = cfg
         self.node = cfg.node_rank
-        self.store = AgentStore(store, cfg.node_rank, cfg.nnodes, log)
+        self.store = AgentStore(store, cfg.node_rank, cfg.nnodes, log, cfg.min_nodes)
         self.log = log
         self.workers: WorkerGroup | None = None
         self.worker_store: Any = None
@@ -99,11 +100,16 @@ class Agent:
             failure = self._start_workers(rdzv) or self._monitor(g)
             if failure is None:
                 return self._finish(g)
-            if failure.rank >= 0 and g < rdzv.max_restarts:
+            if self._restartable(failure) and g < rdzv.max_restarts:
                 self._restart(g, failure, rdzv.max_restarts)
                 g += 1
                 continue
             return self._fail(g, failure, rdzv.max_restarts)
+
+    def _restartable(self, failure: Failure) -> bool:
+        """A worker failed, or (``--nnodes MIN:MAX``) a node was lost: the rest go on."""
+        elastic = 0 < self.cfg.min_nodes < self.cfg.nnodes
+        return failure.rank >= 0 or (elastic and failure.reason == NODE_SILENT)
 
     def _rendezvous(self, g: int) -> Rendezvous:
         port = None
@@ -157,7 +163,7 @@ class Agent:
                 world_size=rdzv.world_size,
                 local_world_size=self.nproc,
                 node_rank=self.node,
-                nnodes=cfg.nnodes,
+                nnodes=rdzv.nnodes,
             )
             env = worker_env(os.environ, place, job, cpus)
             specs.append(WorkerSpec(place.rank, local, command, env))
@@ -205,8 +211,7 @@ class Agent:
             self.store.heartbeat()
             return
         for n in self.store.silent_nodes(PEER_SILENCE_TIMEOUT_S):
-            reason = f"no heartbeat from its agent for {PEER_SILENCE_TIMEOUT_S:.0f} s"
-            self.store.publish_failure(g, Failure(-1, -1, n, 0, 1, reason=reason))
+            self.store.publish_failure(g, Failure(-1, -1, n, 0, 1, reason=NODE_SILENT))
 
     def _stop_workers(self, signum: int = signal.SIGTERM) -> None:
         if self.workers is not None:

@@ -29,7 +29,9 @@ class LaunchConfig:
     nproc_per_node: int | None
     """Workers on this node; ``None`` means ``auto`` (CUDA devices, else 1)."""
     nnodes: int = 1
-    """Number of nodes (agents) in the job."""
+    """Number of nodes (agents) in the job; with ``--nnodes MIN:MAX`` the maximum."""
+    min_nodes: int = 0
+    """``--nnodes MIN:MAX``: a generation may start with MIN..MAX nodes (0: all ``nnodes``)."""
     node_rank: int = 0
     """Index of this node; node 0 hosts the rendezvous store."""
     master_addr: str = DEFAULT_MASTER_ADDR
@@ -131,17 +133,16 @@ def _nproc(raw: str) -> int | None:
     return _int("--nproc-per-node", raw, minimum=1)
 
 
-def _nnodes(raw: str) -> int:
+def _nnodes(raw: str) -> tuple[int, int]:
+    """``N`` or ``MIN:MAX`` -> (min, max)."""
     if ":" not in raw:
-        return _int("--nnodes", raw, minimum=1)
+        n = _int("--nnodes", raw, minimum=1)
+        return n, n
     low, _, high = raw.partition(":")
     lo, hi = _int("--nnodes", low, 1), _int("--nnodes", high, 1)
-    if lo != hi:
-        raise ArgsError(
-            f"--nnodes {raw}: elastic node ranges (MIN:MAX with MIN != MAX) are not supported "
-            f"yet; pass a fixed number of nodes, e.g. --nnodes {hi}"
-        )
-    return lo
+    if lo > hi:
+        raise ArgsError(f"--nnodes {raw}: MIN={lo} is larger than MAX={hi}")
+    return lo, hi
 
 
 def _endpoint(raw: str) -> tuple[str, int]:
@@ -183,9 +184,15 @@ def _check_choices(ns: argparse.Namespace) -> None:
         raise ArgsError("-m/--module and --no-python cannot be combined; pass only one")
 
 
+def _min_nodes(raw: str) -> int:
+    """MIN of an elastic ``--nnodes MIN:MAX``; 0 for a fixed number of nodes."""
+    lo, hi = _nnodes(raw)
+    return lo if lo < hi else 0
+
+
 def _topology(ns: argparse.Namespace) -> tuple[int, int, str, int]:
-    """Return nnodes, node rank, master address and port, applying --standalone."""
-    nnodes, node_rank = _nnodes(ns.nnodes), _int("--node-rank", ns.node_rank, minimum=0)
+    """Return nnodes (the maximum), node rank, master address and port, applying --standalone."""
+    nnodes, node_rank = _nnodes(ns.nnodes)[1], _int("--node-rank", ns.node_rank, minimum=0)
     if ns.standalone:
         if nnodes != 1 or node_rank != 0:
             raise ArgsError(
@@ -214,6 +221,7 @@ def parse_args(argv: list[str]) -> LaunchConfig:
     return LaunchConfig(
         nproc_per_node=_nproc(ns.nproc_per_node),
         nnodes=nnodes,
+        min_nodes=_min_nodes(ns.nnodes),
         node_rank=node_rank,
         master_addr=addr,
         master_port=port,

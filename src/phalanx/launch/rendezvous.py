@@ -20,6 +20,8 @@ from phalanx.launch.summary import Failure, describe_failure
 __all__ = ["AgentStore", "Rendezvous", "RendezvousError", "StoreLost"]
 
 POLL_S = 0.05
+LAST_CALL_S = 3.0
+"""With ``--nnodes MIN:MAX``: once MIN nodes joined, how long node 0 waits for the others."""
 WAIT_MESSAGE_EVERY_S = 10.0
 HEARTBEAT_EVERY_S = 1.0
 
@@ -43,6 +45,8 @@ class Rendezvous:
     """Sum of every node's nproc."""
     worker_port: int
     """Port of this generation's fresh worker store on the master address."""
+    nnodes: int
+    """Nodes in this generation (fewer than --nnodes' maximum after a node was lost)."""
     run_id: str
     max_restarts: int
     """Node 0's --max-restarts, so that all nodes agree on whether to restart."""
@@ -51,10 +55,20 @@ class Rendezvous:
 class AgentStore:
     """Typed access to the agent store for the agent of node ``node_rank``."""
 
-    def __init__(self, store: Any, node_rank: int, nnodes: int, log: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        store: Any,
+        node_rank: int,
+        nnodes: int,
+        log: Callable[[str], None],
+        min_nodes: int = 0,
+    ) -> None:
         self._store = store
         self.node_rank = node_rank
         self.nnodes = nnodes
+        self.min_nodes = min_nodes or nnodes
+        self.members = list(range(nnodes))
+        """Node ranks of the current generation (all of them unless the job is elastic)."""
         self._log = log
         self._next_beat = 0.0
         self._next_check = 0.0
@@ -97,19 +111,56 @@ class AgentStore:
         self._call("set", self._key(g, "nproc", self.node_rank), str(nproc))
         if worker_port is not None:
             self._call("set", self._key(g, "worker_port"), str(worker_port))
-        nproc_keys = [self._key(g, "nproc", n) for n in range(self.nnodes)]
-        keys = [*nproc_keys, self._key(g, "worker_port"), "phalanx/config"]
+        if self.node_rank == 0:  # node 0 closes the generation: who is in it
+            members = self._gather_members(g, timeout, check_stop)
+            self._call("set", self._key(g, "members"), ",".join(map(str, members)))
+        keys = [self._key(g, "members"), self._key(g, "worker_port"), "phalanx/config"]
         self._wait_for(keys, timeout, check_stop, g)
-        values = [int(v) for v in self._call("multi_get", keys[: self.nnodes + 1])]
+        self.members = [int(n) for n in self._call("get", keys[0]).decode().split(",")]
+        if self.node_rank not in self.members:
+            raise RendezvousError(
+                f"node {self.node_rank} joined generation {g} after node 0 had started it "
+                f"with nodes {self.members} (--nnodes {self.min_nodes}:{self.nnodes})"
+            )
+        nprocs = [int(v) for v in self._call(
+            "multi_get", [self._key(g, "nproc", n) for n in self.members])]  # fmt: skip
+        mine = self.members.index(self.node_rank)
         config = json.loads(self._call("get", "phalanx/config"))
         return Rendezvous(
             generation=g,
-            rank_offset=sum(values[: self.node_rank]),
-            world_size=sum(values[: self.nnodes]),
-            worker_port=values[self.nnodes],
+            rank_offset=sum(nprocs[:mine]),
+            world_size=sum(nprocs),
+            worker_port=int(self._call("get", self._key(g, "worker_port"))),
+            nnodes=len(self.members),
             run_id=config["run_id"],
             max_restarts=config["max_restarts"],
         )
+
+    def _gather_members(self, g: int, timeout: float, check_stop: Callable[[], None]) -> list[int]:
+        """Node 0: every node, or (elastic) the MIN or more that joined before the last call."""
+        keys = [self._key(g, "nproc", n) for n in range(self.nnodes)]
+        start, enough_since = time.monotonic(), None
+        while True:
+            joined = [n for n, key in enumerate(keys) if self._call("check", [key])]
+            if len(joined) == self.nnodes:
+                return joined
+            now = time.monotonic()
+            if len(joined) >= self.min_nodes:
+                enough_since = enough_since or now
+                if now - enough_since >= LAST_CALL_S:
+                    self._log(
+                        f"generation {g} starts with nodes {joined} (--nnodes "
+                        f"{self.min_nodes}:{self.nnodes}; nodes {self._missing_nodes(g)} absent)"
+                    )
+                    return joined
+            elif now - start > timeout:
+                self._wait_for(keys, 0.0, check_stop, g)  # raises, naming the missing nodes
+            check_stop()
+            failed = self.failure(g)
+            if failed is not None:
+                why = " ".join(describe_failure(failed))
+                raise RendezvousError(f"rendezvous (generation {g}) abandoned: {why}")
+            time.sleep(POLL_S)
 
     def _claim_node_rank(self, g: int) -> None:
         """Fail everyone when two agents use the same --node-rank (else the job just hangs)."""
@@ -169,8 +220,8 @@ class AgentStore:
         self._call("set", self._key(g, what, self.node_rank), "1")
 
     def all_marked(self, g: int, what: str) -> bool:
-        """True when every node has said ``what`` in generation ``g``."""
-        return bool(self._call("check", [self._key(g, what, n) for n in range(self.nnodes)]))
+        """True when every node of generation ``g`` has said ``what``."""
+        return bool(self._call("check", [self._key(g, what, n) for n in self.members]))
 
     def wait_all_marked(self, g: int, what: str, timeout: float) -> bool:
         """Wait up to ``timeout`` s for every node to say ``what``; False on timeout."""
@@ -198,7 +249,7 @@ class AgentStore:
         if now < self._next_check:
             return silent
         self._next_check = now + HEARTBEAT_EVERY_S
-        for n in range(1, self.nnodes):
+        for n in self.members[1:]:
             count = int(self._call("add", f"phalanx/heartbeat/{n}", 0))
             last_count, since = self._beats.get(n, (-1, now))
             if count != last_count:
