@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import signal
@@ -38,6 +39,12 @@ SCRIPT = ROOT / "tests" / "e2e" / "scripts" / "resume_job.py"
 def _cmd(nproc: int, ckpt: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "phalanx", "run", "--standalone", "--nproc-per-node",
             str(nproc), "--max-restarts", "1", str(SCRIPT), str(ckpt), *extra]  # fmt: skip
+
+
+def _steps(nproc: int) -> int:
+    """Optimizer steps of resume_job.py: 4 epochs of 200 samples, batch 16, grad_accum 2."""
+    batches = math.ceil(math.ceil(200 / nproc) / 16)
+    return 4 * math.ceil(batches / 2)
 
 
 def _field(out: str, key: str) -> str | None:
@@ -89,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     for run in range(args.runs):
         ckpt = work / f"run-{run}"
         if args.mode == "step":
-            step, rank = rng.randrange(1, 12), rng.randrange(args.nproc)
+            step, rank = rng.randrange(1, _steps(args.nproc)), rng.randrange(args.nproc)
             stamp = work / f"stamp-{run}"
             proc = subprocess.run(
                 _cmd(args.nproc, ckpt, "--kill-step", str(step), "--kill-rank", str(rank),
