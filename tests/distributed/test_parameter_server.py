@@ -253,3 +253,29 @@ def test_constructor_checks_mode_and_bound() -> None:
 def _bad_mode() -> None:
     phalanx.world()
     ParameterServer(_model(), _sgd, mode="ssp")
+
+
+def _rogue() -> dict:
+    from phalanx.parameter_server import Kind, encode_header, wire
+
+    model = _model()
+    ps = ParameterServer(model, _sgd, mode="async")
+    if ps.is_server:
+        return {"report": ps.serve()}
+    assert ps.worker is not None
+    if ps.worker.index == 1:  # announces a 2**40-element PUSH: refused before allocating
+        ps.worker._stop_heartbeats()
+        bad = encode_header(Kind.PUSH, worker=1, numel=2**40, dtype=torch.float32)
+        wire.send(bad, 0, dist.group.WORLD)  # type: ignore[arg-type]
+        time.sleep(1.0)
+        return {}
+    _work(ps, 10)
+    return {"clock": ps.worker.clock}
+
+
+def test_hostile_header_drops_its_sender_and_the_others_carry_on() -> None:
+    results = run_distributed(_rogue, world_size=3, timeout=60)
+    report = results[0]["report"]
+    assert list(report.lost) == [1] and "malformed header" in report.lost[1]
+    assert "'numel' = 1099511627776" in report.lost[1]
+    assert results[1]["clock"] == 10 and report.applied == 10
