@@ -118,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         if latency is not None:
             latencies.append(latency)
         shown = "" if latency is None else f", first step {latency:.2f} s after the kill"
+        if not ok:  # keep the evidence
+            (work / f"run-{run}.log").write_text(out)
+            shown += f"; output in {work / f'run-{run}.log'}: " + " | ".join(out.splitlines()[-3:])
         print(f"run {run}: killed {what}: {'OK' if ok else 'WRONG'}"
               f"{' (restarted)' if restarted else ' (no restart)'}{shown}", flush=True)  # fmt: skip
     median = round(statistics.median(latencies), 3) if latencies else None

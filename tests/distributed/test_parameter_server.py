@@ -279,3 +279,42 @@ def test_hostile_header_drops_its_sender_and_the_others_carry_on() -> None:
     assert list(report.lost) == [1] and "malformed header" in report.lost[1]
     assert "'numel' = 1099511627776" in report.lost[1]
     assert results[1]["clock"] == 10 and report.applied == 10
+
+
+def _authenticated() -> dict:
+    from datetime import timedelta
+
+    from phalanx.parameter_server import Kind, encode_header, wire
+
+    if dist.get_rank() == 2:  # a process of the group that does not know the job's secret
+        os.environ["PHALANX_JOB_SECRET"] = "not-the-secret"
+    model = _model()
+    ps = ParameterServer(model, _sgd, mode="async")
+    if ps.is_server:
+        return {"report": ps.serve()}
+    assert ps.worker is not None
+    if ps.worker.index == 1:
+        ps.worker._stop_heartbeats()
+        grad = torch.full((ps.plan.numel(0),), 1e3)  # would wreck the model if applied
+        push = encode_header(Kind.PUSH, worker=1, numel=grad.numel(), dtype=grad.dtype, flags=4)
+        wire.send(push, 0, dist.group.WORLD, grad, wait=False)  # type: ignore[arg-type]
+        reply = torch.empty(13, dtype=torch.int64)
+        work = dist.irecv(reply, 0, tag=7301)
+        try:
+            work.wait(timedelta(seconds=3))
+            got_reply = True
+        except RuntimeError:
+            got_reply = False  # no answer: it could not read the parameters
+        return {"got_reply": got_reply}
+    _work(ps, 5)
+    return {"clock": ps.worker.clock}
+
+
+def test_process_without_the_secret_can_neither_read_nor_write() -> None:
+    results = run_distributed(_authenticated, world_size=3, timeout=60,
+                              env={"PHALANX_JOB_SECRET": "s3cret"})  # fmt: skip
+    report = results[0]["report"]
+    assert list(report.lost) == [1] and "failed authentication" in report.lost[1]
+    assert results[2]["got_reply"] is False
+    # Only the authenticated worker's 5 gradients were applied; the forged one was not.
+    assert results[1]["clock"] == 5 and report.applied == 5 and report.version == 5

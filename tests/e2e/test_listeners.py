@@ -1,7 +1,9 @@
-"""Every socket a single-machine job listens on is bound to loopback: stores and gloo's pairs."""
+"""A single-machine job listens on loopback only (stores and gloo's pairs), and its secret
+travels in the workers' environment: never on a command line, never in the output."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -40,7 +42,10 @@ def _listening(inodes: set[str]) -> list[str]:
 LOOPBACK = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1
 
 
-def test_every_listener_of_a_standalone_job_is_on_loopback(tmp_path: Path) -> None:
+def test_listeners_on_loopback_and_the_job_secret_only_in_the_environment(
+    tmp_path: Path,
+) -> None:
+    secret = ""
     cmd = [sys.executable, "-m", "phalanx", "run", "--standalone", "--nproc-per-node", "2",
            str(SCRIPT), str(tmp_path)]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -56,6 +61,18 @@ def test_every_listener_of_a_standalone_job_is_on_loopback(tmp_path: Path) -> No
         assert all(listeners[p] for p in pids[1:]), listeners  # gloo listens in each worker
         for pid, addrs in listeners.items():
             assert set(addrs) <= LOOPBACK, f"pid {pid} listens on {addrs}"
+        # The launcher's per-job secret reaches the workers through their environment only.
+        secrets = {_environ(pid).get("PHALANX_JOB_SECRET") for pid in pids[1:]}
+        assert len(secrets) == 1 and len(secret := secrets.pop() or "") == 64
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            with contextlib.suppress(OSError):
+                assert secret.encode() not in cmdline.read_bytes(), cmdline
     finally:
         proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=20)
+        out, err = proc.communicate(timeout=20)
+    assert secret not in out + err  # never logged
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)

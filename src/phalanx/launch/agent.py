@@ -18,6 +18,7 @@ from datetime import timedelta
 from types import FrameType
 from typing import Any
 
+from phalanx.comm.auth import SECRET_ENV, new_secret
 from phalanx.comm.store import host_store
 from phalanx.launch.args import LaunchConfig, resolve_nproc
 from phalanx.launch.netif import interface_for
@@ -61,6 +62,8 @@ class Agent:
         self.signals: list[int] = []
         self.nproc = 1
         self.generation = 0
+        # One secret per job: the user's on several machines (each needs the same), else new.
+        self.secret = os.environ.get(SECRET_ENV) or (new_secret() if cfg.nnodes == 1 else None)
 
     def run(self) -> int:
         """Run generations until success, final failure or a signal; return the exit code."""
@@ -152,6 +155,7 @@ class Agent:
             run_id=rdzv.run_id,
             backend=cfg.backend,
             gloo_ifname=iface[0] if iface else None,
+            secret=self.secret,
         )
         command = worker_command(cfg.script, cfg.script_args, cfg.module, cfg.no_python)
         cpus = len(os.sched_getaffinity(0))

@@ -6,7 +6,9 @@ Workers read it with :mod:`phalanx.comm.env` or with torch's own ``env://`` init
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from phalanx.comm.auth import SECRET_ENV
 
 __all__ = ["JobContext", "Placement", "default_omp_threads", "worker_env"]
 
@@ -47,6 +49,8 @@ class JobContext:
     """--backend, passed as PHALANX_BACKEND when given."""
     gloo_ifname: str | None = None
     """Interface routing to the master, for GLOO_SOCKET_IFNAME when the user did not set it."""
+    secret: str | None = field(default=None, repr=False)
+    """The job's secret for PHALANX_JOB_SECRET (kept out of repr: never logged)."""
 
 
 def default_omp_threads(cpu_count: int, local_world_size: int) -> int:
@@ -85,6 +89,8 @@ def worker_env(
     )
     if job.backend is not None:
         env["PHALANX_BACKEND"] = job.backend
+    if job.secret is not None:
+        env[SECRET_ENV] = job.secret
     if "OMP_NUM_THREADS" not in base:
         env["OMP_NUM_THREADS"] = str(default_omp_threads(cpu_count, place.local_world_size))
     if job.gloo_ifname and "GLOO_SOCKET_IFNAME" not in base:

@@ -17,7 +17,6 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -114,7 +113,7 @@ class Server:
         )  # fmt: skip
         self._inbox: queue.Queue[tuple[int, str, Any]] = queue.Queue()
         self._last_seen: dict[int, float] = {}
-        self._outgoing: dict[int, tuple[list[Any], tuple[Any, ...]]] = {}
+        self._outgoing: dict[int, wire.Sent] = {}
         self._errors: dict[int, str] = {}
         self._final: set[int] = set()
         self.report = ServerReport(shard, mode, 0, 0, 0, {})
@@ -178,6 +177,9 @@ class Server:
         while True:
             try:
                 msg = wire.receive(src, self.group, self.plan, self.device)
+            except wire.Unauthenticated as exc:
+                self._inbox.put((worker, "lost", f"failed authentication: {exc}"))
+                return
             except ProtocolError as exc:
                 self._inbox.put((worker, "lost", f"sent a malformed header: {exc}"))
                 return
@@ -256,19 +258,19 @@ class Server:
         )  # fmt: skip
         dst = self.plan.num_servers + worker
         try:
-            works = wire.send(header, dst, self.group, payload, wait=False)
+            sent = wire.send(header, dst, self.group, payload, wait=False)
         except Exception as exc:
             self._lose(worker, f"a reply could not be sent: {exc}")
             return
-        self._outgoing[worker] = (works, (header, payload))  # the tensors live until sent
+        self._outgoing[worker] = sent  # its tensors live until the sends complete
 
     def _settle(self, worker: int, timeout: float | None = None) -> None:
-        # Called when the worker asked again, so it received the previous reply: the waits
-        # return at once. A worker that is gone fails them; it is (or will be) declared lost.
-        works, _tensors = self._outgoing.pop(worker, ([], ()))
-        for work in works:
+        # Called when the worker asked again, so it received the previous reply: the wait
+        # returns at once. A worker that is gone fails it; it is (or will be) declared lost.
+        sent = self._outgoing.pop(worker, None)
+        if sent is not None:
             with contextlib.suppress(Exception):
-                work.wait() if timeout is None else work.wait(timeout=timedelta(seconds=timeout))
+                sent.wait(timeout)
 
     # ---- losing workers, finishing ----------------------------------------------------------
     def _check_heartbeats(self) -> None:

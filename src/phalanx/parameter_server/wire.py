@@ -4,6 +4,12 @@ Headers, shard payloads and error texts travel on three tags, so a receiver alwa
 size of what it posts: a header is ``HEADER_LEN`` int64, and the header announces the payload.
 Nothing is unpickled; see :mod:`.protocol`.
 
+Authentication: with a job secret (``PHALANX_JOB_SECRET``, see :mod:`phalanx.comm.auth`) the
+header travels with an HMAC-SHA256 of its bytes (4 more int64), checked *before* the header is
+decoded, and a payload (sent as bytes) ends with an HMAC of header and payload bytes, checked
+before the payload is returned. Without the secret a peer can make the receiver do nothing
+but drop it.
+
 These calls go to ``torch.distributed`` directly rather than through phalanx's tracked
 wrappers: a server receives from every worker on its own thread, and the wrappers' per-rank
 sequence numbers describe collectives that all ranks issue in one order, which these messages
@@ -13,11 +19,13 @@ are not.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from phalanx.comm.auth import MAC_BYTES, job_secret, mac, verify
 from phalanx.parameter_server.protocol import (
     HEADER_LEN,
     Header,
@@ -30,8 +38,30 @@ from phalanx.parameter_server.shards import ShardPlan
 __all__ = ["Message", "error_payload", "receive", "send"]
 
 TAG_HEADER, TAG_SHARD, TAG_ERROR = 7301, 7302, 7303
+MAC_WORDS = MAC_BYTES // 8
 MAX_ERROR_BYTES = 64 * 1024
 """Longest error text accepted; a larger announced size is refused before allocating."""
+
+
+class Unauthenticated(ProtocolError):
+    """A message whose HMAC does not match the job secret."""
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return bytes(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+
+
+@dataclass(frozen=True)
+class Sent:
+    """Posted sends and the tensors they read, which must live until :meth:`wait` returns."""
+
+    works: list[Any]
+    tensors: tuple[Any, ...]
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for every send (each at most ``timeout`` seconds when given)."""
+        for work in self.works:
+            work.wait() if timeout is None else work.wait(timedelta(seconds=timeout))
 
 
 @dataclass(frozen=True)
@@ -59,24 +89,34 @@ def send(
     payload: torch.Tensor | None = None,
     *,
     wait: bool = True,
-) -> list[Any]:
+) -> Sent:
     """Send ``header`` (and ``payload``) to group rank ``dst``.
 
-    With ``wait=False`` the sends are only posted; the caller keeps the returned works (and
-    must not modify ``payload``) until ``work.wait()`` returns: gloo reads the memory when the
-    receiver is ready, not when the send is posted.
+    With ``wait=False`` the sends are only posted; the caller keeps the returned
+    :class:`Sent` (and must not modify ``payload``) until its ``wait()`` returns: gloo reads
+    the memory when the receiver is ready, not when the send is posted.
     """
     peer = _group_peer(dst, group)
-    works: list[Any] = [dist.isend(header, peer, group=group, tag=TAG_HEADER)]
+    secret = job_secret()
+    tag_words = torch.zeros(MAC_WORDS, dtype=torch.int64)
+    if secret is not None:
+        tag_words = torch.frombuffer(bytearray(mac(secret, _bytes(header))), dtype=torch.int64)
+    framed = torch.cat([header.cpu(), tag_words])
+    works: list[Any] = [dist.isend(framed, peer, group=group, tag=TAG_HEADER)]
+    keep = [framed]
     if payload is not None:
         kind = Kind(int(header[1]))
         tag = TAG_ERROR if kind is Kind.ERROR else TAG_SHARD
-        works.append(dist.isend(payload, peer, group=group, tag=tag))
+        body = payload.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        if secret is not None:  # the payload's HMAC rides at its end: no extra message
+            tag_bytes = mac(secret, _bytes(header), _bytes(body))
+            body = torch.cat([body, torch.frombuffer(bytearray(tag_bytes), dtype=torch.uint8)])
+        keep.append(body)
+        works.append(dist.isend(body, peer, group=group, tag=tag))
+    sent = Sent(works, (header, payload, *keep))
     if wait:
-        for work in works:
-            work.wait()
-        return []
-    return works
+        sent.wait()
+    return sent
 
 
 def error_payload(text: str, device: torch.device | None = None) -> torch.Tensor:
@@ -97,9 +137,16 @@ def receive(
         RuntimeError: from the backend when the peer is gone or the group's timeout passes.
     """
     peer = _group_peer(src, group)
-    raw = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
-    dist.recv(raw, peer, group=group, tag=TAG_HEADER)
-    header = decode_header(raw.cpu(), plan)
+    framed = torch.empty(HEADER_LEN + MAC_WORDS, dtype=torch.int64)
+    dist.recv(framed, peer, group=group, tag=TAG_HEADER)
+    raw, tag_words = framed[:HEADER_LEN], framed[HEADER_LEN:]
+    secret = job_secret()
+    if secret is not None and not verify(secret, _bytes(tag_words), _bytes(raw)):
+        raise Unauthenticated(
+            "message header failed authentication: its HMAC does not match this job's secret "
+            "(a process outside the job, or a worker started without PHALANX_JOB_SECRET)"
+        )
+    header = decode_header(raw, plan)
     if header.dtype is None:
         return Message(header)
     if header.kind is Kind.ERROR and header.numel > MAX_ERROR_BYTES:
@@ -107,7 +154,16 @@ def receive(
             f"bad message header: field 'numel' = {header.numel}: an error text is at most "
             f"{MAX_ERROR_BYTES} bytes"
         )
-    payload = torch.empty(header.numel, dtype=header.dtype, device=device)
+    size = header.numel * header.dtype.itemsize
+    body = torch.empty(size + (MAC_BYTES if secret is not None else 0), dtype=torch.uint8)
     tag = TAG_ERROR if header.kind is Kind.ERROR else TAG_SHARD
-    dist.recv(payload, peer, group=group, tag=tag)
-    return Message(header, payload)
+    dist.recv(body, peer, group=group, tag=tag)
+    if secret is not None and not verify(
+        secret, _bytes(body[size:]), _bytes(raw), _bytes(body[:size])
+    ):
+        raise Unauthenticated(
+            f"{header.kind.name} payload from group rank {src} failed authentication: its "
+            f"HMAC does not match this job's secret"
+        )
+    payload = body[:size].view(header.dtype)
+    return Message(header, payload if device is None else payload.to(device))
