@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return doctor.main(rest)
     if command == "diagnose":
-        from phalanx.comm import diagnose
+        from phalanx.comm import diagnose_cli as diagnose
 
         return diagnose.main(rest)
     if command in ("--version", "version"):

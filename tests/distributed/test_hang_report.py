@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 import phalanx
-from phalanx.comm import diagnose, tracking
+from phalanx.comm import diagnose_cli as diagnose
+from phalanx.comm import tracking
 from phalanx.testing import run_distributed
 
 ENV = {"PHALANX_HANG_TIMEOUT": "1.5"}

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from phalanx.comm import diagnose
+from phalanx.comm import diagnose_cli as diagnose
 from phalanx.comm.flight import FlightRecorder, Record, first_divergence, load_dump
 
 

@@ -69,10 +69,8 @@ class Job(CheckpointMixin, PSMixin):
         chunks: Model chunks per pipeline rank (interleaved schedule).
         balance: Layers per pipeline stage, or "params" / "time".
         tp_plan: Module name -> "colwise" / "rowwise" / ...; GPT models have a default.
-        servers: Parameter-server ranks for "ps-sync" / "ps-async" / "ssp" (default 1).
-        staleness: The staleness bound of strategy "ssp".
-        staleness_lr: Scale parameter-server updates by 1 / (1 + staleness).
-        max_updates: Parameter servers apply exactly this many gradients, then stop workers.
+        servers, staleness, staleness_lr, max_updates: Parameter-server options of "ps-sync",
+            "ps-async" and "ssp" (server ranks, SSP bound, 1/(1+staleness) scaling, budget).
         straggler: ``(who, factor)``: make rank (or parameter-server worker) ``who``, or a
             random one each step with ``who="random"``, ``factor`` times slower (experiments).
         straggler_check_every: Every this many steps compare the ranks' compute times (one
@@ -134,8 +132,8 @@ class Job(CheckpointMixin, PSMixin):
             self.ps_config = ps_config(
                 strategy, self.world.world_size, servers=servers, staleness=staleness,
                 staleness_lr=staleness_lr, max_updates=max_updates,
+                checkpoint_dir=checkpoint_dir, precision=precision,
             )  # fmt: skip
-            _check_ps_options(self.ps_config, checkpoint_dir, precision)
             self.seed = seed
             self._init_roles(straggler, straggler_check_every)
         except ValueError:
@@ -209,10 +207,7 @@ class Job(CheckpointMixin, PSMixin):
         model.to(self.world.device)
         self.loss_fn = loss_fn
         if self.ps_config is not None:
-            self._setup_ps(model, optimizer, scheduler)
-            self.precision.wrap_forward(model)
-            self.model, self.optimizer, self.scheduler = model, None, None
-            return model, optimizer
+            return self._setup_ps(model, optimizer, scheduler)
         if self.parallel is not None:
             return self._setup_parallel(model, optimizer, scheduler)
         wrapped = self._wrap(model, self.world)
@@ -303,10 +298,8 @@ class Job(CheckpointMixin, PSMixin):
         if self._serving():
             return
         total = batches_left(loader, self.sampler)
-        first_worker = self.world.rank == (self.ps_config.servers if self.ps_config else 0)
-        bar = progress(
-            loader, desc=desc or f"epoch {self.epoch}", total=total, enabled=first_worker
-        )
+        bar = progress(loader, desc=desc or f"epoch {self.epoch}", total=total,
+                       enabled=self._draws_progress())  # fmt: skip
         self._timer.start_epoch()
         for i, batch in enumerate(bar):
             self._last_batch = total is not None and i == total - 1
@@ -361,10 +354,7 @@ class Job(CheckpointMixin, PSMixin):
         self._micro = 0
         self._arm_sync()
         self._slow_down(self.step_count)
-        if self.ps is not None:  # the servers step the optimizer (and the scheduler)
-            assert self.model is not None
-            self._ps_step(self.model)
-        else:
+        if not self._ps_step():  # parameter servers step the optimizer (and the scheduler)
             assert opt is not None
             self.precision.step(opt)
             opt.zero_grad(set_to_none=True)
@@ -408,18 +398,3 @@ class Job(CheckpointMixin, PSMixin):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _check_ps_options(config: Any, checkpoint_dir: Any, precision: str) -> None:
-    if config is None:
-        return
-    if checkpoint_dir is not None:
-        raise ValueError(
-            f"checkpoint_dir={str(checkpoint_dir)!r}: parameter-server strategies do not "
-            f"checkpoint yet (the state lives on the servers); drop checkpoint_dir"
-        )
-    if precision == "fp16":
-        raise ValueError(
-            "precision='fp16' with a parameter server: workers would push loss-scaled "
-            "gradients; use precision='bf16' or 'fp32'"
-        )

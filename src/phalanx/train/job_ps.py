@@ -35,6 +35,9 @@ class PSMixin:
     straggler: Straggler | None
     metrics: Any
     model: Any
+    optimizer: Any
+    scheduler: Any
+    precision: Any
     step_count: int
 
     def _init_roles(self, straggler: tuple[int | str, float] | None, check_every: int = 0) -> None:
@@ -70,9 +73,14 @@ class PSMixin:
             return None
         return dist.new_group(list(range(self.ps_config.servers, self.world.world_size)))
 
+    def _draws_progress(self) -> bool:
+        """The progress bar is drawn by rank 0, or by the first worker of a parameter server."""
+        return self.world.rank == (self.ps_config.servers if self.ps_config else 0)
+
     def _setup_ps(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any
-    ) -> None:
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """Build this rank's role; the optimizer (and scheduler) now run on the servers."""
         assert self.ps_config is not None
         if optimizer is None:
             raise ValueError(
@@ -80,6 +88,9 @@ class PSMixin:
                 "Job.setup(model, optimizer)"
             )
         self.ps = PSRunner(self.ps_config, model, optimizer, scheduler)
+        self.precision.wrap_forward(model)
+        self.model, self.optimizer, self.scheduler = model, None, None
+        return model, optimizer
 
     @property
     def is_server(self) -> bool:
@@ -113,10 +124,13 @@ class PSMixin:
         if self.straggler is not None:
             self.straggler.end(step)
 
-    def _ps_step(self, model: nn.Module) -> None:
-        assert self.ps is not None
+    def _ps_step(self) -> bool:
+        """Push the gradients to the parameter servers; False when the job has none."""
+        if self.ps is None:
+            return False
         self.ps.ps.push()
-        model.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
+        return True
 
     @property
     def straggler_finding(self) -> StragglerFinding | None:

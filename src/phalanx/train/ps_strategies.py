@@ -47,12 +47,15 @@ def ps_config(
     staleness: int | None,
     staleness_lr: bool,
     max_updates: int | None,
+    checkpoint_dir: Any = None,
+    precision: str = "fp32",
 ) -> PSConfig | None:
     """The parameter-server settings of ``strategy``; None for other strategies.
 
     Raises:
         ValueError: for parameter-server options with another strategy, ``ssp`` without a
-            staleness bound, or no rank left for workers (naming the values).
+            staleness bound, no rank left for workers, a checkpoint directory (servers do
+            not checkpoint yet) or fp16 (workers would push loss-scaled gradients).
     """
     given = {"servers": servers, "staleness": staleness, "max_updates": max_updates}
     if strategy not in PS_MODES:
@@ -73,6 +76,16 @@ def ps_config(
         raise ValueError(
             f"strategy={strategy!r} with servers={servers} needs more ranks than servers, "
             f"the job has world_size={world_size}"
+        )
+    if checkpoint_dir is not None:
+        raise ValueError(
+            f"checkpoint_dir={str(checkpoint_dir)!r}: parameter-server strategies do not "
+            f"checkpoint yet (the state lives on the servers); drop checkpoint_dir"
+        )
+    if precision == "fp16":
+        raise ValueError(
+            "precision='fp16' with a parameter server: workers would push loss-scaled "
+            "gradients; use precision='bf16' or 'fp32'"
         )
     return PSConfig(mode, servers, staleness, staleness_lr, max_updates)
 
