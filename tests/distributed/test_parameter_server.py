@@ -260,6 +260,7 @@ def _rogue() -> dict:
 
     model = _model()
     ps = ParameterServer(model, _sgd, mode="async")
+    dist.barrier()  # the server is up before the hostile message leaves
     if ps.is_server:
         return {"report": ps.serve()}
     assert ps.worker is not None
@@ -290,6 +291,7 @@ def _authenticated() -> dict:
         os.environ["PHALANX_JOB_SECRET"] = "not-the-secret"
     model = _model()
     ps = ParameterServer(model, _sgd, mode="async")
+    dist.barrier()  # the server is up before the forged message leaves
     if ps.is_server:
         return {"report": ps.serve()}
     assert ps.worker is not None
@@ -297,14 +299,15 @@ def _authenticated() -> dict:
         ps.worker._stop_heartbeats()
         grad = torch.full((ps.plan.numel(0),), 1e3)  # would wreck the model if applied
         push = encode_header(Kind.PUSH, worker=1, numel=grad.numel(), dtype=grad.dtype, flags=4)
-        wire.send(push, 0, dist.group.WORLD, grad, wait=False)  # type: ignore[arg-type]
+        sent = wire.send(push, 0, dist.group.WORLD, grad, wait=False)  # type: ignore[arg-type]
         reply = torch.empty(13, dtype=torch.int64)
         work = dist.irecv(reply, 0, tag=7301)
         try:
-            work.wait(timedelta(seconds=3))
+            work.wait(timedelta(seconds=5))
             got_reply = True
         except RuntimeError:
             got_reply = False  # no answer: it could not read the parameters
+        del sent  # its tensors had to live while the server read the header
         return {"got_reply": got_reply}
     _work(ps, 5)
     return {"clock": ps.worker.clock}
