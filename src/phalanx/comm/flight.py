@@ -75,12 +75,6 @@ class FlightRecorder:
         with self._lock:
             return min(self._open.values(), key=lambda r: r.start, default=None)
 
-    def last_completed(self, group: str | None = None) -> Record | None:
-        """The most recent completed record (of ``group`` when given)."""
-        with self._lock:
-            done = [r for r in self._ring if r.end is not None and group in (None, r.group)]
-        return done[-1] if done else None
-
     def records(self) -> list[Record]:
         """The ring, oldest first (copies)."""
         with self._lock:

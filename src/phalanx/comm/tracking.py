@@ -36,7 +36,6 @@ __all__ = [
     "failure",
     "hang_reports",
     "leave",
-    "recorder",
     "reset_comm_stats",
     "start",
     "stop",
@@ -85,11 +84,6 @@ def reset_comm_stats() -> None:
     """Zero the counters of :func:`comm_stats`."""
     _CALLS.clear()
     _BYTES.clear()
-
-
-def recorder() -> FlightRecorder:
-    """This process's flight recorder (its recent collectives)."""
-    return _RECORDER
 
 
 def hang_reports() -> list[str]:

@@ -74,7 +74,8 @@ class Server:
         plan: The shard plan every rank built from the same model.
         shard: This server's shard index (its group rank).
         group: Servers are group ranks ``0 .. S-1``, workers ``S ..``.
-        core: The consistency rules (built with this server's :meth:`apply`).
+        mode, bound, staleness_lr, max_updates: The consistency rules, see
+            :class:`~phalanx.parameter_server.core.ServerCore`.
         heartbeat: Seconds between worker heartbeats.
         dead_after: Seconds of silence after which a worker is lost.
         on_version: Called as ``on_version(version, flat_shard)`` after each optimizer step.

@@ -35,10 +35,6 @@ class WorkerHistory:
 
     pulls: list[tuple[int, int]] = field(default_factory=list)
 
-    def max_lag(self) -> int:
-        """Largest ``clock - version`` over the pulls (the staleness it computed with)."""
-        return max((c - v for c, v in self.pulls), default=0)
-
 
 class Worker:
     """One worker of a parameter-server job.
