@@ -119,7 +119,7 @@ def _mismatched_models() -> str:
     hidden = 32 if phalanx.world().rank == 0 else 16
     try:
         phalanx.DistributedDataParallel(dc.MLP(hidden=hidden))
-    except ValueError as exc:
+    except RuntimeError as exc:  # torch's type for this mistake
         return str(exc)
     return ""
 

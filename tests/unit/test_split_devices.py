@@ -166,7 +166,7 @@ def test_gradient_buckets_of_a_split_model_never_mix_devices() -> None:
         ParamSpec(i, p.numel(), p.element_size(), str(p.dtype), str(p.device))
         for i, p in enumerate(params)
     ]
-    plans = plan_buckets(specs, cap_bytes=4096, first_cap_bytes=1024)
+    plans = plan_buckets(specs, [1024, 4096])
     assert {plan.device for plan in plans} == {"cpu", "meta"}
     for plan in plans:
         assert {str(params[j].device) for j in plan.params} == {plan.device}

@@ -2,17 +2,18 @@
 
 Parameters are taken in **reverse registration order** (backward produces the gradients of the
 last layers first, so the first bucket fills and launches while earlier layers still compute)
-and packed greedily into flat buckets under a byte cap, one bucket per (device, dtype). As in
-torch's DDP, the first bucket has a small cap (1 MiB) so communication starts early.
+and packed greedily into flat buckets under a byte cap, one bucket per (device, dtype). Each
+bucket may have its own cap: as in torch's DDP, the first one defaults to 1 MiB so communication
+starts early. A parameter with sparse gradients gets a bucket of its own (a sparse all-reduce
+cannot share a flat buffer).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["FIRST_BUCKET_BYTES", "BucketPlan", "ParamSpec", "plan_buckets"]
-
-FIRST_BUCKET_BYTES = 1024 * 1024
+__all__ = ["BucketPlan", "ParamSpec", "plan_buckets"]
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,8 @@ class ParamSpec:
     element_size: int
     dtype: str
     device: str
+    sparse: bool = False
+    """Its gradients are sparse tensors (``nn.Embedding(sparse=True)``)."""
 
 
 @dataclass(frozen=True)
@@ -36,26 +39,29 @@ class BucketPlan:
     numel: int
     dtype: str
     device: str
+    sparse: bool = False
 
 
-def plan_buckets(
-    specs: list[ParamSpec], cap_bytes: int, first_cap_bytes: int = FIRST_BUCKET_BYTES
-) -> list[BucketPlan]:
-    """Assign parameters (reverse order) to buckets under ``cap_bytes``; first bucket smaller.
+def plan_buckets(specs: list[ParamSpec], caps: Sequence[int]) -> list[BucketPlan]:
+    """Assign parameters (reverse order) to buckets; bucket ``k``'s byte cap is ``caps[k]``.
 
-    A parameter larger than the cap gets a bucket of its own. Buckets are returned in launch
-    order (bucket 0 holds the last-registered parameters).
+    The last cap repeats. A parameter larger than its cap, or with sparse gradients, gets a
+    bucket of its own. Buckets are returned in launch order (bucket 0 holds the
+    last-registered parameters).
     """
-    if cap_bytes <= 0:
-        raise ValueError(f"bucket cap must be positive bytes, got {cap_bytes}")
+    if not caps or any(c <= 0 for c in caps):
+        raise ValueError(f"bucket caps must be positive bytes, got {list(caps)}")
     open_: dict[tuple[str, str], list[ParamSpec]] = {}
     done: list[list[ParamSpec]] = []
     for spec in reversed(specs):
+        if spec.sparse:
+            done.append([spec])
+            continue
         key = (spec.device, spec.dtype)
         current = open_.setdefault(key, [])
-        cap = first_cap_bytes if not done and first_cap_bytes > 0 else cap_bytes
+        cap = caps[min(len(done), len(caps) - 1)]
         size = sum(s.numel * s.element_size for s in current)
-        if current and size + spec.numel * spec.element_size > min(cap, cap_bytes):
+        if current and size + spec.numel * spec.element_size > cap:
             done.append(current)
             current = open_[key] = []
         current.append(spec)
@@ -75,4 +81,5 @@ def _layout(members: list[ParamSpec]) -> BucketPlan:
         numel=total,
         dtype=first.dtype,
         device=first.device,
+        sparse=first.sparse,
     )

@@ -2,116 +2,261 @@
 
 Each process holds a replica; at wrap time the ranks check that their models agree and take
 rank 0's parameters and buffers; during backward the gradients are averaged bucket by bucket,
-overlapped with the rest of backward (seeds 001, 002, 004).
+overlapped with the rest of backward (seeds 001, 002, 004). The constructor, attributes and
+behaviour follow torch 2.13's class, which is checked by running torch's own DDP tests against
+this one (``tests/compat``).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import warnings
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from phalanx.comm import collectives as c
-from phalanx.comm.objects import all_gather_object
-from phalanx.data_parallel.reducer import Hook, Reducer
+from phalanx.data_parallel import ddp_options as opts
+from phalanx.data_parallel.ddp_join import DDPJoinHook
+from phalanx.data_parallel.delayed import DelayedAllReduce
+from phalanx.data_parallel.grad_access import GradSite, current_dist_autograd_context
+from phalanx.data_parallel.grad_bucket import check_comm_hook
+from phalanx.data_parallel.mixed_precision import ParamCaster, cast_inputs
+from phalanx.data_parallel.module_state import broadcast_coalesced, check_same_model, common_rank
+from phalanx.data_parallel.reducer import Hook, Reducer, ReducerOptions
+from phalanx.data_parallel.scatter_gather import gather, scatter
 
 __all__ = ["DistributedDataParallel"]
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, Joinable):
     """Data parallel training: replicas in N processes, gradients averaged by all-reduce.
 
-    Same constructor as ``torch.nn.parallel.DistributedDataParallel``. Differences: an unused
-    parameter without ``find_unused_parameters`` raises an error that names it, at the end of
-    the backward that missed it; mismatched models across ranks are reported at wrap time with
-    the rank, parameter and both shapes; works on CPU (gloo) and GPU (NCCL) alike.
+    Same constructor, attributes and methods as ``torch.nn.parallel.DistributedDataParallel``
+    (torch 2.13), with the same meaning; it passes torch's own DDP tests that run on CPU.
+    Differences: an unused parameter without ``find_unused_parameters`` raises an error that
+    names it, at the end of the backward that missed it; mismatched models across ranks are
+    reported at wrap time with the rank, parameter and both shapes; works on CPU (gloo) and GPU
+    (NCCL) alike; ``delay_all_reduce_named_params`` waits for its all-reduce before the
+    optimizer can read the gradients.
     """
 
     def __init__(
         self,
         module: nn.Module,
-        device_ids: list[int | torch.device] | None = None,
+        device_ids: Sequence[int | torch.device] | None = None,
         output_device: int | torch.device | None = None,
         dim: int = 0,
-        broadcast_buffers: bool = True,
+        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
         process_group: dist.ProcessGroup | None = None,
-        bucket_cap_mb: float | None = 25,
+        bucket_cap_mb: float | None = None,
         find_unused_parameters: bool = False,
+        check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
+        delay_all_reduce_named_params: Sequence[tuple[str, nn.Parameter]] | None = None,
+        param_to_hook_all_reduce: nn.Parameter | None = None,
+        mixed_precision: Any = None,
+        device_mesh: Any = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: Sequence[float] | None = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
     ) -> None:
         super().__init__()
+        Joinable.__init__(self)
         if not dist.is_initialized():
             raise RuntimeError(
                 "DistributedDataParallel needs a process group: call "
                 "phalanx.init_process_group() first (launch with `phalanx run`)"
             )
-        cap_mb = 25 if bucket_cap_mb is None else bucket_cap_mb
-        if cap_mb <= 0:
-            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
-        if device_ids is not None and len(device_ids) > 1:
+        if (delay_all_reduce_named_params is None) != (param_to_hook_all_reduce is None):
             raise ValueError(
-                f"device_ids={device_ids}: one device per process; launch one process per GPU"
+                "DistributedDataParallel: delay_all_reduce_named_params and "
+                "param_to_hook_all_reduce need to be set at the same time, got "
+                f"delay_all_reduce_named_params={delay_all_reduce_named_params!r} and "
+                f"param_to_hook_all_reduce={param_to_hook_all_reduce!r}"
             )
+        if check_reduction:
+            warnings.warn(
+                "The `check_reduction` argument in `DistributedDataParallel` module is "
+                "deprecated and has no effect.",
+                FutureWarning,
+                stacklevel=2,
+            )
+        self.process_group = _resolve_group(process_group, device_mesh)
+        delayed = list(delay_all_reduce_named_params or [])
+        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        self.parameters_to_ignore |= {name for name, _ in delayed}
+        managed = self._managed_parameters(module)
+        if not any(p.requires_grad for _, p in managed) and not delayed:
+            raise RuntimeError(
+                "DistributedDataParallel is not needed when a module doesn't have any parameter "
+                "that requires a gradient."
+            )
+        devices = {p.device for _, p in managed} or {p.device for _, p in delayed}
+        self.device_ids, self.output_device = opts.resolve_devices(
+            device_ids, output_device, devices
+        )
+        _refuse_uninitialized(managed)
         self.module = module
-        self.device = _device_of(device_ids)
-        self.output_device = output_device
         self.dim = dim
-        self.broadcast_buffers = broadcast_buffers
-        self.process_group = process_group
-        self.find_unused_parameters = find_unused_parameters or static_graph
+        self.device = next(iter(devices))
+        self.device_type = self.device.type
+        self.is_multi_device_module = len(devices) > 1
+        sync = opts.buffer_sync(broadcast_buffers, forward_sync_buffers)
+        self.forward_sync_buffers = sync.in_forward
+        self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
+        self.batched_grad_copy = batched_grad_copy
+        self.mixed_precision = mixed_precision
         self.require_backward_grad_sync = True
-        self._join_active = False
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        if not named:
-            raise ValueError("DistributedDataParallel: the module has no parameter requiring grad")
-        _check_same_model(module, process_group)
-        self._sync_module_states()
-        self.reducer = Reducer(
-            named,
-            process_group,
-            int(cap_mb * 1024 * 1024),
-            self.find_unused_parameters,
-            gradient_as_bucket_view,
+        self.require_forward_param_sync = True
+        self._divide_by_initial_world_size = True
+        self._caps = opts.bucket_caps(bucket_cap_mb, bucket_cap_mb_list)
+        self.bucket_bytes_cap = self._caps.bucket_bytes_cap
+        if init_sync:
+            check_same_model(managed, self.process_group)
+            self._broadcast_state(self._root(), with_buffers=sync.at_init)
+        self._delayed = (
+            DelayedAllReduce(
+                [p for _, p in delayed], param_to_hook_all_reduce, self.process_group, self._root()
+            )
+            if delayed and param_to_hook_all_reduce is not None
+            else None
         )
+        self._caster = (
+            ParamCaster(mixed_precision, [p for _, p in managed], self._synced_buffers())
+            if mixed_precision is not None
+            else None
+        )
+        self.reducer = self._build_reducer()
 
-    # ---- construction helpers ----------------------------------------------------------------
-    def _sync_module_states(self) -> None:
-        tensors = [p.detach() for p in self.module.parameters()]
-        tensors += [b for b in self.module.buffers()]
-        _broadcast_coalesced(tensors, self._root(), self.process_group)
+    # ---- construction ----------------------------------------------------------------------
+    def _managed_parameters(self, module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in module.named_parameters() if n not in self.parameters_to_ignore]
+
+    def _synced_buffers(self) -> list[torch.Tensor]:
+        return [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
+
+    def _build_reducer(self) -> Reducer | None:
+        named = [(n, p) for n, p in self._managed_parameters(self.module) if p.requires_grad]
+        if not named:
+            return None  # every parameter is reduced by the delayed all-reduce
+        sparse = frozenset(
+            i for i, (n, _) in enumerate(named) if n in _sparse_parameter_names(self.module)
+        )
+        options = ReducerOptions(
+            find_unused=self.find_unused_parameters,
+            grad_as_bucket_view=self.gradient_as_bucket_view,
+            static_graph=self.static_graph,
+            skip_unused=self.skip_all_reduce_unused_params,
+            sparse=sparse,
+            bucket_dtype=self._caster.reduce_dtype if self._caster is not None else None,
+        )
+        reducer = Reducer(
+            named, self.process_group, self.bucket_bytes_cap, caps=self._caps.caps, options=options
+        )
+        if self._caster is not None:
+            reducer.before_write_back = self._caster.to_full
+        return reducer
 
     def _root(self) -> int:
-        return dist.get_global_rank(self.process_group, 0) if self.process_group else 0
+        return dist.get_global_rank(self.process_group, 0)
 
-    # ---- forward ---------------------------------------------------------------------------------
+    def _broadcast_state(self, src: int, with_buffers: bool) -> None:
+        tensors = [p.detach() for _, p in self._managed_parameters(self.module)]
+        broadcast_coalesced(
+            tensors + (self._synced_buffers() if with_buffers else []), src, self.process_group
+        )
+
+    # ---- pickling: torch.save(ddp_model), copy.deepcopy -------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        for transient in ("process_group", "reducer", "_delayed"):
+            state.pop(transient, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # As torch: an unpickled DDP joins the default group and rebuilds its reducer.
+        self.process_group = _resolve_group(None, None)
+        super().__setstate__(state)
+        self._delayed = None
+        self.reducer = self._build_reducer()
+
+    # ---- forward -----------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        """Run the wrapped module; syncs buffers from rank 0 first when ``broadcast_buffers``."""
-        if self._join_active:
-            _join_flag(1, self.process_group)
-        # As torch: buffers follow rank 0 before every forward that will sync gradients.
-        grad_sync = self.require_backward_grad_sync and torch.is_grad_enabled()
-        self.reducer.enabled = grad_sync
-        if grad_sync:
-            self._sync_buffers()
-        if self.device is not None:
-            inputs, kwargs = _move(inputs, self.device), _move(kwargs, self.device)
-        return self.module(*inputs, **kwargs)
+        """Run the wrapped module after the collectives torch's DDP issues before a forward."""
+        grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        work = Join.notify_join_context(self)
+        if self.reducer is not None:
+            self.reducer.divisor = self._divisor(work)
+        if self.will_sync_module_buffers():
+            self._sync_buffers(candidate=True)
+        if self._join_config.enable:
+            self._agree_on_backward_sync(joined=False)
+        if self.reducer is not None:
+            self.reducer.enabled = grad_sync
+            self.reducer.site = GradSite(current_dist_autograd_context() if grad_sync else None)
+        if self.device_ids:
+            inputs, kwargs = self.to_kwargs(inputs, kwargs, self.device_ids[0])
+        if self._caster is not None:
+            self._caster.to_low()
+            if self.reducer is not None:
+                self.reducer.rehook()
+            inputs, kwargs = cast_inputs(self._caster.param_dtype, (inputs, kwargs))
+        output = self.module(*inputs, **kwargs)
+        self.require_forward_param_sync = grad_sync
+        if self._delayed is not None:
+            self._delayed.point_grads()
+        return output
 
-    def _sync_buffers(self) -> None:
-        if not self.broadcast_buffers:
-            return
-        buffers = list(self.module.buffers())
-        if buffers:
-            _broadcast_coalesced(buffers, self._root(), self.process_group)
+    def _divisor(self, join_work: Any) -> int:
+        size = dist.get_world_size(self.process_group)
+        if join_work is None or self._divide_by_initial_world_size:
+            return size
+        return int(join_work.get_future().wait()[0].item())  # ranks not yet joined
 
-    # ---- public API ------------------------------------------------------------------------------
+    def will_sync_module_buffers(self) -> bool:
+        """Whether the next forward broadcasts module buffers first (torch's rule)."""
+        return (
+            self.require_forward_param_sync
+            and self.forward_sync_buffers
+            and bool(self._synced_buffers())
+        )
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        """Deprecated alias of ``forward_sync_buffers``, as in torch."""
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
+
+    def _sync_buffers(self, candidate: bool) -> None:
+        # Under join, rank 0 may have joined with stale buffers: take a rank still training.
+        if self._join_config.enable:
+            src = common_rank(candidate, self.process_group, self.device)
+        else:
+            src = self._root()
+        broadcast_coalesced(self._synced_buffers(), src, self.process_group)
+
+    def _agree_on_backward_sync(self, joined: bool) -> bool:
+        flag = torch.tensor(
+            [0.0 if joined or not self.require_backward_grad_sync else 1.0], device=self.device
+        )
+        c.all_reduce(flag, dist.ReduceOp.SUM, self.process_group)
+        return bool(flag.item() != 0)
+
+    # ---- public API --------------------------------------------------------------------------
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally (no communication) in backward passes run inside."""
@@ -126,118 +271,125 @@ class DistributedDataParallel(nn.Module):
         """Replace the bucket all-reduce by ``hook(state, bucket) -> Future[Tensor]``.
 
         The contract is torch's: the future's value is the bucket's averaged flat buffer. Only
-        one hook may be registered, before the first backward.
+        one hook may be registered, before the first backward. Annotations, when present, must
+        be torch's (``dist.GradBucket``, ``torch.futures.Future[torch.Tensor]``).
         """
-        if not callable(hook):
-            raise TypeError(f"hook must be callable, got {type(hook).__name__}")
+        check_comm_hook(hook)
+        if self.reducer is None:
+            raise RuntimeError("register_comm_hook: every parameter's all-reduce is delayed")
         if self.reducer.hook is not None:
-            raise RuntimeError("register_comm_hook() may be called only once")
+            raise RuntimeError(
+                "register_comm_hook or register_builtin_comm_hook can only be called once."
+            )
         self.reducer.hook, self.reducer.hook_state = hook, state
 
-    @contextlib.contextmanager
-    def join(self, enable: bool = True) -> Iterator[None]:
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Join:
         """Train on uneven inputs: a rank that runs out of batches shadows the others.
 
-        Inside the block each forward first agrees who is still training; on leaving it, a rank
-        keeps taking part in the others' gradient all-reduces (with zero gradients) until every
-        rank has left, so nobody hangs at the end of an epoch. As with torch's Join, gradients
-        are averaged over the full world size.
+        The same context manager as torch's ``ddp.join()`` (``Join([self], ...)``): on leaving
+        it, a rank keeps issuing the others' collectives with zeros until every rank has left,
+        then all take the model of the last rank to finish. ``divide_by_initial_world_size=False``
+        averages each step over the ranks still training instead of the full world size.
         """
-        if not enable:
-            yield
-            return
-        self._join_active = True
-        try:
-            yield
-        finally:
-            try:
-                last = True
-                while _join_flag(0, self.process_group) > 0:
-                    last = False
-                    self._sync_buffers()
-                    self.reducer.shadow_iteration()
-                self._sync_final_model(last)
-            finally:
-                self._join_active = False
+        return Join(
+            [self],
+            enable,
+            throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
 
-    def _sync_final_model(self, last_joiner: bool) -> None:
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The hook ``Join`` runs on this rank once it has joined."""
+        return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        """Device of the join context's collectives."""
+        return self.device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        """Group of the join context's collectives."""
+        return self.process_group
+
+    def _sync_final_model(self, is_last_joiner: bool) -> None:
         # Joined ranks skipped the optimizer steps of the others' extra batches: take the model
         # of a rank that trained to the end (the highest-ranked last joiner), as torch does.
-        me = dist.get_rank()
-        src = torch.tensor([me if last_joiner else -1], dtype=torch.int64)
-        c.all_reduce(src, dist.ReduceOp.MAX, self.process_group)
-        tensors = [p.detach() for p in self.module.parameters()]
-        _broadcast_coalesced([*tensors, *self.module.buffers()], int(src), self.process_group)
+        src = common_rank(is_last_joiner, self.process_group, self.device)
+        self._broadcast_state(src, with_buffers=self.forward_sync_buffers)
+
+    def to_kwargs(self, inputs: Any, kwargs: Any, device_id: int) -> tuple[Any, Any]:
+        """Move inputs and keyword inputs to ``device_id`` (torch's method)."""
+        device = torch.device(self.device_type, device_id)
+        return _move(tuple(inputs), device), _move(dict(kwargs or {}), device)
+
+    def scatter(self, inputs: Any, kwargs: Any, device_ids: Sequence[int]) -> tuple[Any, Any]:
+        """Split inputs along ``dim`` across ``device_ids`` (torch's method)."""
+        devices = [torch.device(self.device_type, d) for d in device_ids]
+        return scatter(tuple(inputs), devices, self.dim), scatter(
+            dict(kwargs or {}), devices, self.dim
+        )
+
+    def gather(self, outputs: Any, output_device: int) -> Any:
+        """Concatenate per-device outputs on ``output_device`` (torch's method)."""
+        return gather(outputs, torch.device(self.device_type, output_device), self.dim)
+
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(
+        module: nn.Module, names: Sequence[str]
+    ) -> None:
+        """Leave these parameters and buffers out of synchronisation (torch's static method)."""
+        module._ddp_params_and_buffers_to_ignore = names  # type: ignore[assignment]
+        for name, param in module.named_parameters():
+            if name in names:
+                param._ddp_ignored = True  # type: ignore[attr-defined]
 
 
-def _device_of(device_ids: list[int | torch.device] | None) -> torch.device | None:
-    if not device_ids:
-        return None
-    d = device_ids[0]
-    return torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
+def _resolve_group(group: dist.ProcessGroup | None, device_mesh: Any) -> dist.ProcessGroup:
+    if group is not None and device_mesh is not None:
+        raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
+    if device_mesh is not None:
+        if device_mesh.ndim != 1:
+            raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
+        return device_mesh.get_group(mesh_dim=0)
+    world = dist.group.WORLD
+    assert world is not None  # dist.is_initialized() was checked
+    return group if group is not None else world
+
+
+def _refuse_uninitialized(named: list[tuple[str, nn.Parameter]]) -> None:
+    for name, p in named:
+        if isinstance(p, nn.parameter.UninitializedParameter):
+            raise RuntimeError(
+                f"DistributedDataParallel: parameter {name!r} is uninitialized (a lazy module): "
+                f"run a dummy forward pass before wrapping the model"
+            )
+
+
+def _sparse_parameter_names(module: nn.Module) -> set[str]:
+    """Parameters with sparse gradients: ``Embedding`` / ``EmbeddingBag`` with ``sparse=True``."""
+    names = set()
+    for prefix, sub in module.named_modules():
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
+            names |= {
+                f"{prefix}.{n}" if prefix else n for n, _ in sub.named_parameters(recurse=False)
+            }
+    return names
 
 
 def _move(obj: Any, device: torch.device) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.to(device, non_blocking=True)
     if isinstance(obj, tuple):
-        return tuple(_move(o, device) for o in obj)
+        moved = [_move(o, device) for o in obj]
+        return type(obj)(*moved) if hasattr(obj, "_fields") else tuple(moved)
     if isinstance(obj, list):
         return [_move(o, device) for o in obj]
     if isinstance(obj, dict):
         return {k: _move(v, device) for k, v in obj.items()}
     return obj
-
-
-def _join_flag(active: int, group: dist.ProcessGroup | None) -> int:
-    flag = torch.tensor([active], dtype=torch.int32)
-    c.all_reduce(flag, dist.ReduceOp.SUM, group)
-    return int(flag.item())
-
-
-def _broadcast_coalesced(
-    tensors: list[torch.Tensor], src: int, group: dist.ProcessGroup | None
-) -> None:
-    """Broadcast many tensors as one flat tensor per (device, dtype)."""
-    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for t in tensors:
-        by_kind.setdefault((t.device, t.dtype), []).append(t)
-    for group_tensors in by_kind.values():
-        flat = torch.cat([t.reshape(-1) for t in group_tensors])
-        c.broadcast(flat, src, group)
-        offset = 0
-        with torch.no_grad():
-            for t in group_tensors:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
-
-
-def _check_same_model(module: nn.Module, group: dist.ProcessGroup | None) -> None:
-    """Every rank must hold the same parameter names, shapes and dtypes; name what differs."""
-    mine = [[n, list(p.shape), str(p.dtype)] for n, p in module.named_parameters()]
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    all_gather_object(everyone, mine, group)
-    reference = everyone[0]
-    for rank, theirs in enumerate(everyone):
-        if theirs == reference:
-            continue
-        raise ValueError(_model_difference(reference, theirs, rank, dist.get_rank()))
-
-
-def _model_difference(ref: list[Any], other: list[Any], rank: int, me: int) -> str:
-    head = f"[rank {me}] DistributedDataParallel: the model on rank {rank} differs from rank 0's"
-    ref_by = {n: (s, d) for n, s, d in ref}
-    other_by = {n: (s, d) for n, s, d in other}
-    for name, (shape, dtype) in ref_by.items():
-        if name not in other_by:
-            return f"{head}: parameter {name!r} (shape {shape}) is missing on rank {rank}"
-        oshape, odtype = other_by[name]
-        if oshape != shape or odtype != dtype:
-            return (
-                f"{head}: parameter {name!r} has shape {shape} {dtype} on rank 0 but "
-                f"{oshape} {odtype} on rank {rank}"
-            )
-    extra = [n for n in other_by if n not in ref_by]
-    if extra:
-        return f"{head}: rank {rank} has extra parameter(s) {extra}"
-    return f"{head}: the parameters are registered in a different order"

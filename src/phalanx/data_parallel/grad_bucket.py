@@ -9,9 +9,13 @@ The same contract as torch's DDP, so hooks written for torch (``fp16_compress_ho
 
 from __future__ import annotations
 
-import torch
+import inspect
+from typing import Any
 
-__all__ = ["GradBucket"]
+import torch
+import torch.distributed as dist
+
+__all__ = ["GradBucket", "check_comm_hook"]
 
 
 class GradBucket:
@@ -54,3 +58,31 @@ class GradBucket:
     def set_buffer(self, buffer: torch.Tensor) -> None:
         """Replace the buffer (same shape and dtype)."""
         self._buffer = buffer
+
+
+def check_comm_hook(hook: Any) -> None:
+    """Refuse a hook that is not callable or is annotated with other types (torch's checks).
+
+    Raises:
+        TypeError: ``hook`` is not callable.
+        ValueError: its ``bucket`` or return annotation is not torch's (or phalanx's) type.
+    """
+    if not callable(hook):
+        raise TypeError(f"Communication hook must be callable. Got {type(hook).__name__}.")
+    sig = inspect.signature(hook)
+    bucket = sig.parameters.get("bucket")
+    if bucket is not None and bucket.annotation not in (
+        inspect.Parameter.empty,
+        dist.GradBucket,
+        GradBucket,
+    ):
+        raise ValueError(
+            f"Communication hook: bucket annotation should be dist.GradBucket. Got "
+            f"{bucket.annotation!r}."
+        )
+    returns = sig.return_annotation
+    if returns not in (inspect.Signature.empty, torch.futures.Future[torch.Tensor]):
+        raise ValueError(
+            f"Communication hook: return annotation should be torch.futures.Future[torch.Tensor]. "
+            f"Got {returns!r}."
+        )

@@ -1,18 +1,27 @@
 """The bucketed gradient all-reduce engine shared by DistributedDataParallel and Horovod.
 
-During backward, a post-accumulate-grad hook per parameter copies its gradient into its flat
-bucket (or finds it already there when gradients are bucket views). A bucket whose gradients are
-all in launches its asynchronous all-reduce at once, **in bucket order** (every rank must issue
-collectives in the same order), so communication overlaps the rest of backward. A callback queued
-on the autograd engine waits for every bucket once backward ends — the one wait site — before the
-optimizer can see a gradient.
+When a parameter's gradient is complete (a post-hook on its ``AccumulateGrad`` node, which runs
+under local and dist autograd alike, see :mod:`grad_access`), it is copied into its flat bucket.
+A bucket whose gradients are all in launches its asynchronous all-reduce at once, **in bucket
+order** (every rank must issue collectives in the same order), so communication overlaps the
+rest of backward. A callback queued on the autograd engine waits for every bucket once backward
+ends — the one wait site — before the optimizer can see a gradient.
+
+Unused parameters: with ``find_unused`` they are filled in at the end of backward (their local
+gradient, accumulated under ``no_sync`` perhaps, or zeros) and one all-reduce of a usage map
+tells which are unused on every rank; those keep their gradient untouched. With ``static_graph``
+the first iteration learns how many times each parameter's hook fires (a reentrant backward
+fires it more than once) and which are unused; later iterations reduce a parameter when its
+count is reached.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,10 +29,13 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx.comm import collectives as c
-from phalanx.data_parallel.buckets import BucketPlan, ParamSpec, plan_buckets
+from phalanx.data_parallel.bucket_state import Bucket, WaitFuture
+from phalanx.data_parallel.buckets import ParamSpec, plan_buckets
+from phalanx.data_parallel.grad_access import GradSite, hook_accumulator
 from phalanx.data_parallel.grad_bucket import GradBucket
+from phalanx.data_parallel.static_graph import HookCounts
 
-__all__ = ["Reducer", "UnusedParameterError"]
+__all__ = ["Hook", "Reducer", "ReducerOptions", "UnusedParameterError"]
 
 Hook = Callable[[Any, GradBucket], torch.futures.Future[torch.Tensor]]
 
@@ -32,20 +44,23 @@ class UnusedParameterError(RuntimeError):
     """Some parameters received no gradient while ``find_unused_parameters=False``."""
 
 
-class _Bucket:
-    def __init__(
-        self, index: int, plan: BucketPlan, params: list[nn.Parameter], extra: int = 0
-    ) -> None:
-        self.index = index
-        self.params = params
-        device, dtype = params[0].device, params[0].dtype
-        self.buffer = torch.zeros(plan.numel + extra, dtype=dtype, device=device)
-        self.views = [
-            self.buffer[o : o + p.numel()].view_as(p) for o, p in zip(plan.offsets, params)
-        ]
-        self.pending = len(params)
-        self.divided = [False] * len(params)
-        self.future: torch.futures.Future[torch.Tensor] | None = None
+@dataclass(frozen=True)
+class ReducerOptions:
+    """How the reducer treats unused parameters, views and sparse gradients."""
+
+    find_unused: bool = False
+    grad_as_bucket_view: bool = False
+    static_graph: bool = False
+    skip_unused: bool = False
+    """Assume every rank leaves the same parameters unused: no usage all-reduce, and buckets
+    holding only unused parameters are not reduced (torch's ``skip_all_reduce_unused_params``)."""
+    sparse: frozenset[int] = frozenset()
+    """Indices of the parameters whose gradients are sparse."""
+    bucket_dtype: torch.dtype | None = None
+    """Reduce in this dtype instead of the parameters' (mixed precision's ``reduce_dtype``)."""
+    join_flag: bool = False
+    """One extra element after the last bucket carries "still training" (1) or "joined" (0),
+    so a joined rank learns from the round itself whether anyone still trains."""
 
 
 class Reducer:
@@ -56,54 +71,78 @@ class Reducer:
         named_params: list[tuple[str, nn.Parameter]],
         group: dist.ProcessGroup | None,
         bucket_cap_bytes: int,
-        find_unused: bool,
-        grad_as_bucket_view: bool,
+        find_unused: bool = False,
+        grad_as_bucket_view: bool = False,
         first_bucket_bytes: int | None = None,
         join_flag: bool = False,
+        *,
+        caps: Sequence[int] | None = None,
+        options: ReducerOptions | None = None,
     ) -> None:
         self.group = group
         self.world_size = dist.get_world_size(group)
-        self.find_unused = find_unused
-        self.grad_as_view = grad_as_bucket_view
+        self.options = options or ReducerOptions(
+            find_unused, grad_as_bucket_view, join_flag=join_flag
+        )
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
-        specs = [
-            ParamSpec(i, p.numel(), p.element_size(), str(p.dtype), str(p.device))
-            for i, p in enumerate(self.params)
-        ]
-        first = first_bucket_bytes if first_bucket_bytes is not None else min(
-            bucket_cap_bytes, 1024 * 1024
-        )  # fmt: skip
-        self.plans = plan_buckets(specs, bucket_cap_bytes, first)
-        # join_flag: one extra element after the last bucket's gradients carries "this rank is
-        # still training" (1) or "joined, shadowing" (0), so a joined rank learns from the
-        # round itself whether anyone still trains — no extra collective per step.
-        self.join_flag = join_flag
+        if caps is None:
+            first = (
+                min(bucket_cap_bytes, 1024 * 1024)
+                if first_bucket_bytes is None
+                else first_bucket_bytes
+            )
+            caps = (
+                (min(first, bucket_cap_bytes), bucket_cap_bytes)
+                if first > 0
+                else (bucket_cap_bytes,)
+            )
+        self.plans = plan_buckets([self._spec(i, p) for i, p in enumerate(self.params)], caps)
         last = len(self.plans) - 1
         self.buckets = [
-            _Bucket(i, plan, [self.params[j] for j in plan.params], int(join_flag and i == last))
+            Bucket(
+                i,
+                plan,
+                [self.params[j] for j in plan.params],
+                int(self.options.join_flag and i == last),
+                self.options.bucket_dtype or self.params[plan.params[0]].dtype,
+            )
             for i, plan in enumerate(self.plans)
         ]
-        self.where: list[tuple[int, int]] = [(0, 0)] * len(self.params)
+        self.where = [(0, 0)] * len(self.params)
         for b in self.buckets:
-            for k, j in enumerate(self.plans[b.index].params):
+            for k, j in enumerate(b.plan.params):
                 self.where[j] = (b.index, k)
+        self.counts = HookCounts(len(self.params)) if self.options.static_graph else None
         self.shadowing = False
         self.wait_seconds = 0.0
         """Time spent at the end of backward waiting for communication (exposed comm)."""
         self.hook: Hook | None = None
         self.hook_state: Any = None
         self.enabled = True
-        self._handles: list[Any] = []
+        self.site = GradSite()
+        """Where this iteration's gradients live (set per forward; dist autograd or local)."""
+        self.divisor = self.world_size
+        self.before_write_back: Callable[[], None] | None = None
+        """Called once the gradients are staged, before the reduced ones are written back."""
+        self.used = [False] * len(self.params)
+        """Parameters with a gradient since the last synchronised backward (no_sync included)."""
         # Autograd runs each accelerator's backward on its own thread, so the hooks of a model
         # spread over several devices (model_parallel.split) race; torch's reducer locks too.
         self._lock = threading.Lock()
+        self._warned: set[str] = set()
         self._reset()
-        if grad_as_bucket_view:
+        if self.options.grad_as_bucket_view:
             for p, (bi, k) in zip(self.params, self.where):
-                p.grad = self.buckets[bi].views[k]
-        for j, p in enumerate(self.params):
-            self._handles.append(p.register_post_accumulate_grad_hook(self._make_hook(j)))
+                if not self.buckets[bi].sparse:
+                    p.grad = self.buckets[bi].views[k]
+        self._hooks: list[tuple[Any, Any]] = []
+        self.rehook()
+
+    def _spec(self, i: int, p: nn.Parameter) -> ParamSpec:
+        dtype = self.options.bucket_dtype or p.dtype
+        size = torch.empty(0, dtype=dtype).element_size()
+        return ParamSpec(i, p.numel(), size, str(dtype), str(p.device), i in self.options.sparse)
 
     # ---- per-iteration state ------------------------------------------------------------
     def _reset(self) -> None:
@@ -111,129 +150,197 @@ class Reducer:
         self.next_launch = 0
         self.queued = False
         for b in self.buckets:
-            b.pending = len(b.params)
-            b.divided = [False] * len(b.params)
-            b.future = None
+            b.reset()
+        if self.counts is not None:
+            self.counts.start_iteration()
 
     def remove_hooks(self) -> None:
         """Detach from the parameters (the wrapper is being discarded)."""
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        for _, handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+    def rehook(self) -> None:
+        """(Re)attach to each parameter's gradient accumulator: autograd replaces it when a
+        parameter's ``.data`` changes dtype or device (mixed precision does, every forward)."""
+        self.remove_hooks()
+        self._hooks = [hook_accumulator(p, self._hook_for(j)) for j, p in enumerate(self.params)]
 
     # ---- backward -----------------------------------------------------------------------
-    def _make_hook(self, j: int) -> Callable[[torch.Tensor], None]:
-        def hook(param: torch.Tensor) -> None:
-            if self.enabled:
-                with self._lock:
-                    self._mark_ready(j, param)
+    def _hook_for(self, j: int) -> Callable[[], None]:
+        return lambda: self._on_gradient(j)
 
-        return hook
+    def _on_gradient(self, j: int) -> None:
+        with self._lock, torch.no_grad():
+            grad = self.site.get(self.params[j])
+            if grad is not None:
+                self.used[j] = True
+            if not self.enabled:
+                return
+            if not self.queued:
+                self.queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self.finalize)
+                self._start_iteration()
+            if self.counts is not None and not self.counts.complete(j, self.names[j]):
+                return
+            if self.ready[j]:
+                raise RuntimeError(
+                    f"[rank {dist.get_rank()}] DistributedDataParallel: parameter "
+                    f"{self.names[j]!r} produced a gradient twice in one backward pass (a "
+                    f"reentrant backward, such as activation checkpointing): pass "
+                    f"static_graph=True if the graph is the same every iteration"
+                )
+            self._ready(j, grad)
 
-    def _mark_ready(self, j: int, param: torch.Tensor) -> None:
-        if not self.queued:
-            self.queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.finalize)
-        if self.ready[j]:
-            raise RuntimeError(
-                f"parameter {self.names[j]!r} produced a gradient twice in one backward pass; "
-                f"DistributedDataParallel supports one gradient per parameter per iteration "
-                f"(use static_graph=True is not a fix here: restructure the reentrant backward)"
-            )
+    def _start_iteration(self) -> None:
+        if self.counts is not None and self.counts.learned:
+            for j in self.counts.never_fire():  # known unused: staged up front, as torch does
+                self._ready(j, self.site.get(self.params[j]))
+
+    def _ready(self, j: int, grad: torch.Tensor | None) -> None:
         self.ready[j] = True
         bi, k = self.where[j]
         bucket = self.buckets[bi]
-        self._stage(bucket, k, param)
+        self._check_layout(j, bucket, grad)
+        bucket.stage(k, grad, None if self.hook is not None else self.divisor)
+        if self._repoint_to_view(grad, bucket, k):
+            self.params[j].grad = bucket.views[k]
         bucket.pending -= 1
         if bucket.pending == 0:
             self._launch_ready()
 
-    def _stage(self, bucket: _Bucket, k: int, param: torch.Tensor) -> None:
-        view, grad = bucket.views[k], param.grad
+    def _repoint_to_view(self, grad: torch.Tensor | None, bucket: Bucket, k: int) -> bool:
+        """With gradient_as_bucket_view, a fresh local gradient is replaced by its view."""
+        if not self.options.grad_as_bucket_view or grad is None or bucket.sparse:
+            return False
+        local = self.site.context_id is None
+        return local and grad.data_ptr() != bucket.views[k].data_ptr()
+
+    def _check_layout(self, j: int, bucket: Bucket, grad: torch.Tensor | None) -> None:
         if grad is None:
-            view.zero_()
-            bucket.divided[k] = True
-        elif grad.data_ptr() != view.data_ptr():
-            if self.hook is None:
-                # Fold the 1/N of the average into the copy: one pass over the gradient, not two.
-                torch.div(grad, self.world_size, out=view)
-                bucket.divided[k] = True
-            else:
-                view.copy_(grad)  # hooks receive local gradients
-            if self.grad_as_view:
-                param.grad = view
+            return
+        if grad.is_sparse != bucket.sparse:
+            want = "sparse" if bucket.sparse else "dense"
+            raise RuntimeError(
+                f"[rank {dist.get_rank()}] DistributedDataParallel: parameter {self.names[j]!r} "
+                f"produced a {'sparse' if grad.is_sparse else 'dense'} gradient but was planned "
+                f"{want}: gradients are sparse exactly for nn.Embedding / nn.EmbeddingBag with "
+                f"sparse=True"
+            )
+        if grad.requires_grad:
+            self._warn_once(
+                "create_graph",
+                "DistributedDataParallel with backward(create_graph=True): the gradients are "
+                "averaged, but higher-order gradients are not synchronised across ranks (as in "
+                "torch's DDP)",
+            )
 
     def _launch_ready(self) -> None:
         while self.next_launch < len(self.buckets):
             bucket = self.buckets[self.next_launch]
             if bucket.pending != 0:
                 return
-            bucket.future = self._communicate(bucket)
+            if not bucket.skipped:
+                bucket.future = self._communicate(bucket)
             self.next_launch += 1
 
-    def _communicate(self, bucket: _Bucket) -> torch.futures.Future[torch.Tensor]:
-        if self.join_flag and bucket.index == len(self.buckets) - 1:
+    def _communicate(self, bucket: Bucket) -> Any:
+        if self.options.join_flag and bucket.index == len(self.buckets) - 1:
             bucket.buffer[-1] = 0.0 if self.shadowing else 1.0
         if self.hook is not None:
             gb = GradBucket(
-                bucket.index, bucket.buffer, list(bucket.views), list(bucket.params),
+                bucket.index,
+                bucket.buffer,
+                list(bucket.views) if not bucket.sparse else [bucket.buffer],
+                list(bucket.params),
                 bucket.index == len(self.buckets) - 1,
-            )  # fmt: skip
-            return self.hook(self.hook_state, gb)
-        if not any(bucket.divided):
-            bucket.buffer.div_(self.world_size)
-        elif not all(bucket.divided):  # some gradients accumulated in their bucket views
-            for view, done in zip(bucket.views, bucket.divided):
-                if not done:
-                    view.div_(self.world_size)
+            )
+            future = self.hook(self.hook_state, gb)
+            if not hasattr(future, "wait"):
+                raise RuntimeError(
+                    f"Communication hook: callback must return a torch.futures.Future object, "
+                    f"but got {type(future).__name__} for bucket {bucket.index}"
+                )
+            return future
+        if not bucket.sparse:
+            bucket.divide_rest(self.divisor)
         work = c.all_reduce(bucket.buffer, dist.ReduceOp.SUM, self.group, async_op=True)
-        return _WaitFuture(work, bucket.buffer)  # type: ignore[return-value]
+        return WaitFuture(work, bucket.buffer)
 
     # ---- end of backward: the single wait site ----------------------------------------------
     def finalize(self) -> None:
         """Wait for every bucket and write the averaged gradients back (autograd callback)."""
-        try:
-            missing = [j for j, r in enumerate(self.ready) if not r]
-            if missing and not self.find_unused:
+        with torch.no_grad():
+            try:
+                unused = self._complete_iteration()
+                if self.before_write_back is not None:
+                    self.before_write_back()
+                for b in self.buckets:  # copying bucket i back overlaps bucket i+1's transfer
+                    self._wait(b)
+                    self._write_back(b, unused)
+                self.used = [False] * len(self.params)
+            finally:
+                self.site = GradSite()
+                self._reset()
+
+    def _complete_iteration(self) -> set[int]:
+        """Stage what is missing and return the parameters unused on every rank."""
+        if self.counts is not None and not self.counts.learned:
+            self._stage_counted()
+        elif self.counts is not None:
+            try:
+                self.counts.check_all_fired(self.ready, self.names)
+            except RuntimeError:
+                self._drain()
+                raise
+            return self.counts.globally_unused
+        missing = [j for j, r in enumerate(self.ready) if not r]
+        if not self.options.find_unused:
+            if missing:
                 self._drain()
                 raise UnusedParameterError(self._unused_message(missing))
-            unused = set(self._fill_unused(missing)) if self.find_unused else set()
-            for b in self.buckets:  # copying bucket i back overlaps bucket i+1's transfer
-                self._wait(b)
-                self._write_back(b, unused)
-        finally:
-            self._reset()
+            return set()
+        return self._fill_missing(missing)
 
-    def _fill_unused(self, missing: list[int]) -> list[int]:
+    def _stage_counted(self) -> None:
+        """First static-graph iteration: every gradient is complete only now."""
+        unused = self._fill_missing(list(range(len(self.params))))
+        assert self.counts is not None
+        self.counts.learn(unused)
+
+    def _fill_missing(self, missing: list[int]) -> set[int]:
+        skip = {j for j in missing if not self.used[j]} if self.options.skip_unused else set()
+        for b in self.buckets:  # all ranks leave the same ones unused: no need to reduce them
+            if skip and all(j in skip for j in b.plan.params):
+                b.skipped, b.pending = True, 0
         for j in missing:
-            bi, k = self.where[j]
-            self.buckets[bi].views[k].zero_()
-            self.buckets[bi].pending -= 1
-            self.ready[j] = True
+            if not self.buckets[self.where[j][0]].skipped:
+                self._ready(j, self.site.get(self.params[j]))
         self._launch_ready()
-        used = self._used_map()
-        used[missing] = 0
+        if self.options.skip_unused:
+            return skip
+        used = torch.tensor(self.used, dtype=torch.int32, device=self.buckets[0].buffer.device)
         c.all_reduce(used, dist.ReduceOp.SUM, self.group)
-        return used.eq(0).nonzero().flatten().tolist()
-
-    def _used_map(self) -> torch.Tensor:
-        device = self.buckets[0].buffer.device
-        return torch.ones(len(self.params), dtype=torch.int32, device=device)
+        return set(used.eq(0).nonzero().flatten().tolist())
 
     def _drain(self) -> None:
         for b in self.buckets:
             self._wait(b)
 
-    def _wait(self, b: _Bucket) -> None:
-        if b.future is not None:
-            start = time.perf_counter()
-            result = b.future.wait()
-            self.wait_seconds += time.perf_counter() - start
-            if result is not b.buffer:
-                self._check_hook_result(b, result)
+    def _wait(self, b: Bucket) -> None:
+        if b.future is None:
+            return
+        start = time.perf_counter()
+        result = b.future.wait()
+        self.wait_seconds += time.perf_counter() - start
+        if result is not b.buffer:
+            self._check_hook_result(b, result)
+            if b.sparse:
+                b.buffer = result
+            else:
                 b.buffer.copy_(result)
 
-    def _check_hook_result(self, b: _Bucket, result: Any) -> None:
+    def _check_hook_result(self, b: Bucket, result: Any) -> None:
         if not isinstance(result, torch.Tensor) or result.shape != b.buffer.shape:
             got = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result)
             raise ValueError(
@@ -241,30 +348,43 @@ class Reducer:
                 f"shape {tuple(b.buffer.shape)} (the bucket's flat buffer, averaged)"
             )
 
-    def _write_back(self, b: _Bucket, globally_unused: set[int]) -> None:
-        for k, j in enumerate(self.plans[b.index].params):
-            p, view = b.params[k], b.views[k]
+    def _write_back(self, b: Bucket, globally_unused: set[int]) -> None:
+        for k, j in enumerate(b.plan.params):
             if j in globally_unused:
+                continue  # as torch: a parameter unused on every rank keeps its gradient
+            p, value = b.params[k], b.value(k)
+            if self.site.context_id is not None:
+                if not self.site.set(p, value):
+                    self._warn_once(
+                        "dist_unused",
+                        f"parameter {self.names[j]!r} has no gradient "
+                        "in this dist autograd context; it keeps none",
+                    )
                 continue
-            if p.grad is None:
-                p.grad = view if self.grad_as_view else view.clone()
-            elif p.grad.data_ptr() != view.data_ptr():
-                p.grad.copy_(view)
+            grad = p.grad
+            if grad is None or b.sparse:
+                p.grad = value if self.options.grad_as_bucket_view or b.sparse else value.clone()
+            elif grad.data_ptr() != value.data_ptr():
+                grad.copy_(value)
 
     def _unused_message(self, missing: list[int]) -> str:
-        rank = dist.get_rank()
         names = ", ".join(repr(self.names[j]) for j in missing[:20])
         more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
         return (
-            f"[rank {rank}] DistributedDataParallel: {len(missing)} parameter(s) received no "
-            f"gradient in this backward pass: {names}{more}. Either make them take part in "
-            f"computing the loss, set requires_grad=False on them, or pass "
+            f"[rank {dist.get_rank()}] DistributedDataParallel: {len(missing)} parameter(s) "
+            f"received no gradient in this backward pass: {names}{more}. Either make them take "
+            f"part in computing the loss, set requires_grad=False on them, or pass "
             f"find_unused_parameters=True to DistributedDataParallel."
         )
 
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, stacklevel=2)
+
     # ---- Join: shadow the collectives of one iteration with zeros -----------------------------
     def shadow_iteration(self) -> bool:
-        """Issue this iteration's bucket collectives with zero gradients (joined rank).
+        """Issue one backward's collectives with zero gradients (a joined rank).
 
         Returns:
             With ``join_flag``: whether any rank still trained in this round (else True).
@@ -272,27 +392,19 @@ class Reducer:
         self.shadowing = True
         try:
             for b in self.buckets:
-                b.buffer.zero_()
+                if b.sparse:
+                    b.stage(0, None, None)
+                else:
+                    b.buffer.zero_()
                 b.pending = 0
             self._launch_ready()
-            if self.find_unused:
-                c.all_reduce(self._used_map().zero_(), dist.ReduceOp.SUM, self.group)
+            if self.options.find_unused and not self.options.skip_unused:
+                zeros = torch.zeros(
+                    len(self.params), dtype=torch.int32, device=self.buckets[0].buffer.device
+                )
+                c.all_reduce(zeros, dist.ReduceOp.SUM, self.group)
             self._drain()
-            return not self.join_flag or bool(self.buckets[-1].buffer[-1] > 0)
+            return not self.options.join_flag or bool(self.buckets[-1].buffer[-1] > 0)
         finally:
             self.shadowing = False
             self._reset()
-
-
-class _WaitFuture:
-    """Minimal future over a tracked work: ``wait()`` reports failures with phalanx's errors."""
-
-    def __init__(self, work: Any, value: torch.Tensor) -> None:
-        self._work, self._value = work, value
-
-    def wait(self) -> torch.Tensor:
-        self._work.wait()
-        return self._value
-
-    def value(self) -> torch.Tensor:
-        return self._value

@@ -110,7 +110,7 @@ def plan_shards(
     for gi, group in enumerate(groups):
         specs = [ParamSpec(first + i, n, element_size, "f", "d") for i, n in enumerate(group)]
         first += len(group)
-        for plan in plan_buckets(specs, cap_bytes, first_cap_bytes=0) if specs else []:
+        for plan in plan_buckets(specs, [cap_bytes]) if specs else []:
             part = partition(plan.numel, world)
             sizes = [numels[p] for p in plan.params]
             segs = _segments(list(plan.params), list(plan.offsets), sizes, part)

@@ -1,0 +1,114 @@
+"""One gradient bucket of the reducer: its flat buffer, views, readiness and communication.
+
+A dense bucket owns a flat buffer with one view per parameter, shaped like it. A sparse bucket
+holds one parameter whose gradient is a sparse tensor; its buffer is that gradient, taken when
+it is ready (a sparse all-reduce cannot share a flat buffer).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from phalanx.data_parallel.buckets import BucketPlan
+
+__all__ = ["Bucket", "WaitFuture"]
+
+
+class Bucket:
+    """The state of one bucket across one iteration."""
+
+    def __init__(
+        self,
+        index: int,
+        plan: BucketPlan,
+        params: list[nn.Parameter],
+        extra: int,
+        dtype: torch.dtype,
+    ) -> None:
+        self.index = index
+        self.plan = plan
+        self.params = params
+        self.sparse = plan.sparse
+        device = params[0].device
+        self.buffer = torch.zeros(
+            0 if self.sparse else plan.numel + extra, dtype=dtype, device=device
+        )
+        self.views = (
+            []
+            if self.sparse
+            else [self.buffer[o : o + p.numel()].view_as(p) for o, p in zip(plan.offsets, params)]
+        )
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the last iteration: nothing ready, nothing divided, nothing in flight."""
+        self.pending = len(self.params)
+        self.divided = [False] * len(self.params)
+        self.skipped = False
+        """Not reduced this iteration: every parameter in it is unused on every rank."""
+        self.future: torch.futures.Future[torch.Tensor] | None = None
+
+    def stage(self, k: int, grad: torch.Tensor | None, divisor: int | None) -> None:
+        """Put parameter ``k``'s gradient in the bucket, divided by ``divisor`` if given.
+
+        ``divisor=None`` (a communication hook is registered) stages the local gradient. A
+        gradient that already is the bucket view (``gradient_as_bucket_view``) is left in place
+        and divided at launch.
+        """
+        if self.sparse:
+            self.buffer = _sparse_copy(grad, self.params[k], divisor)
+            self.divided[k] = True
+            return
+        view = self.views[k]
+        if grad is None:
+            view.zero_()
+            self.divided[k] = True
+        elif grad.data_ptr() != view.data_ptr():
+            if divisor is None:
+                view.copy_(grad)
+            else:  # fold the 1/N of the average into the copy: one pass over the gradient
+                torch.div(grad, divisor, out=view)
+                self.divided[k] = True
+
+    def divide_rest(self, divisor: int) -> None:
+        """Divide the gradients that were accumulated in place in their views."""
+        if not any(self.divided):
+            self.buffer.div_(divisor)
+            return
+        for view, done in zip(self.views, self.divided):
+            if not done:
+                view.div_(divisor)
+
+    def value(self, k: int) -> torch.Tensor:
+        """The reduced gradient of parameter ``k``."""
+        return self.buffer if self.sparse else self.views[k]
+
+
+def _sparse_copy(
+    grad: torch.Tensor | None, param: nn.Parameter, divisor: int | None
+) -> torch.Tensor:
+    if grad is None:  # no rows, shaped like an embedding's gradient (one sparse dimension)
+        return torch.sparse_coo_tensor(
+            torch.zeros((1, 0), dtype=torch.int64, device=param.device),
+            torch.zeros((0, *param.shape[1:]), dtype=param.dtype, device=param.device),
+            param.shape,
+        )
+    grad = grad.coalesce()
+    return grad / divisor if divisor is not None else grad.clone()
+
+
+class WaitFuture:
+    """Minimal future over a tracked work: ``wait()`` reports failures with phalanx's errors."""
+
+    def __init__(self, work: Any, value: torch.Tensor) -> None:
+        self._work, self._value = work, value
+
+    def wait(self) -> torch.Tensor:
+        self._work.wait()
+        return self._value
+
+    def value(self) -> torch.Tensor:
+        return self._value

@@ -1,0 +1,151 @@
+"""torch's ``DistributedDataParallel`` constructor arguments, checked and resolved (pure).
+
+Each function takes the arguments a user typed and returns what the wrapper will do, raising
+the exception type torch raises for the same mistake (a drop-in must fail the same way) with a
+message that names the argument and its value.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["BucketCaps", "BufferSync", "bucket_caps", "buffer_sync", "resolve_devices"]
+
+MIB = 1024 * 1024
+DEFAULT_BUCKET_CAP_MB = 25
+FIRST_BUCKET_BYTES = 1024 * 1024
+"""torch's first-bucket cap when ``bucket_cap_mb`` is left at its default."""
+
+
+@dataclass(frozen=True)
+class BucketCaps:
+    """Byte caps of the gradient buckets, in launch order; the last one repeats."""
+
+    caps: tuple[int, ...]
+
+    @property
+    def bucket_bytes_cap(self) -> int:
+        """The largest cap (torch's ``ddp.bucket_bytes_cap``)."""
+        return max(self.caps)
+
+    def cap(self, k: int) -> int:
+        """The cap of bucket ``k``."""
+        return self.caps[min(k, len(self.caps) - 1)]
+
+
+def bucket_caps(
+    bucket_cap_mb: float | None, bucket_cap_mb_list: Sequence[float] | None
+) -> BucketCaps:
+    """torch's rule: 25 MiB buckets behind a 1 MiB first one, unless the user sets a cap.
+
+    ``bucket_cap_mb_list`` gives each bucket its own cap (the last one repeats) and wins over
+    ``bucket_cap_mb``.
+    """
+    if bucket_cap_mb_list:
+        for mb in bucket_cap_mb_list:
+            _check_positive("bucket_cap_mb_list", mb, list(bucket_cap_mb_list))
+        return BucketCaps(tuple(int(mb * MIB) for mb in bucket_cap_mb_list))
+    if bucket_cap_mb is None:
+        return BucketCaps((FIRST_BUCKET_BYTES, DEFAULT_BUCKET_CAP_MB * MIB))
+    _check_positive("bucket_cap_mb", bucket_cap_mb, bucket_cap_mb)
+    return BucketCaps((int(bucket_cap_mb * MIB),))
+
+
+def _check_positive(name: str, mb: Any, shown: Any) -> None:
+    if not isinstance(mb, (int, float)) or isinstance(mb, bool) or mb <= 0:
+        raise ValueError(f"DistributedDataParallel: {name} must be positive MiB, got {shown!r}")
+
+
+@dataclass(frozen=True)
+class BufferSync:
+    """When module buffers follow the reference rank."""
+
+    at_init: bool
+    """Broadcast them once, when the wrapper is built."""
+    in_forward: bool
+    """Broadcast them before each forward that follows a synchronising one."""
+
+
+def buffer_sync(broadcast_buffers: bool | None, forward_sync_buffers: bool | None) -> BufferSync:
+    """torch 2.13's rule, with its deprecation warnings for ``broadcast_buffers``.
+
+    ``forward_sync_buffers`` (the new name) always syncs at init; ``broadcast_buffers=False``
+    (deprecated) also skips the init sync; neither given means both on.
+    """
+    if broadcast_buffers is not None:
+        if forward_sync_buffers is not None:
+            warnings.warn(
+                "Both `broadcast_buffers` and `forward_sync_buffers` were specified. "
+                "`broadcast_buffers` is deprecated and its value is ignored when "
+                "`forward_sync_buffers` is provided.",
+                FutureWarning,
+                stacklevel=3,
+            )
+        else:
+            warnings.warn(
+                "`broadcast_buffers` is deprecated. Use `forward_sync_buffers` instead. Unlike "
+                "`broadcast_buffers=False`, `forward_sync_buffers=False` still syncs buffers at "
+                "init.",
+                FutureWarning,
+                stacklevel=3,
+            )
+    if forward_sync_buffers is not None:
+        return BufferSync(at_init=True, in_forward=bool(forward_sync_buffers))
+    effective = True if broadcast_buffers is None else bool(broadcast_buffers)
+    return BufferSync(at_init=effective, in_forward=effective)
+
+
+def resolve_devices(
+    device_ids: Sequence[int | torch.device] | None,
+    output_device: int | torch.device | None,
+    param_devices: set[torch.device],
+) -> tuple[list[int] | None, int | None]:
+    """``device_ids`` / ``output_device`` as torch accepts them: only for one-GPU modules.
+
+    Returns:
+        The device indices and the output device index, or ``(None, None)`` for a CPU or
+        multi-device module (then inputs stay where they are).
+
+    Raises:
+        ValueError: more than one id; parameters on several device types; ids given for a CPU
+            or multi-device module (seed 002's ``device_ids=[local_rank]`` on a CPU model).
+    """
+    if device_ids is not None and len(device_ids) > 1:
+        raise ValueError(
+            f"DistributedDataParallel: device_ids={list(device_ids)}: device_ids can only be "
+            f"None or contain a single element (launch one process per GPU)"
+        )
+    types = {d.type for d in param_devices}
+    if len(types) != 1:
+        raise ValueError(
+            f"DistributedDataParallel's input module must be on the same type of devices, but "
+            f"its parameters are on {sorted(types)}"
+        )
+    cpu_or_multi = types == {"cpu"} or len(param_devices) > 1
+    if not device_ids or cpu_or_multi:
+        if device_ids or output_device is not None:
+            raise ValueError(
+                f"DistributedDataParallel: device_ids={_shown(device_ids)} and "
+                f"output_device={output_device!r} only work with a module on one GPU, but the "
+                f"module's parameters are on {sorted(str(d) for d in param_devices)}; pass "
+                f"neither for a CPU or multi-device module"
+            )
+        return None, None
+    index = [_index(d) for d in device_ids]
+    return index, _index(output_device if output_device is not None else device_ids[0])
+
+
+def _shown(device_ids: Sequence[Any] | None) -> Any:
+    return None if device_ids is None else list(device_ids)
+
+
+def _index(device: int | torch.device | str) -> int:
+    if isinstance(device, int):
+        return device
+    index = torch.device(device).index
+    return 0 if index is None else index
