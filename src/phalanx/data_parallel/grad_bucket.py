@@ -63,6 +63,8 @@ class GradBucket:
 def check_comm_hook(hook: Any) -> None:
     """Refuse a hook that is not callable or is annotated with other types (torch's checks).
 
+    Annotations written as strings (``from __future__ import annotations``) are read by name.
+
     Raises:
         TypeError: ``hook`` is not callable.
         ValueError: its ``bucket`` or return annotation is not torch's (or phalanx's) type.
@@ -71,18 +73,22 @@ def check_comm_hook(hook: Any) -> None:
         raise TypeError(f"Communication hook must be callable. Got {type(hook).__name__}.")
     sig = inspect.signature(hook)
     bucket = sig.parameters.get("bucket")
-    if bucket is not None and bucket.annotation not in (
-        inspect.Parameter.empty,
-        dist.GradBucket,
-        GradBucket,
-    ):
+    if bucket is not None and not _names(bucket.annotation, _BUCKET_TYPES, "GradBucket"):
         raise ValueError(
             f"Communication hook: bucket annotation should be dist.GradBucket. Got "
             f"{bucket.annotation!r}."
         )
-    returns = sig.return_annotation
-    if returns not in (inspect.Signature.empty, torch.futures.Future[torch.Tensor]):
+    if not _names(sig.return_annotation, (torch.futures.Future[torch.Tensor],), "Future"):
         raise ValueError(
-            f"Communication hook: return annotation should be torch.futures.Future[torch.Tensor]. "
-            f"Got {returns!r}."
+            f"Communication hook: return annotation should be "
+            f"torch.futures.Future[torch.Tensor]. Got {sig.return_annotation!r}."
         )
+
+
+_BUCKET_TYPES: tuple[Any, ...] = (dist.GradBucket, GradBucket, Any)
+
+
+def _names(annotation: Any, allowed: tuple[Any, ...], word: str) -> bool:
+    if annotation is inspect.Parameter.empty or any(annotation == a for a in allowed):
+        return True
+    return isinstance(annotation, str) and (word in annotation or annotation == "Any")
