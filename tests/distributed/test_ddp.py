@@ -152,33 +152,56 @@ def test_comm_hook_with_wrong_shape_is_named() -> None:
         assert "communication hook returned (3,)" in msg and "expected a tensor of shape" in msg
 
 
-def _uneven_join(impl: str) -> tuple[int, list[float]]:
-    rank = phalanx.world().rank
-    torch.manual_seed(0)
-    model = dc.MLP()
-    if impl == "torch":
-        from torch.distributed.algorithms.join import Join
+def _uneven_join(impl: str, model_kind: str, divide: bool, zero: bool) -> list[torch.Tensor]:
+    """Rank 1 has two more batches than rank 0; the whole job under one Join context."""
+    from torch.distributed.algorithms.join import Join
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
-        ddp: Any = torch.nn.parallel.DistributedDataParallel(model)
-        ctx: Any = Join([ddp])
+    rank = phalanx.world().rank
+    case = {"opt": "sgd", "model": model_kind}
+    model = dc.make_model(case, seed=0)
+    cls = (
+        torch.nn.parallel.DistributedDataParallel
+        if impl == "torch"
+        else phalanx.DistributedDataParallel
+    )
+    ddp: Any = cls(model)
+    if zero:
+        opt: Any = TorchZero(ddp.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+        ctx: Any = Join([ddp, opt], divide_by_initial_world_size=divide)
     else:
-        ddp = phalanx.DistributedDataParallel(model)
-        ctx = ddp.join()
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    steps = 3 + 2 * rank  # rank 1 has two more batches than rank 0
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        ctx = ddp.join(divide_by_initial_world_size=divide)
     start = time.monotonic()
     with ctx:
-        for step in range(steps):
+        for step in range(3 + 2 * rank):
             opt.zero_grad()
-            x, y = dc.batch({"opt": "sgd"}, step, 0, rank)
+            x, y = dc.batch(case, step, 0, rank)
             nn.functional.cross_entropy(ddp(x), y).backward()
             opt.step()
-    assert time.monotonic() - start < 15
-    return steps, [float(p.sum()) for p in ddp.module.parameters()]
+    assert time.monotonic() - start < 30
+    return [t.detach().clone() for t in [*model.parameters(), *model.buffers()]]
 
 
-@pytest.mark.parametrize("impl", ["phalanx", "torch"])
-def test_join_uneven_inputs_does_not_hang_and_matches_torch(impl: str) -> None:
-    results = run_distributed(_uneven_join, impl, timeout=60)
-    assert [r[0] for r in results] == [3, 5]
-    assert results[0][1] == pytest.approx(results[1][1], rel=1e-6)
+JOIN_CONFIGS = [
+    ("mlp", True, False),
+    ("mlp", False, False),
+    ("cnn", True, False),  # BatchNorm: buffers follow a rank still training
+    ("mlp", True, True),  # one Join over phalanx's DDP and torch's ZeroRedundancyOptimizer
+]
+
+
+def _join_both() -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    return [
+        (_uneven_join("torch", *config), _uneven_join("phalanx", *config))
+        for config in JOIN_CONFIGS
+    ]
+
+
+def test_join_matches_torch_on_uneven_inputs() -> None:
+    """phalanx's Joinable DDP ends where torch's does: same shadowing, divisor, final sync."""
+    per_rank = run_distributed(_join_both, timeout=120)
+    for config, (torch_0, ours_0), (_, ours_1) in zip(JOIN_CONFIGS, *per_rank):
+        for a, b, d in zip(torch_0, ours_0, ours_1):
+            assert torch.equal(b, d), f"{config}: ranks differ"
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=f"{config}: not torch's")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from phalanx.data_parallel.ddp import DistributedDataParallel
 from phalanx.data_parallel.dp import DataParallel
 from phalanx.data_parallel.grad_bucket import GradBucket
-from phalanx.data_parallel.reducer import UnusedParameterError
+from phalanx.data_parallel.unused import UnusedParameterError
 from phalanx.data_parallel.sync_bn import SyncBatchNorm
 
 __all__ = [

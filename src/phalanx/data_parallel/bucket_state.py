@@ -10,9 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from phalanx.comm import collectives as c
 from phalanx.data_parallel.buckets import BucketPlan
+from phalanx.data_parallel.grad_bucket import GradBucket
 
 __all__ = ["Bucket", "WaitFuture"]
 
@@ -81,6 +84,50 @@ class Bucket:
         for view, done in zip(self.views, self.divided):
             if not done:
                 view.div_(divisor)
+
+    def check_layout(self, grad: torch.Tensor, name: str) -> None:
+        """A sparse gradient needs a sparse bucket and a dense one a dense bucket."""
+        if grad.is_sparse != self.sparse:
+            raise RuntimeError(
+                f"[rank {dist.get_rank()}] DistributedDataParallel: parameter {name!r} produced a "
+                f"{'sparse' if grad.is_sparse else 'dense'} gradient but was planned "
+                f"{'sparse' if self.sparse else 'dense'}: gradients are sparse exactly for "
+                f"nn.Embedding / nn.EmbeddingBag with sparse=True"
+            )
+
+    def all_reduce(self, group: dist.ProcessGroup | None, divisor: int) -> WaitFuture:
+        """Launch the averaging all-reduce of the bucket (the division happens first)."""
+        if not self.sparse:
+            self.divide_rest(divisor)
+        work = c.all_reduce(self.buffer, dist.ReduceOp.SUM, group, async_op=True)
+        return WaitFuture(work, self.buffer)
+
+    def run_hook(self, hook: Any, state: Any, is_last: bool) -> Any:
+        """Hand the bucket, with local gradients, to a communication hook; its future."""
+        gradients = [self.buffer] if self.sparse else list(self.views)
+        bucket = GradBucket(self.index, self.buffer, gradients, list(self.params), is_last)
+        future = hook(state, bucket)
+        if not hasattr(future, "wait"):
+            raise RuntimeError(
+                f"Communication hook: callback must return a torch.futures.Future object, but "
+                f"got {type(future).__name__} for bucket {self.index}"
+            )
+        return future
+
+    def absorb(self, result: Any) -> None:
+        """Take a communication's result as the bucket's reduced gradients."""
+        if result is self.buffer:
+            return
+        if not isinstance(result, torch.Tensor) or result.shape != self.buffer.shape:
+            got = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result)
+            raise ValueError(
+                f"communication hook returned {got} for bucket {self.index}, expected a tensor "
+                f"of shape {tuple(self.buffer.shape)} (the bucket's flat buffer, averaged)"
+            )
+        if self.sparse:
+            self.buffer = result
+        else:
+            self.buffer.copy_(result)
 
     def value(self, k: int) -> torch.Tensor:
         """The reduced gradient of parameter ``k``."""

@@ -28,7 +28,7 @@ from phalanx.data_parallel.grad_bucket import check_comm_hook
 from phalanx.data_parallel.mixed_precision import ParamCaster, cast_inputs
 from phalanx.data_parallel.module_state import broadcast_coalesced, check_same_model, common_rank
 from phalanx.data_parallel.reducer import Hook, Reducer, ReducerOptions
-from phalanx.data_parallel.scatter_gather import gather, scatter
+from phalanx.data_parallel.scatter_gather import gather, map_tensors, scatter
 
 __all__ = ["DistributedDataParallel"]
 
@@ -89,7 +89,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 FutureWarning,
                 stacklevel=2,
             )
-        self.process_group = _resolve_group(process_group, device_mesh)
+        self.process_group = opts.resolve_group(process_group, device_mesh)
         delayed = list(delay_all_reduce_named_params or [])
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         self.parameters_to_ignore |= {name for name, _ in delayed}
@@ -103,7 +103,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.device_ids, self.output_device = opts.resolve_devices(
             device_ids, output_device, devices
         )
-        _refuse_uninitialized(managed)
+        opts.refuse_uninitialized(managed)
         self.module = module
         self.dim = dim
         self.device = next(iter(devices))
@@ -151,7 +151,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if not named:
             return None  # every parameter is reduced by the delayed all-reduce
         sparse = frozenset(
-            i for i, (n, _) in enumerate(named) if n in _sparse_parameter_names(self.module)
+            i for i, (n, _) in enumerate(named) if n in opts.sparse_parameter_names(self.module)
         )
         options = ReducerOptions(
             find_unused=self.find_unused_parameters,
@@ -186,7 +186,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # As torch: an unpickled DDP joins the default group and rebuilds its reducer.
-        self.process_group = _resolve_group(None, None)
+        self.process_group = opts.resolve_group(None, None)
         super().__setstate__(state)
         self._delayed = None
         self.reducer = self._build_reducer()
@@ -326,7 +326,9 @@ class DistributedDataParallel(nn.Module, Joinable):
     def to_kwargs(self, inputs: Any, kwargs: Any, device_id: int) -> tuple[Any, Any]:
         """Move inputs and keyword inputs to ``device_id`` (torch's method)."""
         device = torch.device(self.device_type, device_id)
-        return _move(tuple(inputs), device), _move(dict(kwargs or {}), device)
+        return map_tensors(
+            lambda t: t.to(device, non_blocking=True), (tuple(inputs), dict(kwargs or {}))
+        )
 
     def scatter(self, inputs: Any, kwargs: Any, device_ids: Sequence[int]) -> tuple[Any, Any]:
         """Split inputs along ``dim`` across ``device_ids`` (torch's method)."""
@@ -348,48 +350,3 @@ class DistributedDataParallel(nn.Module, Joinable):
         for name, param in module.named_parameters():
             if name in names:
                 param._ddp_ignored = True  # type: ignore[attr-defined]
-
-
-def _resolve_group(group: dist.ProcessGroup | None, device_mesh: Any) -> dist.ProcessGroup:
-    if group is not None and device_mesh is not None:
-        raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
-    if device_mesh is not None:
-        if device_mesh.ndim != 1:
-            raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
-        return device_mesh.get_group(mesh_dim=0)
-    world = dist.group.WORLD
-    assert world is not None  # dist.is_initialized() was checked
-    return group if group is not None else world
-
-
-def _refuse_uninitialized(named: list[tuple[str, nn.Parameter]]) -> None:
-    for name, p in named:
-        if isinstance(p, nn.parameter.UninitializedParameter):
-            raise RuntimeError(
-                f"DistributedDataParallel: parameter {name!r} is uninitialized (a lazy module): "
-                f"run a dummy forward pass before wrapping the model"
-            )
-
-
-def _sparse_parameter_names(module: nn.Module) -> set[str]:
-    """Parameters with sparse gradients: ``Embedding`` / ``EmbeddingBag`` with ``sparse=True``."""
-    names = set()
-    for prefix, sub in module.named_modules():
-        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
-            names |= {
-                f"{prefix}.{n}" if prefix else n for n, _ in sub.named_parameters(recurse=False)
-            }
-    return names
-
-
-def _move(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, tuple):
-        moved = [_move(o, device) for o in obj]
-        return type(obj)(*moved) if hasattr(obj, "_fields") else tuple(moved)
-    if isinstance(obj, list):
-        return [_move(o, device) for o in obj]
-    if isinstance(obj, dict):
-        return {k: _move(v, device) for k, v in obj.items()}
-    return obj

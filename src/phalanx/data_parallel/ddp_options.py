@@ -13,8 +13,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
-__all__ = ["BucketCaps", "BufferSync", "bucket_caps", "buffer_sync", "resolve_devices"]
+__all__ = [
+    "BucketCaps",
+    "BufferSync",
+    "bucket_caps",
+    "buffer_sync",
+    "refuse_uninitialized",
+    "resolve_devices",
+    "resolve_group",
+    "sparse_parameter_names",
+]
 
 MIB = 1024 * 1024
 DEFAULT_BUCKET_CAP_MB = 25
@@ -149,3 +160,36 @@ def _index(device: int | torch.device | str) -> int:
         return device
     index = torch.device(device).index
     return 0 if index is None else index
+
+
+def resolve_group(group: dist.ProcessGroup | None, device_mesh: Any) -> dist.ProcessGroup:
+    """The process group from ``process_group`` or a 1-D ``device_mesh`` (default: the world)."""
+    if group is not None and device_mesh is not None:
+        raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
+    if device_mesh is not None:
+        if device_mesh.ndim != 1:
+            raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
+        return device_mesh.get_group(mesh_dim=0)
+    world = dist.group.WORLD
+    assert world is not None  # dist.is_initialized() was checked
+    return group if group is not None else world
+
+
+def refuse_uninitialized(named: Sequence[tuple[str, nn.Parameter]]) -> None:
+    """A lazy module's parameters have no shape yet: torch refuses them too."""
+    for name, p in named:
+        if isinstance(p, nn.parameter.UninitializedParameter):
+            raise RuntimeError(
+                f"DistributedDataParallel: parameter {name!r} is uninitialized (a lazy module): "
+                f"run a dummy forward pass before wrapping the model"
+            )
+
+
+def sparse_parameter_names(module: nn.Module) -> set[str]:
+    """Parameters with sparse gradients: ``Embedding`` / ``EmbeddingBag`` with ``sparse=True``."""
+    names = set()
+    for prefix, sub in module.named_modules():
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
+            own = sub.named_parameters(recurse=False)
+            names |= {f"{prefix}.{n}" if prefix else n for n, _ in own}
+    return names

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from phalanx.data_parallel.scatter_gather import map_tensors
+
 __all__ = ["ParamCaster", "cast_inputs"]
 
 
@@ -64,16 +66,4 @@ def cast_inputs(dtype: torch.dtype | None, obj: Any) -> Any:
     """Cast every floating-point tensor in ``obj`` (nested tuples, lists, dicts) to ``dtype``."""
     if dtype is None:
         return obj
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if obj.is_floating_point() else obj
-    if isinstance(obj, tuple):
-        return (
-            type(obj)(*(cast_inputs(dtype, o) for o in obj))
-            if hasattr(obj, "_fields")
-            else tuple(cast_inputs(dtype, o) for o in obj)
-        )
-    if isinstance(obj, list):
-        return [cast_inputs(dtype, o) for o in obj]
-    if isinstance(obj, dict):
-        return {k: cast_inputs(dtype, v) for k, v in obj.items()}
-    return obj
+    return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, obj)

@@ -29,19 +29,16 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx.comm import collectives as c
-from phalanx.data_parallel.bucket_state import Bucket, WaitFuture
+from phalanx.data_parallel.bucket_state import Bucket
 from phalanx.data_parallel.buckets import ParamSpec, plan_buckets
 from phalanx.data_parallel.grad_access import GradSite, hook_accumulator
 from phalanx.data_parallel.grad_bucket import GradBucket
 from phalanx.data_parallel.static_graph import HookCounts
+from phalanx.data_parallel.unused import UnusedParameterError
 
-__all__ = ["Hook", "Reducer", "ReducerOptions", "UnusedParameterError"]
+__all__ = ["Hook", "Reducer", "ReducerOptions"]
 
 Hook = Callable[[Any, GradBucket], torch.futures.Future[torch.Tensor]]
-
-
-class UnusedParameterError(RuntimeError):
-    """Some parameters received no gradient while ``find_unused_parameters=False``."""
 
 
 @dataclass(frozen=True)
@@ -219,14 +216,7 @@ class Reducer:
     def _check_layout(self, j: int, bucket: Bucket, grad: torch.Tensor | None) -> None:
         if grad is None:
             return
-        if grad.is_sparse != bucket.sparse:
-            want = "sparse" if bucket.sparse else "dense"
-            raise RuntimeError(
-                f"[rank {dist.get_rank()}] DistributedDataParallel: parameter {self.names[j]!r} "
-                f"produced a {'sparse' if grad.is_sparse else 'dense'} gradient but was planned "
-                f"{want}: gradients are sparse exactly for nn.Embedding / nn.EmbeddingBag with "
-                f"sparse=True"
-            )
+        bucket.check_layout(grad, self.names[j])
         if grad.requires_grad:
             self._warn_once(
                 "create_graph",
@@ -245,27 +235,12 @@ class Reducer:
             self.next_launch += 1
 
     def _communicate(self, bucket: Bucket) -> Any:
-        if self.options.join_flag and bucket.index == len(self.buckets) - 1:
+        last = bucket.index == len(self.buckets) - 1
+        if self.options.join_flag and last:
             bucket.buffer[-1] = 0.0 if self.shadowing else 1.0
         if self.hook is not None:
-            gb = GradBucket(
-                bucket.index,
-                bucket.buffer,
-                list(bucket.views) if not bucket.sparse else [bucket.buffer],
-                list(bucket.params),
-                bucket.index == len(self.buckets) - 1,
-            )
-            future = self.hook(self.hook_state, gb)
-            if not hasattr(future, "wait"):
-                raise RuntimeError(
-                    f"Communication hook: callback must return a torch.futures.Future object, "
-                    f"but got {type(future).__name__} for bucket {bucket.index}"
-                )
-            return future
-        if not bucket.sparse:
-            bucket.divide_rest(self.divisor)
-        work = c.all_reduce(bucket.buffer, dist.ReduceOp.SUM, self.group, async_op=True)
-        return WaitFuture(work, bucket.buffer)
+            return bucket.run_hook(self.hook, self.hook_state, last)
+        return bucket.all_reduce(self.group, self.divisor)
 
     # ---- end of backward: the single wait site ----------------------------------------------
     def finalize(self) -> None:
@@ -298,7 +273,7 @@ class Reducer:
         if not self.options.find_unused:
             if missing:
                 self._drain()
-                raise UnusedParameterError(self._unused_message(missing))
+                raise UnusedParameterError.naming([self.names[j] for j in missing])
             return set()
         return self._fill_missing(missing)
 
@@ -333,20 +308,7 @@ class Reducer:
         start = time.perf_counter()
         result = b.future.wait()
         self.wait_seconds += time.perf_counter() - start
-        if result is not b.buffer:
-            self._check_hook_result(b, result)
-            if b.sparse:
-                b.buffer = result
-            else:
-                b.buffer.copy_(result)
-
-    def _check_hook_result(self, b: Bucket, result: Any) -> None:
-        if not isinstance(result, torch.Tensor) or result.shape != b.buffer.shape:
-            got = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result)
-            raise ValueError(
-                f"communication hook returned {got} for bucket {b.index}, expected a tensor of "
-                f"shape {tuple(b.buffer.shape)} (the bucket's flat buffer, averaged)"
-            )
+        b.absorb(result)
 
     def _write_back(self, b: Bucket, globally_unused: set[int]) -> None:
         for k, j in enumerate(b.plan.params):
@@ -366,16 +328,6 @@ class Reducer:
                 p.grad = value if self.options.grad_as_bucket_view or b.sparse else value.clone()
             elif grad.data_ptr() != value.data_ptr():
                 grad.copy_(value)
-
-    def _unused_message(self, missing: list[int]) -> str:
-        names = ", ".join(repr(self.names[j]) for j in missing[:20])
-        more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
-        return (
-            f"[rank {dist.get_rank()}] DistributedDataParallel: {len(missing)} parameter(s) "
-            f"received no gradient in this backward pass: {names}{more}. Either make them take "
-            f"part in computing the loss, set requires_grad=False on them, or pass "
-            f"find_unused_parameters=True to DistributedDataParallel."
-        )
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

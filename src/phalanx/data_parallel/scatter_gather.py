@@ -1,18 +1,34 @@
-"""Scatter inputs to devices and gather outputs back, for single-process DataParallel.
+"""Scatter inputs to devices and gather outputs back (DataParallel), or map over them (DDP).
 
 Tensors are split along ``dim`` into uneven chunks (a batch of 5 on 2 devices is 3 + 2), nested
-tuples, lists and dicts are walked, and anything else is handed to every replica unchanged.
+tuples (named ones too), lists and dicts are walked, and anything else is handed to every replica
+unchanged. :func:`map_tensors` is the same walk applying one function (move, cast) to each
+tensor.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["gather", "num_chunks", "scatter"]
+__all__ = ["gather", "map_tensors", "num_chunks", "scatter"]
+
+
+def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
+    """``obj`` with every tensor in it (nested tuples, lists, dicts) replaced by ``fn(tensor)``."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple):
+        items = [map_tensors(fn, o) for o in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+    if isinstance(obj, list):
+        return [map_tensors(fn, o) for o in obj]
+    if isinstance(obj, dict):
+        return {k: map_tensors(fn, v) for k, v in obj.items()}
+    return obj
 
 
 def _tensors(obj: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
