@@ -106,7 +106,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         opts.refuse_uninitialized(managed)
         self.module = module
         self.dim = dim
-        self.device = next(iter(devices))
+        self.device = (managed or delayed)[0][1].device  # torch: the first parameter's
         self.device_type = self.device.type
         self.is_multi_device_module = len(devices) > 1
         sync = opts.buffer_sync(broadcast_buffers, forward_sync_buffers)
