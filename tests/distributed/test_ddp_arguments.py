@@ -64,6 +64,16 @@ def _bucket_caps() -> dict[str, Any]:
     }
 
 
+def _batched_copy() -> list[Any]:
+    out = []
+    for kw in ({}, {"gradient_as_bucket_view": True}, {"bucket_cap_mb": 1e-3}):
+        ddp = DDP(_net(), find_unused_parameters=True, batched_grad_copy=True, **kw)
+        for _ in range(2):  # the second step writes into the existing (zeroed) gradients
+            out.append(_step(ddp, ddp.module))
+            ddp.module.zero_grad(set_to_none=False)
+    return out
+
+
 def _buffer_flags() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for label, kw in {
@@ -167,6 +177,7 @@ def _ignored() -> Any:
 def _run_all() -> dict[str, Any]:
     behaviours: dict[str, Callable[[], Any]] = {
         "caps": _bucket_caps,
+        "batched": _batched_copy,
         "buffers": _buffer_flags,
         "check_reduction": _check_reduction,
         "delayed": _delayed,
@@ -202,6 +213,12 @@ def test_bucket_cap_mb_list_gives_each_bucket_its_cap(results: list[dict[str, An
         assert r["listed"] > r["default"] == 1  # tiny first cap splits off the last layer
         assert r["cap"] == 1024 * 1024
         _assert_close(*r["grads"])
+
+
+def test_batched_grad_copy_averages_the_same(results: list[dict[str, Any]]) -> None:
+    for per_rank in _get(results, "batched"):
+        for grads in per_rank:
+            _assert_close(*grads)
 
 
 def test_buffer_sync_flags_follow_torch(results: list[dict[str, Any]]) -> None:

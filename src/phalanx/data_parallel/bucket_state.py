@@ -50,6 +50,8 @@ class Bucket:
         """Forget the last iteration: nothing ready, nothing divided, nothing in flight."""
         self.pending = len(self.params)
         self.divided = [False] * len(self.params)
+        self.deferred: list[tuple[int, torch.Tensor]] = []
+        """Gradients waiting for one batched copy (``batched_grad_copy``)."""
         self.skipped = False
         """Not reduced this iteration: every parameter in it is unused on every rank."""
         self.future: torch.futures.Future[torch.Tensor] | None = None
@@ -75,6 +77,23 @@ class Bucket:
             else:  # fold the 1/N of the average into the copy: one pass over the gradient
                 torch.div(grad, divisor, out=view)
                 self.divided[k] = True
+
+    def defer(self, k: int, grad: torch.Tensor | None) -> None:
+        """Keep parameter ``k``'s gradient for :meth:`flush` (``batched_grad_copy``)."""
+        if grad is None:
+            self.views[k].zero_()
+            self.divided[k] = True
+        elif grad.data_ptr() != self.views[k].data_ptr():
+            self.deferred.append((k, grad))
+
+    def flush(self) -> None:
+        """Copy the deferred gradients in one ``_foreach_copy_``; one flat division follows at
+        launch (torch's ``batched_grad_copy``: 2 kernels per bucket instead of 2 per parameter)."""
+        if self.deferred:
+            torch._foreach_copy_(
+                [self.views[k] for k, _ in self.deferred], [g for _, g in self.deferred]
+            )
+            self.deferred = []
 
     def divide_rest(self, divisor: int) -> None:
         """Divide the gradients that were accumulated in place in their views."""

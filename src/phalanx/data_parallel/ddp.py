@@ -158,6 +158,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             grad_as_bucket_view=self.gradient_as_bucket_view,
             static_graph=self.static_graph,
             skip_unused=self.skip_all_reduce_unused_params,
+            batched_copy=self.batched_grad_copy,
             sparse=sparse,
             bucket_dtype=self._caster.reduce_dtype if self._caster is not None else None,
         )

@@ -51,6 +51,8 @@ class ReducerOptions:
     skip_unused: bool = False
     """Assume every rank leaves the same parameters unused: no usage all-reduce, and buckets
     holding only unused parameters are not reduced (torch's ``skip_all_reduce_unused_params``)."""
+    batched_copy: bool = False
+    """Copy a bucket's gradients in one batch when it is full (torch's ``batched_grad_copy``)."""
     sparse: frozenset[int] = frozenset()
     """Indices of the parameters whose gradients are sparse."""
     bucket_dtype: torch.dtype | None = None
@@ -199,11 +201,15 @@ class Reducer:
         bi, k = self.where[j]
         bucket = self.buckets[bi]
         self._check_layout(j, bucket, grad)
-        bucket.stage(k, grad, None if self.hook is not None else self.divisor)
+        if self.options.batched_copy and not bucket.sparse:
+            bucket.defer(k, grad)
+        else:
+            bucket.stage(k, grad, None if self.hook is not None else self.divisor)
         if self._repoint_to_view(grad, bucket, k):
             self.params[j].grad = bucket.views[k]
         bucket.pending -= 1
         if bucket.pending == 0:
+            bucket.flush()
             self._launch_ready()
 
     def _repoint_to_view(self, grad: torch.Tensor | None, bucket: Bucket, k: int) -> bool:
