@@ -10,7 +10,6 @@ this one (``tests/compat``).
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -75,20 +74,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 "DistributedDataParallel needs a process group: call "
                 "phalanx.init_process_group() first (launch with `phalanx run`)"
             )
-        if (delay_all_reduce_named_params is None) != (param_to_hook_all_reduce is None):
-            raise ValueError(
-                "DistributedDataParallel: delay_all_reduce_named_params and "
-                "param_to_hook_all_reduce need to be set at the same time, got "
-                f"delay_all_reduce_named_params={delay_all_reduce_named_params!r} and "
-                f"param_to_hook_all_reduce={param_to_hook_all_reduce!r}"
-            )
-        if check_reduction:
-            warnings.warn(
-                "The `check_reduction` argument in `DistributedDataParallel` module is "
-                "deprecated and has no effect.",
-                FutureWarning,
-                stacklevel=2,
-            )
+        opts.check_flags(delay_all_reduce_named_params, param_to_hook_all_reduce, check_reduction)
         self.process_group = opts.resolve_group(process_group, device_mesh)
         delayed = list(delay_all_reduce_named_params or [])
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
@@ -125,13 +111,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         if init_sync:
             check_same_model(managed, self.process_group)
             self._broadcast_state(self._root(), with_buffers=sync.at_init)
-        self._delayed = (
-            DelayedAllReduce(
-                [p for _, p in delayed], param_to_hook_all_reduce, self.process_group, self._root()
-            )
-            if delayed and param_to_hook_all_reduce is not None
-            else None
-        )
+        self._delayed_names = ([n for n, _ in delayed], _name_of(module, param_to_hook_all_reduce))
+        self._delayed = self._build_delayed(broadcast=True)
         self._caster = (
             ParamCaster(mixed_precision, [p for _, p in managed], self._synced_buffers())
             if mixed_precision is not None
@@ -150,9 +131,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         named = [(n, p) for n, p in self._managed_parameters(self.module) if p.requires_grad]
         if not named:
             return None  # every parameter is reduced by the delayed all-reduce
-        sparse = frozenset(
-            i for i, (n, _) in enumerate(named) if n in opts.sparse_parameter_names(self.module)
-        )
+        sparse_names = opts.sparse_parameter_names(self.module)
+        sparse = frozenset(i for i, (n, _) in enumerate(named) if n in sparse_names)
         options = ReducerOptions(
             find_unused=self.find_unused_parameters,
             grad_as_bucket_view=self.gradient_as_bucket_view,
@@ -168,6 +148,15 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self._caster is not None:
             reducer.before_write_back = self._caster.to_full
         return reducer
+
+    def _build_delayed(self, broadcast: bool) -> DelayedAllReduce | None:
+        names, trigger = self._delayed_names
+        if not names:
+            return None
+        by_name = dict(self.module.named_parameters(remove_duplicate=False))
+        params = [by_name[n] for n in names]
+        src = self._root() if broadcast else None
+        return DelayedAllReduce(params, by_name[trigger], self.process_group, src)
 
     def _root(self) -> int:
         return dist.get_global_rank(self.process_group, 0)
@@ -189,7 +178,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         # As torch: an unpickled DDP joins the default group and rebuilds its reducer.
         self.process_group = opts.resolve_group(None, None)
         super().__setstate__(state)
-        self._delayed = None
+        self._delayed = self._build_delayed(broadcast=False)
         self.reducer = self._build_reducer()
 
     # ---- forward -----------------------------------------------------------------------------
@@ -351,3 +340,15 @@ class DistributedDataParallel(nn.Module, Joinable):
         for name, param in module.named_parameters():
             if name in names:
                 param._ddp_ignored = True  # type: ignore[attr-defined]
+
+
+def _name_of(module: nn.Module, param: nn.Parameter | None) -> str:
+    """The name of ``param`` in ``module`` (pickling keeps names, not identities)."""
+    if param is None:
+        return ""
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if p is param:
+            return name
+    raise ValueError(
+        "DistributedDataParallel: param_to_hook_all_reduce is not a parameter of the module"
+    )

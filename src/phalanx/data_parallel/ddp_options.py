@@ -21,6 +21,7 @@ __all__ = [
     "BufferSync",
     "bucket_caps",
     "buffer_sync",
+    "check_flags",
     "refuse_uninitialized",
     "resolve_devices",
     "resolve_group",
@@ -193,3 +194,21 @@ def sparse_parameter_names(module: nn.Module) -> set[str]:
             own = sub.named_parameters(recurse=False)
             names |= {f"{prefix}.{n}" if prefix else n for n, _ in own}
     return names
+
+
+def check_flags(delay_named: Any, delay_trigger: Any, check_reduction: bool) -> None:
+    """The pairing of the delayed all-reduce arguments; the deprecated ``check_reduction``."""
+    if (delay_named is None) != (delay_trigger is None):
+        raise ValueError(
+            "DistributedDataParallel: delay_all_reduce_named_params and "
+            "param_to_hook_all_reduce need to be set at the same time, got "
+            f"delay_all_reduce_named_params={delay_named!r} and "
+            f"param_to_hook_all_reduce={delay_trigger!r}"
+        )
+    if check_reduction:
+        warnings.warn(
+            "The `check_reduction` argument in `DistributedDataParallel` module is deprecated "
+            "and has no effect.",
+            FutureWarning,
+            stacklevel=3,
+        )

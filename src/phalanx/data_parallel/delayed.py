@@ -30,7 +30,7 @@ class DelayedAllReduce:
         params: list[nn.Parameter],
         trigger: nn.Parameter,
         group: dist.ProcessGroup,
-        src: int,
+        src: int | None,
     ) -> None:
         self.params = params
         self.group = group
@@ -40,7 +40,8 @@ class DelayedAllReduce:
         self.views = [
             v.view_as(p) for v, p in zip(self.buffer.split([p.numel() for p in params]), params)
         ]
-        broadcast_coalesced([p.detach() for p in params], src, group)
+        if src is not None:  # at construction: every rank starts from the root's values
+            broadcast_coalesced([p.detach() for p in params], src, group)
         self._work: Any = None
         self._hook = hook_accumulator(trigger, self._launch)
         self.point_grads()
