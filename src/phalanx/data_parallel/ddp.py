@@ -184,6 +184,15 @@ class DistributedDataParallel(nn.Module, Joinable):
     # ---- forward -----------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the wrapped module after the collectives torch's DDP issues before a forward."""
+        inputs, kwargs = self._pre_forward(inputs, kwargs)
+        output = self.module(*inputs, **kwargs)
+        self._post_forward()
+        return output
+
+    # Under torch.compile the bookkeeping around the module runs eagerly (as for torch's DDP):
+    # only the wrapped module's forward is compiled.
+    @torch.compiler.disable
+    def _pre_forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
         grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         work = Join.notify_join_context(self)
         if self.reducer is not None:
@@ -195,6 +204,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self.reducer is not None:
             self.reducer.enabled = grad_sync
             self.reducer.site = GradSite(current_dist_autograd_context() if grad_sync else None)
+        self.require_forward_param_sync = grad_sync  # torch's: the next forward syncs buffers
         if self.device_ids:
             inputs, kwargs = self.to_kwargs(inputs, kwargs, self.device_ids[0])
         if self._caster is not None:
@@ -202,11 +212,12 @@ class DistributedDataParallel(nn.Module, Joinable):
             if self.reducer is not None:
                 self.reducer.rehook()
             inputs, kwargs = cast_inputs(self._caster.param_dtype, (inputs, kwargs))
-        output = self.module(*inputs, **kwargs)
-        self.require_forward_param_sync = grad_sync
+        return inputs, kwargs
+
+    @torch.compiler.disable
+    def _post_forward(self) -> None:
         if self._delayed is not None:
             self._delayed.point_grads()
-        return output
 
     def _divisor(self, join_work: Any) -> int:
         size = dist.get_world_size(self.process_group)
