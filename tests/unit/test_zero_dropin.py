@@ -237,3 +237,15 @@ def test_consolidated_state_dict_is_a_plain_optimizers(stage: int | None, view: 
         m(_x(5)).square().sum().backward()
         opt.step()
     _same(again, twin)
+
+
+def test_state_is_this_ranks_inner_state_also_after_loading() -> None:
+    model = _model()
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=0.1)
+    model(_x(0)).square().sum().backward()
+    zero.step()
+    zero.consolidate_state_dict(to=0)
+    saved = zero.state_dict()
+    zero.load_state_dict(saved)
+    assert zero.state is zero.optim.state and len(zero.state) == 4
+    assert zero.state[model[0].weight]["step"] == 1  # keyed by the parameter (a whole range)

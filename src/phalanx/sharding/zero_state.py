@@ -92,6 +92,7 @@ def install(opt: ZeroRedundancyOptimizer, states: list[tuple[torch.Tensor, dict]
     opt.optim.load_state_dict(
         {"state": {index[id(t)]: st for t, st in states}, "param_groups": groups}
     )
+    opt.state = opt.optim.state  # load_state_dict replaced the inner optimizer's mapping
 
 
 # ---- consolidate -------------------------------------------------------------------------------
