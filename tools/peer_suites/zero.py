@@ -73,11 +73,11 @@ def _lift_gates(names: list[str]) -> None:
         return fn
 
     for name in names:
-        gate = getattr(common_distributed, name)
+        if not hasattr(common_distributed, name):
+            raise SystemExit(f"--lift {name}: torch's common_distributed has no such gate")
         # Gates are either decorators (skip_if_no_gpu) or decorator factories (skip_if_lt_x_gpu(4)).
         factory = name in {"requires_accelerator_dist_backend", "skip_if_lt_x_gpu"}
         setattr(common_distributed, name, (lambda *a, **k: identity) if factory else identity)
-        del gate
 
 
 def prepare(path: str, impl: str, lift: list[str]) -> types.ModuleType:
