@@ -97,8 +97,9 @@ def test_zero_matches_one_process_and_ddp(name: str, stage: int, world_size: int
         per_element = 8 if name == "adamw" else 4  # exp_avg + exp_avg_sq, or momentum
         ideal = per_element * total / world_size
         assert res["state_bytes"] <= 1.02 * ideal + per_element * res["buckets"]
-        # Gradient shards: 4Ψ/N (+ at most one padding element per bucket).
-        assert max(res["grad_bytes"]) <= 4 * (total / world_size + res["buckets"])
+        # Gradient shards: 4Ψ/N (+ at most one padding element per bucket, + one gradient
+        # flag per parameter: 4 here).
+        assert max(res["grad_bytes"]) <= 4 * (total / world_size + res["buckets"] + 4)
         if stage == 2:  # full gradients are freed during backward, bucket by bucket
             assert res["leftover_grads"] == [0] * STEPS
         else:
@@ -170,8 +171,19 @@ def _volume(stage: int) -> dict[str, int]:
 def test_collective_volume_equals_ddp(stage: int) -> None:
     for res in run_distributed(_volume, stage, world_size=3):
         assert res["ddp"] == 2 * res["psi_bytes"]
-        # 2Ψ like DDP; padding adds at most one element per rank (one bucket here).
-        assert res["ddp"] <= res["zero"] <= res["ddp"] + 2 * 4 * 3
+        # 2Ψ like DDP; padding adds at most one element per rank (one bucket here), and the
+        # reduce-scatter one gradient flag per parameter (4) per rank.
+        assert res["ddp"] <= res["zero"] <= res["ddp"] + 2 * 4 * 3 + 4 * 4 * 3
+
+
+def _full_state(opt: ZeroRedundancyOptimizer) -> dict[str, Any]:
+    """The whole state on every rank: consolidated to each rank in turn (as torch's API does)."""
+    world = phalanx.world()
+    for to in range(world.world_size):
+        opt.consolidate_state_dict(to=to)
+        if to == world.rank:
+            full = opt.state_dict()
+    return full
 
 
 def _state_dicts() -> dict[str, Any]:
@@ -182,7 +194,7 @@ def _state_dicts() -> dict[str, Any]:
     x, y = _batch(0, phalanx.world().rank)
     nn.functional.mse_loss(model(x), y).backward()
     opt.step()
-    full = opt.state_dict()
+    full = _full_state(opt)
     # A plain AdamW over an identical model takes the full state and steps identically.
     twin.load_state_dict(model.state_dict())
     plain = torch.optim.AdamW(twin.parameters(), lr=1e-2)
@@ -190,7 +202,7 @@ def _state_dicts() -> dict[str, Any]:
     # And a fresh ZeRO optimizer takes it back, each rank keeping its shard.
     again = ZeroRedundancyOptimizer(twin.parameters(), torch.optim.AdamW, lr=1e-2)
     again.load_state_dict(full)
-    return {"full": full, "again": again.state_dict(), "rank": phalanx.world().rank}
+    return {"full": full, "again": _full_state(again), "rank": phalanx.world().rank}
 
 
 def test_state_dict_is_torch_format_and_round_trips() -> None:
@@ -225,7 +237,7 @@ def _bad(kind: str) -> str:
 @pytest.mark.parametrize(
     ("kind", "words"),
     [
-        ("stage", "stage must be 1 or 2"),
+        ("stage", "stage must be None (gradients averaged by DDP), 1 or 2 (stage 3 is"),
         ("class", "'adam'"),
         ("lbfgs", "optimizer_class=LBFGS cannot step a ZeRO shard"),
         ("clip", "max_norm must be positive"),

@@ -84,7 +84,9 @@ def test_zero1_at_world_size_1_uses_its_hooks(monkeypatch: pytest.MonkeyPatch) -
         monkeypatch.delenv(var, raising=False)
     with phalanx.process_group(timeout=5):
         model = _mlp()
-        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+        opt = ZeroRedundancyOptimizer(
+            model.parameters(), torch.optim.AdamW, parameters_as_bucket_view=True, stage=1, lr=1e-2
+        )
         _step(model, opt)
         report = memory_report(model, opt)
         full_grads = sum(4 * p.numel() for p in model.parameters() if p.grad is not None)

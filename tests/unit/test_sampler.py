@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 from torch.utils.data.distributed import DistributedSampler as TorchSampler
 
+import phalanx
 from phalanx.data import DistributedSampler
 
 SIZES = range(1, 51)
@@ -23,9 +24,7 @@ def _ranks(n: int, world: int, **kw: object) -> list[DistributedSampler]:
 @pytest.mark.parametrize("shuffle", [True, False])
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_same_order_as_torch(shuffle: bool, drop_last: bool) -> None:
-    for n, world in itertools.product([1, 2, 5, 7, 16, 33], [1, 2, 3, 4]):
-        if drop_last and n < world:
-            continue
+    for n, world in itertools.product([0, 1, 2, 5, 7, 16, 33], [1, 2, 3, 4]):
         for rank, epoch in itertools.product(range(world), [0, 1, 5]):
             ours = DistributedSampler(range(n), world, rank, shuffle, 7, drop_last)
             theirs = TorchSampler(range(n), world, rank, shuffle, 7, drop_last)  # type: ignore[arg-type]
@@ -76,9 +75,11 @@ def test_even_batches_equal_full_batches(batch_size: int) -> None:
 
 def test_even_batches_with_drop_last_cuts_to_full_batches() -> None:
     for n, world in itertools.product(SIZES, WORLDS):
-        if n < world * 4:
-            with pytest.raises(ValueError, match="drop_last=True would drop all"):
-                DistributedSampler(range(n), world, 0, drop_last=True, batch_size=4)
+        if n < world * 4:  # nothing left: every rank yields nothing (as torch's drop_last)
+            with pytest.warns(UserWarning, match=r"drops all \d+ samples .*batch_size"):
+                assert (
+                    list(DistributedSampler(range(n), world, 0, drop_last=True, batch_size=4)) == []
+                )
             continue
         samplers = _ranks(n, world, drop_last=True, batch_size=4)
         assert {len(s) for s in samplers} == {(n // (world * 4)) * 4}
@@ -142,10 +143,10 @@ def test_errors_name_values() -> None:
         DistributedSampler(range(4), 2, -1)
     with pytest.raises(ValueError, match=r"rank=0.*num_replicas=0"):
         DistributedSampler(range(4), 0, 0)
-    with pytest.raises(ValueError, match="dataset is empty"):
-        DistributedSampler([], 2, 0, drop_last=True)
-    with pytest.raises(ValueError, match=r"drop all 3 samples.*num_replicas=4"):
-        DistributedSampler(range(3), 4, 0, drop_last=True)
+    with pytest.raises(TypeError, match=r"num_replicas must be an int, got float 2\.0"):
+        DistributedSampler(range(4), 2.0, 0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"rank must be an int, got str '1'"):
+        DistributedSampler(range(4), 2, "1")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
         DistributedSampler(range(3), 1, 0, batch_size=0)
     s = DistributedSampler(range(4), 2, 0)
@@ -157,9 +158,23 @@ def test_errors_name_values() -> None:
         other.load_state_dict(s.state_dict())
 
 
-def test_defaults_come_from_world() -> None:
-    s = DistributedSampler(range(5))
-    assert (s.num_replicas, s.rank, len(s)) == (1, 0, 5)
+def test_defaults_need_a_process_group_as_torchs_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match=r"num_replicas=None .* has not been initialized"):
+        DistributedSampler(range(5))  # torch's raises too: never the whole dataset everywhere
+    with pytest.raises(ValueError, match=r"rank=None .* has not been initialized"):
+        DistributedSampler(range(5), num_replicas=2)
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    with phalanx.process_group(timeout=5):
+        s = DistributedSampler(range(5))
+        assert (s.num_replicas, s.rank, len(s)) == (1, 0, 5)
+
+
+def test_empty_or_all_dropped_yields_nothing_as_torchs() -> None:
+    assert list(DistributedSampler([], 2, 1)) == [] and len(DistributedSampler([], 2, 1)) == 0
+    with pytest.warns(UserWarning, match=r"drops all 3 samples \(fewer than num_replicas=4\)"):
+        s = DistributedSampler(range(3), 4, 3, drop_last=True)
+    assert list(s) == [] and (len(s), s.total_size, s.padding) == (0, 0, 0)
 
 
 def test_finished_epoch_loads_at_another_world_size() -> None:

@@ -44,3 +44,30 @@ def test_buckets_never_mix_groups_and_hold_the_last_parameters_first() -> None:
 def test_bad_world_is_named() -> None:
     with pytest.raises(ValueError, match="world must be >= 1, got 0"):
         plan_shards([[3]], 0, 4, 16)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_extra_elements_rotate_so_every_ranks_total_is_within_one(world: int) -> None:
+    # Buckets of 7, 7, 7, 3 elements: each uneven; the extra element must not always go to rank 0.
+    layout = plan_shards([[7], [7], [7], [3]], world, 4, 1 << 20)
+    totals = [0] * world
+    for b in layout.buckets:
+        for r, (s, e) in enumerate(b.part.bounds):
+            totals[r] += e - s
+    assert sum(totals) == 24
+    assert max(totals) - min(totals) <= 1, totals
+
+
+def test_registration_order_when_not_reversed() -> None:
+    layout = plan_shards([[10, 10], [10, 10]], 2, 4, 1 << 20, reverse=False)
+    assert [(b.group, b.params) for b in layout.buckets] == [(0, (0, 1)), (1, (2, 3))]
+    assert layout.buckets[0].part.bounds == ((0, 10), (10, 20))  # rank 0 owns parameter 0
+
+
+def test_flags_follow_each_ranks_range_in_its_chunk() -> None:
+    layout = plan_shards([[5, 2]], 2, 4, 1 << 20, flags=True)
+    (b,) = layout.buckets
+    assert b.flags == 2 and b.flag_offset == b.part.chunk == 4 and b.chunk == 6
+    for seg in b.segments:  # data stays before the flags of the rank's chunk
+        start = seg.staging - seg.rank * b.chunk
+        assert start >= 0 and start + seg.length <= b.flag_offset

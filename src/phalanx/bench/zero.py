@@ -55,7 +55,7 @@ def _build(impl: str) -> tuple[nn.Module, torch.optim.Optimizer]:
     if impl in ("zero1", "zero2"):
         stage = int(impl[-1])
         return model, ZeroRedundancyOptimizer(
-            model.parameters(), torch.optim.AdamW, stage=stage, **kw
+            model.parameters(), torch.optim.AdamW, parameters_as_bucket_view=True, stage=stage, **kw
         )
     if impl == "torch-zero1":
         from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero

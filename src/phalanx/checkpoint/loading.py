@@ -30,7 +30,7 @@ from phalanx.checkpoint.saving import rank_section_name
 from phalanx.checkpoint.sharded import as_sharded, is_sharded_in, read_sharded
 from phalanx.checkpoint.state import load_into, load_model, read_section, unwrap
 from phalanx.checkpoint.sync import Session, open_session
-from phalanx.sharding.zero_state import full_from_pieces
+from phalanx.sharding.zero_pieces import full_from_pieces
 
 __all__ = ["CheckpointInfo", "load"]
 

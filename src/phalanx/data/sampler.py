@@ -28,6 +28,12 @@ and every step sees equal shapes. Padding wraps around to the start of the epoch
 knows its position can exclude them from metrics. ``drop_last=True`` drops the tail of the epoch's
 permutation instead (a different tail each shuffled epoch) and never duplicates.
 
+Edge cases are torch's: an empty dataset, or ``drop_last`` with fewer samples than replicas
+(or than ``num_replicas * batch_size``), yields nothing (with a warning when samples exist but
+are all dropped); left at ``None``, ``num_replicas`` and ``rank`` come from the initialised
+default process group, and without one the sampler raises ``ValueError`` as torch's does
+(it never silently takes the whole dataset on every process).
+
 Resuming: the sampler does not watch its own iterator (a DataLoader prefetches indices ahead of
 the batches the loop has actually consumed). The loop calls :meth:`DistributedSampler.advance`
 with the number of samples of each batch it has *finished*; :meth:`state_dict` records the epoch
@@ -38,6 +44,8 @@ already consumed in the epoch.
 from __future__ import annotations
 
 import math
+import operator
+import warnings
 from collections.abc import Iterator, Sized
 from typing import Any
 
@@ -45,17 +53,25 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from phalanx.comm.group import world
-
 __all__ = ["DistributedSampler"]
 
 
-def _default_world() -> tuple[int, int]:
-    """(world_size, rank) from phalanx's world, or torch's if only torch was initialised."""
-    w = world()
-    if w.world_size == 1 and dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(), dist.get_rank()
-    return w.world_size, w.rank
+def _default(name: str, value: int | None, of_group: str) -> int:
+    """``value`` as an int, or the default process group's world size / rank (as torch)."""
+    if value is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError(
+                f"DistributedSampler: {name}=None takes the default process group's {of_group}, "
+                f"but the default process group has not been initialized; call "
+                f"phalanx.init_process_group() first, or pass num_replicas= and rank="
+            )
+        return dist.get_world_size() if name == "num_replicas" else dist.get_rank()
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"DistributedSampler: {name} must be an int, got {type(value).__name__} {value!r}"
+        ) from None
 
 
 def _per_rank(n: int, replicas: int, batch_size: int | None, drop_last: bool) -> int:
@@ -71,8 +87,9 @@ class DistributedSampler(Sampler[int]):
 
     Args:
         dataset: A dataset with ``__len__``.
-        num_replicas: Number of ranks sharing the dataset (default: the world size).
-        rank: This rank, in ``[0, num_replicas)`` (default: the global rank).
+        num_replicas: Number of ranks sharing the dataset (default: the default process
+            group's world size).
+        rank: This rank, in ``[0, num_replicas)`` (default: the rank in that group).
         shuffle: Shuffle with a permutation seeded by ``seed + epoch``.
         seed: Base seed; must be the same on every rank.
         drop_last: Drop the tail instead of padding with duplicates.
@@ -84,7 +101,9 @@ class DistributedSampler(Sampler[int]):
 
     Raises:
         ValueError: for ``num_replicas < 1``, a rank outside ``[0, num_replicas)``,
-            ``batch_size < 1``, an empty dataset, or ``drop_last`` leaving nothing to yield.
+            ``batch_size < 1``, or ``num_replicas`` / ``rank`` left at None without an
+            initialised default process group (the exception types of torch's sampler).
+        TypeError: ``num_replicas`` or ``rank`` is not an int.
     """
 
     def __init__(
@@ -99,9 +118,8 @@ class DistributedSampler(Sampler[int]):
         even_batches: bool = True,
         batch_size: int | None = None,
     ) -> None:
-        default_replicas, default_rank = _default_world()
-        num_replicas = default_replicas if num_replicas is None else num_replicas
-        rank = default_rank if rank is None else rank
+        num_replicas = _default("num_replicas", num_replicas, "world size")
+        rank = _default("rank", rank, "rank")
         if num_replicas < 1 or not 0 <= rank < num_replicas:
             raise ValueError(
                 f"DistributedSampler: rank={rank} must be in [0, num_replicas) with "
@@ -125,21 +143,17 @@ class DistributedSampler(Sampler[int]):
 
     def _count(self) -> int:
         n, r, b = self._n, self.num_replicas, self.batch_size
-        if n == 0:
-            raise ValueError(
-                "DistributedSampler: the dataset is empty (len(dataset) == 0); check how it was "
-                "built (path, split, filters) before sharding it"
-            )
         if not self.even_batches:
             if not self.drop_last:
                 return math.ceil((n - self.rank) / r)
             b = None
         count = _per_rank(n, r, b, self.drop_last)
-        if count == 0:
+        if count == 0 and n > 0:
             need = f"num_replicas={r}" if b is None else f"num_replicas*batch_size={r}*{b}={r * b}"
-            raise ValueError(
-                f"DistributedSampler: drop_last=True would drop all {n} samples (it needs at "
-                f"least {need}); use drop_last=False (pads with duplicates) or fewer ranks"
+            warnings.warn(
+                f"DistributedSampler: drop_last=True drops all {n} samples (fewer than {need}): "
+                f"rank {self.rank} yields nothing; use drop_last=False (pads with duplicates)",
+                stacklevel=3,
             )
         return count
 
@@ -189,6 +203,8 @@ class DistributedSampler(Sampler[int]):
             )
         if self.position >= self.num_samples:
             self.position = 0
+        if self.num_samples == 0:
+            return iter([])
         start = self.position
         # Global position p holds permutation[p % N]: torch's cyclic padding (or its cut).
         first = min(self.rank + start * self.num_replicas, self.total_size)

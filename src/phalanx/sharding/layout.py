@@ -8,7 +8,14 @@ slice of the flat buffer: the optimizer steps that slice in place.
 
 Collectives need equal chunks: a bucket travels as a *staging* buffer of ``world * chunk``
 elements in which rank ``r``'s range sits at ``r * chunk`` followed by at most one padding
-element. :class:`Segment` records where each piece of a parameter lands in it.
+element. :class:`Segment` records where each piece of a parameter lands in it. The extra element
+of uneven buckets rotates over the ranks from bucket to bucket, so every rank's total is within
+one element of the others' (not only within each bucket).
+
+With ``flags``, each rank's chunk ends with one *gradient flag* per parameter of the bucket:
+every rank writes 1 where it holds a gradient for that parameter, so after the reduce-scatter a
+rank knows how many ranks had one, from the same collective (no extra round trip): a parameter
+that no rank has a gradient for is skipped by the optimizer, as ``torch.optim`` skips it.
 """
 
 from __future__ import annotations
@@ -45,6 +52,8 @@ class BucketLayout:
     flat_offset: int
     part: Partition
     segments: tuple[Segment, ...]
+    flags: int = 0
+    """Gradient flags at the end of each rank's chunk (0, or one per parameter)."""
 
     @property
     def numel(self) -> int:
@@ -52,6 +61,12 @@ class BucketLayout:
 
     @property
     def chunk(self) -> int:
+        """Elements per rank in the staging buffer: the largest range, then the flags."""
+        return self.part.chunk + self.flags
+
+    @property
+    def flag_offset(self) -> int:
+        """Where the flags start inside a rank's chunk (flag ``j`` is for ``params[j]``)."""
         return self.part.chunk
 
     def shard(self, rank: int) -> tuple[int, int]:
@@ -82,10 +97,10 @@ class ShardLayout:
 
 
 def _segments(
-    params: list[int], offsets: list[int], numels: list[int], part: Partition
+    params: list[int], offsets: list[int], numels: list[int], part: Partition, flags: bool
 ) -> list[Segment]:
     out = []
-    chunk = part.chunk
+    chunk = part.chunk + (len(params) if flags else 0)
     for p, off, n in zip(params, offsets, numels):
         for r, (s, e) in enumerate(part.bounds):
             lo, hi = max(off, s), min(off + n, e)
@@ -95,25 +110,38 @@ def _segments(
 
 
 def plan_shards(
-    groups: list[list[int]], world: int, element_size: int, cap_bytes: int
+    groups: list[list[int]],
+    world: int,
+    element_size: int,
+    cap_bytes: int,
+    *,
+    reverse: bool = True,
+    flags: bool = False,
 ) -> ShardLayout:
     """Lay out parameter groups (each a list of element counts, global order) for ``world``.
 
     Buckets never span groups (each group keeps its own hyperparameters). A parameter larger
-    than ``cap_bytes`` gets a bucket of its own.
+    than ``cap_bytes`` gets a bucket of its own. ``reverse`` packs each group's parameters last
+    first (the order backward produces gradients in); otherwise in registration order. Planning
+    more groups later appends buckets and leaves the earlier ones unchanged.
     """
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
     numels = [n for g in groups for n in g]
     buckets: list[BucketLayout] = []
-    flat = first = 0
+    flat = first = extra = 0
     for gi, group in enumerate(groups):
         specs = [ParamSpec(first + i, n, element_size, "f", "d") for i, n in enumerate(group)]
         first += len(group)
-        for plan in plan_buckets(specs, [cap_bytes]) if specs else []:
-            part = partition(plan.numel, world)
+        order = specs if reverse else specs[::-1]  # plan_buckets walks its input backwards
+        for plan in plan_buckets(order, [cap_bytes]) if specs else []:
+            part = partition(plan.numel, world, extra % world)
+            extra += plan.numel % world
             sizes = [numels[p] for p in plan.params]
-            segs = _segments(list(plan.params), list(plan.offsets), sizes, part)
-            buckets.append(BucketLayout(gi, plan.params, plan.offsets, flat, part, tuple(segs)))
+            segs = _segments(list(plan.params), list(plan.offsets), sizes, part, flags)
+            n_flags = len(plan.params) if flags else 0
+            buckets.append(
+                BucketLayout(gi, plan.params, plan.offsets, flat, part, tuple(segs), n_flags)
+            )
             flat += plan.numel
     return ShardLayout(world, tuple(numels), tuple(buckets))

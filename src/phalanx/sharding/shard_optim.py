@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from phalanx.sharding.state import Piece, PieceReader, ShardedState
-from phalanx.sharding.zero_state import decode_scalar, encode_scalar
+from phalanx.sharding.zero_pieces import decode_scalar, encode_scalar
 
 __all__ = ["FORMAT", "ShardedOptimizerState", "optimizer_view"]
 

@@ -1,230 +1,304 @@
 """ZeRO stages 1 and 2: optimizer state (and, in stage 2, gradients) sharded across ranks.
 
-Rajbhandari et al. 2019, §5 (P_os, P_os+g). The parameters become views into one flat buffer
-laid out in buckets (:mod:`phalanx.sharding.layout`); each bucket is split into one balanced
-contiguous range per rank. A rank steps a wrapped ``torch.optim`` optimizer over its ranges
-only, so its state is KΨ/N bytes.
+Rajbhandari et al. 2019, §5 (P_os, P_os+g). The parameters are laid out in buckets
+(:mod:`phalanx.sharding.layout`); each bucket is split into one balanced contiguous range per
+rank, and a rank steps a wrapped ``torch.optim`` optimizer over its ranges only
+(:mod:`phalanx.sharding.owned`), so its state is KΨ/N bytes. After the step every rank's
+updated ranges are all-gathered (:mod:`phalanx.sharding.param_sync`).
 
-- **Stage 1**: ``step()`` reduce-scatters the gradients bucket by bucket (Ψ elements), steps
-  the shard and all-gathers the updated parameters (Ψ): 2Ψ per step, DDP's volume.
-- **Stage 2**: the reduce-scatter runs *during backward*, from gradient hooks, overlapped with
-  the rest of backward like DDP's all-reduce; each parameter's full gradient is freed as soon as
-  it is copied, so a rank keeps 4Ψ/N bytes of gradient plus the buckets in flight.
+Who averages the gradients:
+
+- **stage=None** (the default; torch's contract): the gradients are already averaged, by
+  ``DistributedDataParallel`` or by hand, when ``step()`` is called. This is a drop-in for
+  ``torch.distributed.optim.ZeroRedundancyOptimizer``: same arguments, same results.
+- **stage=1**: no DDP; ``step()`` reduce-scatters the gradients bucket by bucket (Ψ elements),
+  steps the ranges and all-gathers the parameters (Ψ): 2Ψ per step, DDP's volume.
+- **stage=2**: as stage 1, but the reduce-scatter runs *during backward*, from gradient hooks,
+  and each parameter's full gradient is freed as soon as it is copied, so a rank keeps 4Ψ/N
+  bytes of gradient plus the buckets in flight (:mod:`phalanx.sharding.grad_sync`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from phalanx.comm import collectives as c
-from phalanx.sharding import zero_state
-from phalanx.sharding.grad_sync import ShardSync
+from phalanx.sharding import zero_pieces, zero_state
+from phalanx.sharding.bucket_storage import broadcast_from_rank0, place
+from phalanx.sharding.clip import clip_pieces_
+from phalanx.sharding.grad_sync import GradReducer
 from phalanx.sharding.layout import ShardLayout, plan_shards
+from phalanx.sharding.owned import (
+    OwnedRange,
+    attach_local_grads,
+    owned_ranges,
+    refresh,
+    release_grads,
+)
+from phalanx.sharding.param_sync import ParamGatherer, StagingPool
 from phalanx.sharding.state import PieceReader, ShardedState
+from phalanx.sharding.zero_join import JoinableZero
+from phalanx.sharding.zero_params import (
+    check_elementwise,
+    check_options,
+    check_params,
+    check_same_dense_type,
+    sync_options,
+)
 
 __all__ = ["ZeroRedundancyOptimizer", "check_elementwise"]
 
-NOT_ELEMENTWISE = {
-    "LBFGS": "it needs the whole parameter vector and a closure",
-    "Adafactor": "it factors each matrix's second moment by rows and columns",
-    "Muon": "it orthogonalises each weight matrix",
-    "SparseAdam": "it steps sparse gradients",
-}
 
-
-def check_elementwise(cls: type) -> None:
-    """Refuse optimizers that need whole tensors: a flat shard is a 1-D slice of several."""
-    why = NOT_ELEMENTWISE.get(cls.__name__)
-    if why is not None and cls.__module__.startswith("torch.optim"):
-        raise ValueError(
-            f"optimizer_class={cls.__name__} cannot step a ZeRO shard: {why}, while a shard is "
-            f"a flat slice of the parameters; use an element-wise optimizer (SGD, Adam, AdamW, "
-            f"Adagrad, RMSprop, ...) or strategy='ddp'"
-        )
-
-
-def _groups(params: Iterable[Any]) -> list[dict[str, Any]]:
-    items = list(params)
-    if not items:
-        raise ValueError("ZeroRedundancyOptimizer: params is empty")
-    groups = [dict(g) for g in items] if isinstance(items[0], dict) else [{"params": items}]
-    for g in groups:
-        if "params" not in g:
-            raise ValueError(f"ZeroRedundancyOptimizer: a parameter group has no 'params': {g}")
-        ps = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
-        g["params"] = [p for p in ps if p.requires_grad]
-    return groups
-
-
-class ZeroRedundancyOptimizer(torch.optim.Optimizer):
+class ZeroRedundancyOptimizer(torch.optim.Optimizer, JoinableZero):
     """Shard any element-wise ``torch.optim`` optimizer across the data-parallel group.
 
     Args:
         params: Parameters or parameter groups (dicts with ``params`` and per-group options),
-            as for any optimizer; all of one floating dtype and device.
+            as for any optimizer; one dense dtype on one device. Parameters that do not require
+            grad are sharded too (they are stepped once they get gradients).
         optimizer_class: e.g. ``torch.optim.AdamW``.
         process_group: The data-parallel group (default: the world).
-        stage: 1 (shard optimizer state) or 2 (also shard gradients, reduced during backward).
+        parameters_as_bucket_view: True makes the parameters views of one contiguous buffer
+            per bucket (one copy per rank per bucket when gathering); False (torch's default)
+            leaves each parameter's storage alone.
+        overlap_with_ddp: torch's step inside DDP hooks; not supported (use ``stage=2``).
+        stage: None: gradients are averaged before ``step()`` (by DDP; torch's contract).
+            1 or 2: this optimizer averages them itself (no DDP) at ``step()`` or during
+            backward; it then also broadcasts rank 0's parameters at construction.
         bucket_cap_mb: Bucket size for the reduce-scatter / all-gather pipeline.
         **defaults: Passed to ``optimizer_class``.
 
-    Use without DDP (this optimizer averages the gradients itself): ``loss.backward()`` then
-    ``opt.step()``. Clip with :meth:`clip_grad_norm_` (the norm spans every rank's shard);
+    ``step(closure, **kwargs)``, ``zero_grad``, ``add_param_group``, ``consolidate_state_dict``
+    / ``state_dict`` / ``load_state_dict`` and :class:`~torch.distributed.algorithms.join.Join`
+    behave as torch's. A parameter whose ``grad`` is None (on every rank) is not stepped. Clip
+    with :meth:`clip_grad_norm_` (the norm spans every rank's shard); with ``stage`` 1 or 2,
     accumulate with :meth:`no_sync`. The optimizer must update each element from that
-    element's own gradient and state (SGD, Adam, AdamW, Adagrad, RMSprop, ...): each rank sees
-    a slice of the flattened parameters, not whole tensors.
+    element's own gradient and state (SGD, Adam, AdamW, Adagrad, RMSprop, ...).
     """
 
     def __init__(
         self,
-        params: Iterable[Any],
+        params: Any,
         optimizer_class: type[torch.optim.Optimizer],
         process_group: dist.ProcessGroup | None = None,
+        parameters_as_bucket_view: bool = False,
+        overlap_with_ddp: bool = False,
         *,
-        stage: int = 1,
+        stage: int | None = None,
         bucket_cap_mb: float = 25.0,
         **defaults: Any,
     ) -> None:
-        if stage not in (1, 2):
-            raise ValueError(
-                f"stage must be 1 or 2 (stage 3 is FullyShardedDataParallel), got {stage!r}"
-            )
-        if not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
-        if not (
-            isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)
-        ):
-            raise TypeError(
-                f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}"
-            )
-        check_elementwise(optimizer_class)
-        groups = _groups(params)
-        self.params: list[nn.Parameter] = [p for g in groups for p in g["params"]]
-        if not self.params:
-            raise ValueError("ZeroRedundancyOptimizer: no parameter requires grad")
-        kinds = {(p.dtype, p.device) for p in self.params}
-        if len(kinds) != 1:
-            raise ValueError(f"all parameters must share one dtype and device, got {kinds}")
-        self.stage = stage
+        check_options(optimizer_class, overlap_with_ddp, stage, bucket_cap_mb)
+        groups = check_params(params)
+        check_same_dense_type(
+            [p for g in groups for p in g["params"]] if isinstance(groups[0], dict) else groups
+        )
+        self._initialized = False
+        torch.optim.Optimizer.__init__(self, groups, defaults)
+        JoinableZero.__init__(self)
+        self.stage, self.bucket_cap_mb = stage, bucket_cap_mb
+        self.parameters_as_bucket_view = bool(parameters_as_bucket_view)
         self.process_group = process_group
-        self.world = dist.get_world_size(process_group) if dist.is_initialized() else 1
-        self.rank = dist.get_rank(process_group) if dist.is_initialized() else 0
-        p0 = self.params[0]
-        self.layout: ShardLayout = plan_shards(
-            [[p.numel() for p in g["params"]] for g in groups],
-            self.world,
-            p0.element_size(),
-            int(bucket_cap_mb * 1024 * 1024),
-        )
-        self.flat = self._flatten_into_views()
-        self._broadcast_from_rank0()
-        self.shards = [
-            nn.Parameter(self.flat[slice(*b.shard(self.rank))]) for b in self.layout.buckets
+        ready = dist.is_available() and dist.is_initialized()
+        self.world = dist.get_world_size(process_group) if ready else 1
+        self.rank = dist.get_rank(process_group) if ready else 0
+        self.params: list[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
+        self.layout: ShardLayout = self._plan()
+        self.buffers: list[torch.Tensor] | None = [] if self.parameters_as_bucket_view else None
+        self.owned: list[list[OwnedRange]] = []
+        self._consolidated: dict[int, dict[str, Any]] | None = None
+        self._notified = False
+        self._reducer: GradReducer | None = None
+        self._own_new_buckets(0)
+        inner = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": self._tensors_of(gi)}
+            for gi, g in enumerate(self.param_groups)
         ]
-        inner = []
-        for gi, g in enumerate(groups):
-            opts = {k: v for k, v in g.items() if k != "params"}
-            own = [s for s, b in zip(self.shards, self.layout.buckets) if b.group == gi]
-            inner.append({**opts, "params": own})
         self.optim = optimizer_class(inner, **defaults)
-        super().__init__(self.optim.param_groups, self.optim.defaults)
-        self.state = self.optim.state
-        self._sync = ShardSync(
-            self.params, self.shards, self.flat, self.layout, process_group, self.rank, stage
+        sync_options(self.optim.param_groups, self.param_groups)
+        self.state = self.optim.state  # this rank's state, keyed by what it steps
+        self._wire()
+        self._initialized = True
+
+    # ---- layout --------------------------------------------------------------------------------
+    def _plan(self) -> ShardLayout:
+        sizes = [[p.numel() for p in g["params"]] for g in self.param_groups]
+        cap = int(self.bucket_cap_mb * 1024 * 1024)
+        size = self.params[0].element_size()
+        # Stage 2 packs in backward order (buckets fill as gradients arrive); flags let a
+        # reduce-scatter say which parameters had a gradient on any rank.
+        reverse, flags = self.stage == 2, self.stage is not None
+        return plan_shards(sizes, self.world, size, cap, reverse=reverse, flags=flags)
+
+    def _own_new_buckets(self, first: int) -> None:
+        """Storage, ownership and (stages 1/2) rank 0's values for buckets ``first`` onwards."""
+        for b in range(first, len(self.layout.buckets)):
+            bucket = self.layout.buckets[b]
+            buf = place(self.params, bucket, self.buffers is not None)
+            if self.buffers is not None and buf is not None:
+                self.buffers.append(buf)
+            if self.stage is not None and self.world > 1:
+                broadcast_from_rank0(self.params, bucket, buf, self.process_group)
+        self.owned += owned_ranges(
+            self.params, self.layout, self.rank, step_params=self.stage is None, first_bucket=first
         )
 
-    def _flatten_into_views(self) -> torch.Tensor:
-        p0 = self.params[0]
-        flat = torch.empty(self.layout.total, dtype=p0.dtype, device=p0.device)
-        for b in self.layout.buckets:
-            for index, off in zip(b.params, b.offsets):
-                p = self.params[index]
-                view = flat[b.flat_offset + off : b.flat_offset + off + p.numel()]
-                view.copy_(p.detach().reshape(-1))
-                p.data = view.view_as(p)
-        return flat
+    def _tensors_of(self, group: int) -> list[torch.Tensor]:
+        return [
+            r.tensor
+            for mine in self.owned
+            for r in mine
+            if self.layout.buckets[r.bucket].group == group
+        ]
 
-    def _broadcast_from_rank0(self) -> None:
-        if self.world > 1:
-            root = dist.get_global_rank(self.process_group, 0) if self.process_group else 0
-            c.broadcast(self.flat, root, self.process_group)
+    def _wire(self) -> None:
+        """(Re)build the staging pool, the all-gather and (stages 1/2) the reduce-scatter."""
+        p0 = self.params[0]
+        pool = StagingPool(self.layout, p0.dtype, p0.device)
+        self._gatherer = ParamGatherer(
+            self.params, self.layout, self.buffers, pool, self.process_group, self.rank
+        )
+        sync = True
+        if self._reducer is not None:
+            sync = self._reducer.require_sync
+            self._reducer.close()
+        if self.stage is not None:
+            self._reducer = GradReducer(
+                self.params, self.layout, self.owned, pool, self.process_group, self.stage,
+                self._notify,
+            )  # fmt: skip
+            self._reducer.require_sync = sync
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group: its parameters are sharded like the others (call it on every rank)."""
+        if not self._initialized:  # torch.optim.Optimizer.__init__ adding the first groups
+            super().add_param_group(param_group)
+            return
+        group = check_params([param_group])[0]
+        check_same_dense_type(self.params + list(group["params"]))
+        super().add_param_group(group)
+        self.params.extend(self.param_groups[-1]["params"])
+        old = len(self.layout.buckets)
+        layout = self._plan()
+        assert layout.buckets[:old] == self.layout.buckets, "earlier buckets must not move"
+        self.layout = layout
+        self._own_new_buckets(old)
+        options = {k: v for k, v in self.param_groups[-1].items() if k != "params"}
+        self.optim.add_param_group(
+            {**options, "params": self._tensors_of(len(self.param_groups) - 1)}
+        )
+        sync_options(self.optim.param_groups, self.param_groups)
+        self._wire()
 
     # ---- the step ------------------------------------------------------------------------------
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Average the gradients into the shards, step them, all-gather the parameters."""
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        """Step this rank's ranges (``closure`` and ``kwargs`` go to the inner optimizer's
+        ``step``, as torch's do) and all-gather the updated parameters. Collective."""
+        return self._step(closure, kwargs, notify=True)
+
+    def _step(self, closure: Any, kwargs: dict[str, Any], *, notify: bool) -> Any:
+        if notify:
+            self._notify()
+        self._notified = True  # a joined rank shadows the step without notifying
+        if self._reducer is not None:
+            self._reducer.refresh_hooks()
+        sync_options(self.param_groups, self.optim.param_groups)
+        refresh(self.owned, self.params)
+        loss = self._inner_step(closure, kwargs)
+        sync_options(self.optim.param_groups, self.param_groups)
+        with torch.no_grad():
+            self._gatherer.gather()
+        if self._reducer is None:
+            release_grads(self.owned, self.params)
+        else:  # the next step reduces again, zero_grad or not (gradients then accumulate)
+            self._reducer.reduced = False
+        self._notified = False
+        return loss
+
+    def _inner_step(self, closure: Any, kwargs: dict[str, Any]) -> Any:
+        if self._reducer is None:  # torch's contract: the gradients are averaged already
+            attach_local_grads(self.owned, self.params)
+            if closure is None:
+                return self.optim.step(**kwargs)
+
+            def closure_then_attach() -> Any:
+                loss = closure()
+                attach_local_grads(self.owned, self.params)
+                return loss
+
+            return self.optim.step(closure=closure_then_attach, **kwargs)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._sync.ensure_reduced()
-        self.optim.step()
-        self._sync.gather_params()
-        return loss
+        self._reducer.ensure_reduced()
+        out = self.optim.step(**kwargs)
+        return loss if closure is not None else out
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the model's gradients and this rank's gradient shards."""
+        """Clear the parameters' gradients and this rank's reduced gradients."""
         for p in self.params:
+            if p.grad is None:
+                continue
             if set_to_none:
                 p.grad = None
-            elif p.grad is not None:
-                p.grad.zero_()
-        self._sync.zero_grad()
+                continue
+            if p.grad.grad_fn is not None:
+                p.grad.detach_()
+            else:
+                p.grad.requires_grad_(False)
+            p.grad.zero_()
+        if self._reducer is not None:
+            self._reducer.zero_grad()
+        else:
+            release_grads(self.owned, self.params)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the averaged gradients by their norm over all ranks' shards; return the norm.
 
-        Call after backward and before :meth:`step` (it reduces the gradients first when stage 1
-        has not yet). Equal to ``torch.nn.utils.clip_grad_norm_`` on the full averaged gradient.
+        Call after backward and before :meth:`step`. Equal to ``torch.nn.utils.clip_grad_norm_``
+        on the full averaged gradient.
         """
         if not max_norm > 0:
             raise ValueError(f"clip_grad_norm_: max_norm must be positive, got {max_norm!r}")
-        self._sync.ensure_reduced()
-        grads = [s.grad for s in self.shards if s.grad is not None and s.grad.numel()]
-        p0 = self.params[0]
-        if norm_type == float("inf"):
-            local = max((g.abs().max() for g in grads), default=torch.zeros((), device=p0.device))
-            total = local.to(torch.float32).reshape(1).clone()
-            c.all_reduce(total, dist.ReduceOp.MAX, self.process_group)
-            norm = total[0]
+        if self._reducer is None:
+            refresh(self.owned, self.params)
+            attach_local_grads(self.owned, self.params)
         else:
-            local = sum(
-                (g.float().abs().pow(norm_type).sum() for g in grads),
-                torch.zeros((), device=p0.device),
-            )
-            total = local.reshape(1).clone()
-            c.all_reduce(total, dist.ReduceOp.SUM, self.process_group)
-            norm = total[0].pow(1.0 / norm_type)
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
-        return norm
+            self._reducer.ensure_reduced()
+        grads = [r.tensor.grad for mine in self.owned for r in mine if r.tensor.grad is not None]
+        device = self.params[0].device
+        return clip_pieces_(grads, max_norm, norm_type, self.process_group, device, self.world)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate full local gradients without communicating."""
-        old = self._sync.require_sync
-        self._sync.require_sync = False
+        """Stages 1/2: backward passes inside accumulate local gradients without communicating."""
+        old = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
         try:
             yield
         finally:
-            self._sync.require_sync = old
+            self.require_backward_grad_sync = old
 
     @property
     def require_backward_grad_sync(self) -> bool:
         """False makes the coming backward accumulate locally (the job API's switch)."""
-        return self._sync.require_sync
+        return self._reducer.require_sync if self._reducer is not None else True
 
     @require_backward_grad_sync.setter
     def require_backward_grad_sync(self, value: bool) -> None:
-        self._sync.require_sync = bool(value)
+        if self._reducer is not None:
+            self._reducer.require_sync = bool(value)
+
+    @property
+    def _all_params(self) -> list[torch.Tensor]:
+        """Every parameter in order: torch's name for it, kept for code written against torch."""
+        return self.params
 
     # ---- accounting ----------------------------------------------------------------------------
     def state_bytes(self) -> int:
@@ -237,27 +311,27 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         )
 
     def grad_bytes(self) -> int:
-        """Bytes of gradient shards this rank holds (stage 2 keeps no full gradients)."""
-        return self._sync.grad_bytes()
+        """Bytes of reduced gradient shards this rank holds (stage 2 keeps no full gradients)."""
+        return self._reducer.grad_bytes() if self._reducer is not None else 0
 
     # ---- state ---------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """The full optimizer state in ``torch.optim`` format, gathered on every rank.
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather the full optimizer state on rank ``to`` of the group. Collective."""
+        self._consolidated = zero_state.consolidate(self, to)
 
-        Collective: every rank must call it. It loads into a plain optimizer over the same
-        parameters (or into this class at any world size).
-        """
-        return zero_state.full_state_dict(self)
+    def state_dict(self) -> dict[str, Any]:
+        """The state gathered by the last :meth:`consolidate_state_dict` to this rank, in
+        ``torch.optim`` format (loads into a plain optimizer over the same parameters)."""
+        return zero_state.consolidated_state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a ``torch.optim``-format state dict (from :meth:`state_dict` or a plain
-        optimizer over the same parameters); each rank keeps its shard of it."""
+        """Load a ``torch.optim``-format state dict; each rank keeps its shard of it."""
         zero_state.load_full_state_dict(self, state_dict)
 
     def sharded_state(self) -> ShardedState:
         """This rank's state as world-size-independent pieces (``phalanx.checkpoint``)."""
-        return zero_state.sharded_state(self)
+        return zero_pieces.sharded_state(self)
 
     def load_sharded_state(self, meta: dict[str, Any], reader: PieceReader) -> None:
         """Restore from pieces saved at any world size."""
-        zero_state.load_sharded_state(self, meta, reader)
+        zero_pieces.load_sharded_state(self, meta, reader)

@@ -1,11 +1,12 @@
-"""State of a ZeRO-1/2 optimizer: full ``torch.optim`` format, and world-size-independent pieces.
+"""State of a ZeRO-1/2 optimizer in ``torch.optim`` format: consolidate on one rank, load anywhere.
 
-Per-element state (``exp_avg``, ``momentum_buffer``, ...) lives as one tensor per bucket shard.
-Both formats cut it along the layout's segments into per-parameter ranges: the full format
-gathers every rank's ranges into whole tensors shaped like the parameters (keyed by global
-parameter index, as ``torch.optim`` numbers them); the piece format keys each range as
-``param<i>/<state>`` so a checkpoint written by N ranks loads at any M. Scalar state (Adam's
-``step``) is equal on every shard and travels in ``meta``.
+Each owned range (:mod:`phalanx.sharding.owned`) has its own inner-optimizer state: per-element
+tensors shaped like the range (``exp_avg``, ``momentum_buffer``, ...) and scalars (Adam's
+``step``). :func:`consolidate` gathers every rank's ranges into whole tensors shaped like the
+parameters on one rank, keyed by global parameter index as ``torch.optim`` numbers them, as
+torch's ``consolidate_state_dict(to=)`` does; :func:`load_full_state_dict` cuts such a dict
+(from this class at any world size, or from a plain optimizer) into this rank's ranges. A
+parameter that was never stepped has no entry, as in ``torch.optim``.
 """
 
 from __future__ import annotations
@@ -13,212 +14,196 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from phalanx.comm import collectives as c
-from phalanx.sharding.state import Piece, PieceReader, ShardedState
+from phalanx.comm.objects import all_gather_object
 
 if TYPE_CHECKING:
+    from phalanx.sharding.owned import OwnedRange
     from phalanx.sharding.zero import ZeroRedundancyOptimizer
 
 __all__ = [
-    "decode_scalar",
-    "encode_scalar",
-    "full_from_pieces",
-    "full_state_dict",
+    "consolidate",
+    "consolidated_state_dict",
+    "groups_meta",
+    "install",
     "load_full_state_dict",
-    "load_sharded_state",
-    "sharded_state",
+    "set_hyperparameters",
+    "split_state",
 ]
 
-FORMAT = "phalanx.zero/1"
+
+def split_state(state: dict[str, Any], r: OwnedRange) -> tuple[dict[str, torch.Tensor], dict]:
+    """``(per-element tensors, scalars)`` of one range's state."""
+    elems, scalars = {}, {}
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            if v.shape != r.tensor.shape:
+                raise ValueError(
+                    f"optimizer state {k!r} of parameter {r.param} has shape {tuple(v.shape)}, "
+                    f"neither a scalar nor the shape of what this rank steps "
+                    f"{tuple(r.tensor.shape)}: it cannot be sharded"
+                )
+            elems[k] = v
+        else:
+            scalars[k] = v
+    return elems, scalars
 
 
-def _own_segments(opt: ZeroRedundancyOptimizer, b: int) -> list[tuple[int, int, int, int]]:
-    """``(param, param_start, length, offset in this rank's shard)`` of bucket ``b``."""
-    bucket = opt.layout.buckets[b]
-    base = opt.rank * bucket.chunk
-    return [
-        (s.param, s.param_start, s.length, s.staging - base)
-        for s in bucket.segments
-        if s.rank == opt.rank
-    ]
-
-
-def _split(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    per_element = {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
-    return per_element, {k: v for k, v in state.items() if k not in per_element}
-
-
-def encode_scalar(key: str, v: Any) -> dict[str, Any]:
-    if isinstance(v, torch.Tensor):
-        return {"value": v.item(), "dtype": str(v.dtype).removeprefix("torch.")}
-    if v is None or isinstance(v, (bool, int, float, str)):
-        return {"value": v}
-    raise TypeError(f"optimizer state {key!r} holds a {type(v).__name__}, which cannot be saved")
-
-
-def decode_scalar(doc: dict[str, Any]) -> Any:
-    if "dtype" in doc:
-        return torch.tensor(doc["value"], dtype=getattr(torch, doc["dtype"]))
-    return doc["value"]
-
-
-def _groups_meta(opt: ZeroRedundancyOptimizer) -> list[dict[str, Any]]:
+def groups_meta(opt: ZeroRedundancyOptimizer) -> list[dict[str, Any]]:
+    """The parameter groups as ``torch.optim`` saves them: options and global indices."""
     out, first = [], 0
-    for g, n in zip(opt.param_groups, _group_param_counts(opt)):
+    for g in opt.param_groups:
         options = {k: v for k, v in g.items() if k != "params"}
-        out.append({**options, "params": list(range(first, first + n))})
-        first += n
+        out.append({**options, "params": list(range(first, first + len(g["params"])))})
+        first += len(g["params"])
     return out
 
 
-def _group_param_counts(opt: ZeroRedundancyOptimizer) -> list[int]:
-    counts = [0] * len(opt.param_groups)
-    for b in opt.layout.buckets:
-        counts[b.group] += len(b.params)
-    return counts
-
-
-def _set_hyperparameters(
+def set_hyperparameters(
     opt: ZeroRedundancyOptimizer, groups: list[dict[str, Any]], where: str
 ) -> None:
-    counts = _group_param_counts(opt)
+    """Take the saved groups' options, after checking they describe the same parameters."""
     saved = [len(g["params"]) for g in groups]
-    if saved != counts:
+    here = [len(g["params"]) for g in opt.param_groups]
+    if saved != here:
         raise ValueError(
             f"{where}: saved parameter groups hold {saved} parameters, this optimizer's hold "
-            f"{counts}; build the optimizer over the same model and groups"
+            f"{here}; build the optimizer over the same model and groups"
         )
     for g, doc in zip(opt.param_groups, groups):
         g.update({k: v for k, v in doc.items() if k != "params"})
+    for g, inner in zip(opt.param_groups, opt.optim.param_groups):
+        inner.update({k: v for k, v in g.items() if k != "params"})
 
 
-# ---- pieces (phalanx.checkpoint) -----------------------------------------------------------------
-def sharded_state(opt: ZeroRedundancyOptimizer) -> ShardedState:
-    pieces: list[tuple[Piece, torch.Tensor]] = []
-    scalars: dict[str, Any] = {}
-    keys: set[str] = set()
-    for b, shard in enumerate(opt.shards):
-        per_element, rest = _split(opt.optim.state.get(shard, {}))
-        scalars.update({k: encode_scalar(k, v) for k, v in rest.items()})
-        keys.update(per_element)
-        for k, t in per_element.items():
-            for param, start, length, off in _own_segments(opt, b):
-                shape = tuple(opt.params[param].shape)
-                dtype = str(t.dtype).removeprefix("torch.")
-                piece = Piece(f"param{param}/{k}", shape, start, start + length, dtype)
-                pieces.append((piece, t[off : off + length]))
-    meta = {
-        "format": FORMAT,
-        "num_params": len(opt.params),
-        "param_groups": _groups_meta(opt),
-        "per_element": sorted(keys),
-        "scalars": scalars,
-    }
-    return ShardedState(meta, pieces)
+def install(opt: ZeroRedundancyOptimizer, states: list[tuple[torch.Tensor, dict]]) -> None:
+    """Replace the inner optimizer's state by ``states`` (through its own ``load_state_dict``,
+    which casts each value as ``torch.optim`` does: ``step`` stays, the rest follows the
+    parameter's dtype and device)."""
+    tensors = [t for g in opt.optim.param_groups for t in g["params"]]
+    index = {id(t): i for i, t in enumerate(tensors)}
+    groups, first = [], 0
+    for g in opt.optim.param_groups:
+        options = {k: v for k, v in g.items() if k != "params"}
+        groups.append({**options, "params": list(range(first, first + len(g["params"])))})
+        first += len(g["params"])
+    opt.optim.load_state_dict(
+        {"state": {index[id(t)]: st for t, st in states}, "param_groups": groups}
+    )
+    opt.state = opt.optim.state  # load_state_dict replaced the inner optimizer's mapping
 
 
-def load_sharded_state(
-    opt: ZeroRedundancyOptimizer, meta: dict[str, Any], reader: PieceReader
-) -> None:
-    where = "load_sharded_state"
-    if meta.get("format") != FORMAT:
+# ---- consolidate -------------------------------------------------------------------------------
+def _describe(opt: ZeroRedundancyOptimizer) -> dict[str, Any]:
+    """This rank's state keys: per parameter, the per-element dtypes and the scalar values."""
+    out: dict[str, Any] = {}
+    for mine in opt.owned:
+        for r in mine:
+            state = opt.optim.state.get(r.tensor)
+            if not state:
+                continue
+            elems, scalars = split_state(state, r)
+            doc = out.setdefault(str(r.param), {"elems": {}, "scalars": {}})
+            doc["elems"].update({k: str(v.dtype).removeprefix("torch.") for k, v in elems.items()})
+            if r.start == 0 or not doc["scalars"]:
+                doc["scalars"] = dict(scalars)
+    return out
+
+
+def _gather_chunks(
+    opt: ZeroRedundancyOptimizer, b: int, key: str, dtype: torch.dtype, to: int
+) -> list[torch.Tensor] | None:
+    """Every rank's chunk of ``key`` for bucket ``b``, on rank ``to`` (None elsewhere)."""
+    bucket = opt.layout.buckets[b]
+    mine = torch.zeros(bucket.chunk, dtype=dtype, device=opt.params[0].device)
+    for r in opt.owned[b]:
+        state = opt.optim.state.get(r.tensor, {})
+        if key in state:
+            mine[r.slot : r.slot + r.length].copy_(state[key].reshape(-1))
+    if opt.world == 1:
+        return [mine]
+    out = [torch.empty_like(mine) for _ in range(opt.world)] if opt.rank == to else None
+    dst = dist.get_global_rank(opt.process_group, to) if opt.process_group else to
+    c.gather(mine, out, dst, opt.process_group)
+    return out
+
+
+def consolidate(opt: ZeroRedundancyOptimizer, to: int) -> dict[int, dict[str, Any]] | None:
+    """Every parameter's state, whole, on group rank ``to``; None on the other ranks."""
+    if not 0 <= to < opt.world:
         raise ValueError(
-            f"{where}: not a ZeRO optimizer checkpoint (format {meta.get('format')!r})"
+            f"consolidate_state_dict: to={to} is not a rank of the group (0..{opt.world - 1})"
         )
-    _set_hyperparameters(opt, meta["param_groups"], where)
-    for b, shard in enumerate(opt.shards):
-        state: dict[str, Any] = {k: decode_scalar(v) for k, v in meta["scalars"].items()}
-        for k in meta["per_element"]:
-            t = torch.zeros(
-                shard.numel(),
-                dtype=reader.dtype(f"param{opt.layout.buckets[b].params[0]}/{k}"),
-                device=shard.device,
-            )
-            for param, start, length, off in _own_segments(opt, b):
-                reader.read(f"param{param}/{k}", start, start + length, out=t[off : off + length])
-            state[k] = t
-        opt.optim.state[shard] = state
+    descs = [_describe(opt)]
+    if opt.world > 1:
+        descs = [None] * opt.world  # type: ignore[list-item]
+        all_gather_object(descs, _describe(opt), opt.process_group)
+    merged: dict[int, dict[str, Any]] = {}
+    for desc in descs:
+        for i, doc in desc.items():
+            into = merged.setdefault(int(i), {"elems": {}, "scalars": {}})
+            into["elems"].update(doc["elems"])
+            into["scalars"] = into["scalars"] or doc["scalars"]
+    full: dict[int, dict[str, Any]] = {i: dict(doc["scalars"]) for i, doc in merged.items()}
+    for b, bucket in enumerate(opt.layout.buckets):
+        keys = {
+            (k, d) for i in bucket.params for k, d in merged.get(i, {"elems": {}})["elems"].items()
+        }
+        for key, dtype in sorted(keys):
+            chunks = _gather_chunks(opt, b, key, getattr(torch, dtype), to)
+            if chunks is None:
+                continue
+            for seg in bucket.segments:
+                if key not in merged.get(seg.param, {"elems": {}})["elems"]:
+                    continue
+                p = opt.params[seg.param]
+                t = full[seg.param].setdefault(key, torch.zeros(p.shape, dtype=chunks[0].dtype))
+                at = seg.staging - seg.rank * bucket.chunk
+                src = chunks[seg.rank][at : at + seg.length]
+                t.view(-1)[seg.param_start : seg.param_start + seg.length].copy_(src)
+    return dict(sorted(full.items())) if opt.rank == to else None
 
 
-def full_from_pieces(
-    meta: dict[str, Any], reader: PieceReader, names: list[str] | None = None
-) -> dict[str, Any]:
-    """A ``torch.optim`` state dict assembled from a ZeRO checkpoint's pieces (any world size).
-
-    Works for ZeRO-1/2 optimizers and for optimizers over ZeRO-3 shards (whose pieces are keyed
-    by parameter name): a plain optimizer over the unwrapped model's ``parameters()`` loads
-    it, given that model's parameter ``names`` in order.
-    """
-    if "num_params" not in meta or "per_element" not in meta:
-        raise ValueError(f"not a ZeRO optimizer checkpoint (format {meta.get('format')!r})")
-    n = int(meta["num_params"])
-    keys = meta.get("param_keys") or [f"param{i}" for i in range(n)]
-    if meta.get("param_keys") and names is not None:
-        if sorted(names) != sorted(keys):
-            raise ValueError(
-                f"the checkpoint's optimizer covers parameters {sorted(keys)}, the model has "
-                f"{sorted(names)}"
-            )
-        keys = names
-    state: dict[int, dict[str, Any]] = {}
-    for i in range(n):
-        st = {k: decode_scalar(v) for k, v in meta["scalars"].items()}
-        for k in meta["per_element"]:
-            st[k] = reader.full(f"{keys[i]}/{k}")
-        state[i] = st
-    return {"state": state, "param_groups": meta["param_groups"]}
+def consolidated_state_dict(opt: ZeroRedundancyOptimizer) -> dict[str, Any]:
+    """The last consolidated state (this rank must have been ``to``) with the current groups."""
+    if opt._consolidated is None:
+        raise RuntimeError(
+            f"ZeroRedundancyOptimizer.state_dict(): the optimizer state has not been "
+            f"consolidated on rank {opt.rank}; call consolidate_state_dict(to={opt.rank}) on "
+            f"every rank first"
+        )
+    return {"state": opt._consolidated, "param_groups": groups_meta(opt)}
 
 
-# ---- full torch.optim format ---------------------------------------------------------------------
-def full_state_dict(opt: ZeroRedundancyOptimizer) -> dict[str, Any]:
-    state: dict[int, dict[str, Any]] = {}
-    for bucket, shard in zip(opt.layout.buckets, opt.shards):
-        per_element, rest = _split(opt.optim.state.get(shard, {}))
-        for i in bucket.params:
-            state[i] = {
-                k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in rest.items()
-            }
-        for k in sorted(per_element):
-            t = per_element[k]
-            staging = torch.zeros(bucket.chunk * opt.world, dtype=t.dtype, device=t.device)
-            mine = staging[opt.rank * bucket.chunk : (opt.rank + 1) * bucket.chunk]
-            mine[: t.numel()].copy_(t)
-            c.all_gather_into_tensor(staging, mine.clone(), group=opt.process_group)
-            for i in bucket.params:
-                state[i][k] = torch.zeros_like(opt.params[i], dtype=t.dtype)
-            for s in bucket.segments:
-                full = state[s.param][k].view(-1)
-                full[s.param_start : s.param_start + s.length].copy_(
-                    staging[s.staging : s.staging + s.length]
-                )
-    if all(not v for v in state.values()):
-        state = {}
-    return {"state": dict(sorted(state.items())), "param_groups": _groups_meta(opt)}
+# ---- load --------------------------------------------------------------------------------------
+def _cut(value: Any, r: OwnedRange, p: torch.Tensor, key: str) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.dim() == 0:
+        return value.clone()
+    if value.numel() != p.numel():
+        raise ValueError(
+            f"load_state_dict: state {key!r} of parameter {r.param} has shape "
+            f"{tuple(value.shape)}, the parameter {tuple(p.shape)}"
+        )
+    return r.view_of(value.reshape(p.shape)).clone()
 
 
 def load_full_state_dict(opt: ZeroRedundancyOptimizer, sd: dict[str, Any]) -> None:
-    where = "load_state_dict"
+    """Keep this rank's ranges of a ``torch.optim``-format state dict."""
     if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
         raise ValueError(
-            f"{where}: expected a torch.optim state dict with 'state' and 'param_groups'"
+            "load_state_dict: expected a torch.optim state dict with 'state' and 'param_groups'"
         )
-    _set_hyperparameters(opt, sd["param_groups"], where)
-    saved = {int(k): v for k, v in sd["state"].items()}
-    for b, (bucket, shard) in enumerate(zip(opt.layout.buckets, opt.shards)):
-        present = [saved[i] for i in bucket.params if i in saved]
-        if not present:
-            opt.optim.state.pop(shard, None)
-            continue
-        state: dict[str, Any] = {}
-        for k, v in present[0].items():
-            if isinstance(v, torch.Tensor) and v.dim() > 0:
-                t = torch.zeros(shard.numel(), dtype=v.dtype, device=shard.device)
-                for param, start, length, off in _own_segments(opt, b):
-                    if param in saved:
-                        src = saved[param][k].reshape(-1)[start : start + length]
-                        t[off : off + length].copy_(src)
-                state[k] = t
-            else:
-                state[k] = v.clone() if isinstance(v, torch.Tensor) else v
-        opt.optim.state[shard] = state
+    set_hyperparameters(opt, sd["param_groups"], "load_state_dict")
+    saved = {int(k): v for k, v in sd["state"].items() if v is not None}
+    states = []
+    for mine in opt.owned:
+        for r in mine:
+            if r.param in saved:
+                p = opt.params[r.param]
+                st = {k: _cut(v, r, p, k) for k, v in saved[r.param].items()}
+                states.append((r.tensor, st))
+    install(opt, states)

@@ -6,6 +6,7 @@ import logging
 from typing import Any, cast
 
 from phalanx.comm.group import World
+from phalanx.sharding.state import Sharded
 
 __all__ = ["CheckpointMixin"]
 
@@ -40,8 +41,8 @@ class CheckpointMixin:
                 "parameters are DTensors); use strategy='zero3' for resumable sharded training"
             )
         consolidate = getattr(self.optimizer, "consolidate_state_dict", None)
-        if consolidate is not None:  # torch's ZeroRedundancyOptimizer gathers to rank 0 first
-            consolidate(to=0)
+        if consolidate is not None and not isinstance(self.optimizer, Sharded):
+            consolidate(to=0)  # torch's ZeroRedundancyOptimizer gathers to rank 0 first
         model, optimizer = self._checkpointed()
         return checkpoint.save(
             self.checkpoint_dir,

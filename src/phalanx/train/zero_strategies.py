@@ -48,7 +48,9 @@ def _zero(stage: int) -> Any:
 
         groups = [{**_options(g), "params": g["params"]} for g in opt.param_groups]
         defaults = _accepted(type(opt), opt.defaults)
-        return ZeroRedundancyOptimizer(groups, type(opt), stage=stage, **defaults)
+        return ZeroRedundancyOptimizer(
+            groups, type(opt), parameters_as_bucket_view=True, stage=stage, **defaults
+        )
 
     return rebuild
 

@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from phalanx.comm import collectives as c
+from phalanx.sharding.clip import clip_pieces_
 from phalanx.sharding.state import PieceReader, ShardedState
 from phalanx.sharding.zero3 import state as st
 from phalanx.sharding.zero3.plan import WrapPolicy, assign_params, normalize_wrap, select_units
@@ -130,22 +131,9 @@ class FullyShardedDataParallel(nn.Module):
         As ``torch.nn.utils.clip_grad_norm_`` on the unsharded model: each rank reduces its
         shards' sum of |g|^p (max |g| for the inf-norm) and all-reduces it.
         """
-        p = float(norm_type)
-        if not p > 0:
-            raise ValueError(f"clip_grad_norm_: norm_type must be > 0 or inf, got {norm_type}")
         grads = [u.flat_param.grad for u in self.units if u.flat_param.grad is not None]
-        device = self.units[0].device
-        local = torch.zeros((), dtype=torch.float32, device=device)
-        for g in grads:
-            norm = torch.linalg.vector_norm(g, p).float()
-            local = torch.maximum(local, norm) if p == float("inf") else local + norm**p
-        op = dist.ReduceOp.MAX if p == float("inf") else dist.ReduceOp.SUM
-        c.all_reduce(local, op, group=self._info.group)
-        total = local if p == float("inf") else local ** (1.0 / p)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
-        return total
+        info, device = self._info, self.units[0].device
+        return clip_pieces_(grads, max_norm, norm_type, info.group, device, info.world)
 
     # ---- state ------------------------------------------------------------------------------
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:

@@ -1,0 +1,144 @@
+"""Checks on what a ZeRO-1/2 optimizer is given, with torch's exception types.
+
+``torch.distributed.optim.ZeroRedundancyOptimizer`` raises ``TypeError`` for ``params`` of the
+wrong type (a single tensor, a number, an iterable holding something other than tensors or
+parameter groups) and ``ValueError`` for an empty list, a group without ``"params"``, sparse
+tensors or mixed dtypes; so does phalanx's, naming the argument, the position and the value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+__all__ = [
+    "NOT_ELEMENTWISE",
+    "check_elementwise",
+    "check_options",
+    "check_params",
+    "check_same_dense_type",
+    "sync_options",
+]
+
+NOT_ELEMENTWISE = {
+    "LBFGS": "it needs the whole parameter vector and a closure",
+    "Adafactor": "it factors each matrix's second moment by rows and columns",
+    "Muon": "it orthogonalises each weight matrix",
+    "SparseAdam": "it steps sparse gradients",
+}
+
+
+def check_elementwise(cls: type) -> None:
+    """Refuse optimizers that need whole tensors: a shard holds slices of parameters."""
+    why = NOT_ELEMENTWISE.get(cls.__name__)
+    if why is not None and cls.__module__.startswith("torch.optim"):
+        raise ValueError(
+            f"optimizer_class={cls.__name__} cannot step a ZeRO shard: {why}, while a shard may "
+            f"hold a slice of a parameter; use an element-wise optimizer (SGD, Adam, AdamW, "
+            f"Adagrad, RMSprop, ...) or strategy='ddp'"
+        )
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return torch.typename(value)
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
+
+
+def _check_tensors(values: Iterable[Any], where: str) -> None:
+    for i, p in enumerate(values):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"{where}[{i}] must be a Tensor, got {_describe(p)}")
+
+
+def check_params(params: Any) -> list[Any]:
+    """``params`` as a list of tensors or of parameter groups, or torch's exception type.
+
+    Raises:
+        TypeError: ``params`` is a tensor, not iterable, or holds other than tensors or dicts.
+        ValueError: ``params`` is empty, or a group has no ``"params"`` key.
+    """
+    if isinstance(params, torch.Tensor):
+        raise TypeError(
+            f"params must be an iterable of Tensors or dicts (parameter groups), got a single "
+            f"{torch.typename(params)}; pass [tensor] or model.parameters()"
+        )
+    try:
+        items = list(params)
+    except TypeError as exc:
+        raise TypeError(
+            f"params must be an iterable of Tensors or dicts (parameter groups), got "
+            f"{_describe(params)}"
+        ) from exc
+    if not items:
+        raise ValueError("params is empty: ZeroRedundancyOptimizer needs at least one parameter")
+    if not all(isinstance(g, dict) for g in items):
+        _check_tensors(items, "params")
+        return items
+    groups = []
+    for gi, group in enumerate(items):
+        if "params" not in group:
+            raise ValueError(
+                f"params[{gi}] is a parameter group without a 'params' key (keys: {sorted(group)})"
+            )
+        ps = group["params"]
+        ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)  # a generator is read once
+        _check_tensors(ps, f"params[{gi}]['params']")
+        groups.append({**group, "params": ps})
+    return groups
+
+
+def check_same_dense_type(params: list[torch.Tensor], where: str = "params") -> None:
+    """One dense dtype on one device for every parameter (one flat buffer per bucket).
+
+    Raises:
+        ValueError: a sparse tensor, or two dtypes or devices, naming the first offender.
+    """
+    for i, p in enumerate(params):
+        if p.layout != torch.strided:
+            raise ValueError(
+                f"{where}[{i}] is a {p.layout} tensor; ZeroRedundancyOptimizer shards dense "
+                f"parameters only"
+            )
+        first = params[0]
+        if (p.dtype, p.device) != (first.dtype, first.device):
+            raise ValueError(
+                f"every parameter must share one dtype and device: {where}[0] is "
+                f"{first.dtype} on {first.device}, {where}[{i}] is {p.dtype} on {p.device}"
+            )
+
+
+def check_options(
+    optimizer_class: Any, overlap_with_ddp: bool, stage: int | None, bucket_cap_mb: float
+) -> None:
+    """The constructor's other arguments (``params`` aside)."""
+    if stage not in (None, 1, 2):
+        raise ValueError(
+            f"stage must be None (gradients averaged by DDP), 1 or 2 (stage 3 is "
+            f"FullyShardedDataParallel), got {stage!r}"
+        )
+    if not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
+    if not (
+        isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)
+    ):
+        raise TypeError(
+            f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}"
+        )
+    check_elementwise(optimizer_class)
+    if overlap_with_ddp:
+        raise NotImplementedError(
+            "overlap_with_ddp=True is not supported: torch runs that step inside DDP "
+            "communication hooks (ddp_zero_hook) that drive its own class's private state. To "
+            "overlap gradient communication with backward, drop DDP and pass stage=2"
+        )
+
+
+def sync_options(src: list[dict[str, Any]], dst: list[dict[str, Any]]) -> None:
+    """Copy every group option but ``params`` (an lr set by a scheduler, a key the inner
+    optimizer adds) from ``src`` to ``dst``, group by group."""
+    for s, d in zip(src, dst):
+        d.update({k: v for k, v in s.items() if k != "params"})
