@@ -116,8 +116,8 @@ def _check_gather_broadcast(r: int, n: int) -> None:
     hvd.synchronize(hvd.broadcast_async_(z, 0))
     _eq(z, torch.zeros(2, 2), "broadcast_async_")
     _eq(hvd.synchronize(hvd.broadcast_async(y * 0 + r, 0)), torch.zeros(3), "broadcast_async")
-    _raises(lambda: hvd.allgather(torch.zeros(1, 2 + r)), "rank 0 has [1, 2] float32",
-            "rank 1 has [1, 3] float32")  # fmt: skip
+    _raises(lambda: hvd.allgather(torch.zeros(1, 2 + r)), "rank 0 sent float32 [*, 2]",
+            "rank 1 sent float32 [*, 3]")  # fmt: skip
     _raises(lambda: hvd.broadcast(y, n), f"root_rank={n}")
 
 
@@ -389,10 +389,6 @@ def _mistakes() -> bool:
     wrapped.step()  # catches up: all-reduces the one pass
     wrapped.zero_grad()
     wrapped._hvd_sync.remove_hooks()
-    emb = nn.Embedding(10, 4, sparse=True)
-    sparse_opt = dist_opt(torch.optim.SGD(emb.parameters(), lr=0.1), emb.named_parameters())
-    _raises(lambda: emb(torch.tensor([1, 2])).sum().backward(), "sparse_as_dense=True")
-    sparse_opt._hvd_sync.remove_hooks()
     odd = nn.Linear(3, 2 + r)  # a different model on each rank
     _raises(lambda: dist_opt(torch.optim.SGD(odd.parameters(), lr=0.1), odd.named_parameters()),
             "the parameters on rank 1 differ", "'weight' [2, 3]", "[3, 3]")  # fmt: skip
