@@ -180,12 +180,28 @@ def _check_process_set(r: int, n: int) -> None:
         _raises(lambda: hvd.broadcast(x, 1, process_set=ps), "root_rank=1", "[0, 2]")
 
 
+def _check_hvd_process_set(r: int, n: int) -> None:
+    if n < 3:
+        return  # at two ranks, a set of two is the global set
+    pair = hvd.add_process_set([n - 1, 0])  # every rank adds it
+    assert (pair.ranks, pair.size(), pair.included()) == ([0, n - 1], 2, r in (0, n - 1))
+    if pair.included():
+        x = torch.full((2,), float(r + 1))
+        _eq(hvd.allreduce(x, op=hvd.Sum, process_set=pair), torch.full((2,), float(n + 1)), "sum")
+        _eq(hvd.broadcast(x, n - 1, process_set=pair), torch.full((2,), float(n)), "broadcast")
+        _eq(hvd.reducescatter(torch.ones(4), op=hvd.Sum, process_set=pair), torch.full((2,), 2.0),
+            "reducescatter on a set")  # fmt: skip
+        _raises(lambda: hvd.broadcast(x, 1, process_set=pair), "root_rank=1", "[0, 2]")
+    hvd.barrier()
+    assert hvd.remove_process_set(pair)
+
+
 def _all_ops() -> bool:
     r, n = hvd.rank(), hvd.size()
     hvd.init()  # already initialised by the harness: a no-op
     for check in (_check_allreduce, _check_async_and_grouped, _check_gather_broadcast,
                   _check_alltoall, _check_autograd, _check_objects_and_process,
-                  _check_process_set):  # fmt: skip
+                  _check_process_set, _check_hvd_process_set):  # fmt: skip
         check(r, n)
     return True
 

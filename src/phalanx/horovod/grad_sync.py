@@ -188,13 +188,22 @@ class GradientSync:
         self._in_pass = False
         if self.reducer.enabled:  # this pass was all-reduced
             self.passes = 0
-            if self._sparse:  # after the reducer's write-back: the local sparse gradients
-                torch.autograd.Variable._execution_engine.queue_callback(self._restore_sparse)
+            if self._sparse or self._densified:  # runs after the reducer's write-back
+                torch.autograd.Variable._execution_engine.queue_callback(self._sparse_again)
         self._arm()
 
-    def _restore_sparse(self) -> None:
+    def _sparse_again(self) -> None:
+        """Gradients that were sparse are sparse again (the local ones until synchronize())."""
         for j, grad in self._sparse.items():
             self.params[j].grad = grad
+        self._resparsify()
+
+    def _resparsify(self) -> None:
+        for j in sorted(self._densified):
+            grad = self.params[j].grad
+            if grad is not None and not grad.is_sparse:
+                self.params[j].grad = grad.to_sparse()
+        self._densified.clear()
 
     def _arm(self) -> None:
         """Enable the reducer for the next backward pass iff it completes a step's passes."""
@@ -217,11 +226,7 @@ class GradientSync:
             self._catch_up()
         if self._sparse:
             self._gather_sparse()
-        for j in sorted(self._densified):
-            grad = self.params[j].grad
-            if grad is not None and not grad.is_sparse:
-                self.params[j].grad = grad.to_sparse()
-        self._densified.clear()
+        self._resparsify()
 
     def _catch_up(self) -> None:
         grads = []
