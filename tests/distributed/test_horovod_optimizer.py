@@ -118,3 +118,24 @@ def test_sparse_gradients_are_all_gathered_like_horovod() -> None:
     a, b = run_distributed(_sparse_training, True, world_size=2, timeout=60)
     assert torch.equal(a["weight"], b["weight"]), "SparseAdam replicas must stay identical"
     torch.testing.assert_close(a["grad"], grad, rtol=0, atol=1e-6)
+
+
+def _backward_beside_another_operation() -> str:
+    model = nn.Linear(4, 2)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())  # fmt: skip
+    assert opt is not None
+    try:
+        if hvd.rank() == 0:
+            model(torch.ones(3, 4)).sum().backward()
+        else:
+            hvd.allreduce(torch.ones(3))
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_backward_pass_beside_another_operation_raises_on_both_ranks() -> None:
+    for message in run_distributed(_backward_beside_another_operation, world_size=2, timeout=60):
+        assert "rank 0 is in a backward pass of DistributedOptimizer #0" in message, message
+        assert "rank 1 is in allreduce #0 (unnamed)" in message, message

@@ -63,11 +63,46 @@ class Controller:
         self.optimizers: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
         """The DistributedOptimizers of this set by key, for a joined rank to shadow."""
         self._optimizers_made = 0
+        self._outstanding: Callable[[], None] | None = None
 
     # ---- entry points -------------------------------------------------------------------------
     def submit(self, req: Request, blocking: bool) -> Handle:
         """Issue ``req``; returns its handle (launched, failed, or deferred if not ``blocking``)."""
+        handle = self._register(req)
+        if len(self.ranks) == 1:
+            self._start((req, handle), Agreement((req.payload,)))
+        else:
+            self._negotiate(State.BLOCKING if blocking else State.ASYNC, (req, handle))
+        return handle
+
+    def submit_overlapped(self, req: Request) -> Callable[[], None]:
+        """Start the first round of a blocking request without waiting for it; the returned
+        function completes it (negotiating further if needed) and raises if it failed.
+
+        A DistributedOptimizer announces each backward pass this way, so the round travels
+        while backward computes. Any other round this rank starts settles it first.
+        """
+        handle = self._register(req)
+        if len(self.ranks) == 1:
+            self._start((req, handle), Agreement((req.payload,)))
+            return handle.wait
+        everyone, mine = self._buffers(self._row(State.BLOCKING, (req, handle), 0))
+        work = c.all_gather_into_tensor(everyone, mine, group=self.meta, async_op=True)
+
+        def finish() -> None:
+            if self._outstanding is finish:
+                self._outstanding = None
+                work.wait()
+                self._negotiate(State.BLOCKING, (req, handle), self._decode(everyone))
+            handle.wait()
+
+        self._outstanding = finish
+        return finish
+
+    def _register(self, req: Request) -> Handle:
+        self._settle()
         req.key = self._key(req)
+        req.key_hash = _hash(req.key)
         if req.key in self._in_flight:
             raise ValueError(
                 f"[rank {self.me}] {req.kind.label}: an operation named {req.name!r} is already "
@@ -80,16 +115,13 @@ class Controller:
         key = req.key
         self._in_flight[key] = handle
         handle.on_release(lambda: self._in_flight.pop(key, None))
-        if len(self.ranks) == 1:
-            self._start((req, handle), Agreement((req.payload,)))
-        else:
-            self._negotiate(State.BLOCKING if blocking else State.ASYNC, (req, handle))
         return handle
 
     def join(self) -> int:
         """Answer the others' rounds with neutral values until every rank has joined."""
         if len(self.ranks) == 1:
             return self.me
+        self._settle()
         plan = self._negotiate(State.JOINED, None)
         return self.ranks[plan.last_joined]
 
@@ -102,6 +134,7 @@ class Controller:
 
     def discard(self) -> None:
         """Forget deferred and unsynchronized operations (shutdown)."""
+        self._outstanding = None
         self._pending.clear()
         self._in_flight.clear()
 
@@ -115,10 +148,18 @@ class Controller:
         if entry is not None:
             self._negotiate(State.WAIT, entry)
 
-    def _negotiate(self, state: State, current: _Entry | None) -> Plan:
+    def _settle(self) -> None:
+        """Complete an overlapped round first: every rank's rounds stay in one order."""
+        if self._outstanding is not None:
+            self._outstanding()
+
+    def _negotiate(
+        self, state: State, current: _Entry | None, first: list[Row] | None = None
+    ) -> Plan:
         rounds = 0
         while True:
-            rows = self._exchange(self._row(state, current, rounds))
+            rows = first if first is not None else self._exchange(self._row(state, current, rounds))
+            first = None
             cut = any(r.n_pending > len(r.pending) for r in rows)
             plan = decide(rows, self._gather(list(self._pending)) if cut else None)
             self._run(plan, rows, current)
@@ -126,7 +167,7 @@ class Controller:
             if plan.stuck:  # every rank (joined ones too) takes part in explaining why
                 error = self._stuck_error(rows, state, current)
                 if current is not None:
-                    self._pending.pop(_hash(current[0].key), None)
+                    self._pending.pop(current[0].key_hash, None)
                     current[1].fail(error)
                     return plan
             if current is None:
@@ -135,10 +176,10 @@ class Controller:
                 continue
             req, handle = current
             if self.ranks.index(self.me) in plan.deferred:
-                self._pending[_hash(req.key)] = current
+                self._pending[req.key_hash] = current
                 handle.defer(self._resolve)
                 return plan
-            if not handle.deferred and _hash(req.key) in plan.ready:
+            if not handle.deferred and req.key_hash in plan.ready:
                 return plan
 
     def _row(self, state: State, current: _Entry | None, rounds: int) -> Row:
@@ -147,14 +188,20 @@ class Controller:
             return Row(state, 0, 0, 0, rounds, pending, len(pending), ())
         req = current[0]
         sig = signature(describe(req))
-        return Row(state, int(req.kind), _hash(req.key), sig, 0, pending, len(pending),
+        return Row(state, int(req.kind), req.key_hash, sig, 0, pending, len(pending),
                    req.payload)  # fmt: skip
 
-    def _exchange(self, row: Row) -> list[Row]:
+    def _buffers(self, row: Row) -> tuple[torch.Tensor, torch.Tensor]:
         mine = torch.tensor(encode_row(row), dtype=torch.int64)
-        everyone = torch.empty(len(self.ranks) * ROW, dtype=torch.int64)
-        c.all_gather_into_tensor(everyone, mine, group=self.meta)
+        return torch.empty(len(self.ranks) * ROW, dtype=torch.int64), mine
+
+    def _decode(self, everyone: torch.Tensor) -> list[Row]:
         return decode_rows(everyone.view(len(self.ranks), ROW).tolist())
+
+    def _exchange(self, row: Row) -> list[Row]:
+        everyone, mine = self._buffers(row)
+        c.all_gather_into_tensor(everyone, mine, group=self.meta)
+        return self._decode(everyone)
 
     def _gather(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * len(self.ranks)
@@ -165,7 +212,7 @@ class Controller:
     def _run(self, plan: Plan, rows: list[Row], current: _Entry | None) -> None:
         for name in plan.ready:
             mine = self._pending.pop(name, None)
-            if mine is None and current is not None and _hash(current[0].key) == name:
+            if mine is None and current is not None and current[0].key_hash == name:
                 mine = current
             if (
                 name == plan.fast
@@ -217,7 +264,7 @@ class Controller:
     # ---- errors every rank raises alike -------------------------------------------------------
     def _mismatch_error(self, kind: Kind, key: str, why: str) -> CollectiveMismatchError:
         return CollectiveMismatchError(
-            f"[rank {self.me}] {kind.label} {_shown(key)} on {self.label}: {why}. Every rank "
+            f"[rank {self.me}] {_what(kind, key)} on {self.label}: {why}. Every rank "
             f"must issue each operation with the same dtype, shape, root, op and scaling "
             f"(ranks match operations by name=, unnamed ones by call order)"
         )
@@ -229,7 +276,7 @@ class Controller:
             mine = "is in join()"
         else:
             verb = "waits for" if state == State.WAIT else "is in"
-            mine = f"{verb} {current[0].kind.label} {_shown(current[0].key)}"
+            mine = f"{verb} {_what(current[0].kind, current[0].key)}"
         doing = self._gather(mine)
         parts = [f"rank {self.ranks[i]} {d}" for i, d in enumerate(doing)]
         return CollectiveMismatchError(
@@ -240,8 +287,11 @@ class Controller:
         )
 
 
-def _shown(key: str) -> str:
+def _what(kind: Kind, key: str) -> str:
+    """An operation as messages name it: ``allreduce 'loss'``, ``allgather #3 (unnamed)``."""
     name = key.split(".", 1)[1]
-    return (
-        f"#{name.removeprefix('noname.')} (unnamed)" if name.startswith("noname.") else repr(name)
-    )
+    if kind == Kind.OPTIMIZER:
+        return f"a backward pass of DistributedOptimizer #{name}"
+    if name.startswith("noname."):
+        return f"{kind.label} #{name.removeprefix('noname.')} (unnamed)"
+    return f"{kind.label} {name!r}"

@@ -4,9 +4,10 @@ The reducer launches each bucket's all-reduce as soon as its gradients are in an
 all at the end of backward, so ``optimizer.step()`` finds averaged gradients. What Horovod adds
 is layered on top:
 
-* each backward pass that all-reduces first announces itself in one negotiation round
-  (``controller.py``): a rank in ``join()`` learns from it to shadow the pass with zero
-  gradients, and ranks that diverged (one in backward, one in another operation) raise;
+* each backward pass that all-reduces announces itself in a negotiation round
+  (``controller.py``), started at its first gradient and completed at its end, so it travels
+  while backward computes: a rank in ``join()`` learns from it to shadow the pass with zero
+  gradients, and ranks that diverged (one in backward, one in another operation) both raise;
 * ``op``, ``compression`` and ``gradient_predivide_factor`` become a communication hook (plain
   averaging keeps the reducer's own path, which folds 1/N into the copy into the bucket);
 * ``backward_passes_per_step=k``: a hook on every parameter counts backward passes (it is
@@ -145,6 +146,7 @@ class GradientSync:
         self.passes = 0  # backward passes whose gradients have not been all-reduced yet
         self.sparse_as_dense = sparse_as_dense
         self._in_pass = False
+        self._announced: Callable[[], None] | None = None
         self._sparse: dict[int, torch.Tensor] = {}  # sparse gradients waiting for synchronize()
         self._densified: set[int] = set()  # sparse_as_dense: back to sparse after synchronize()
         # Registered before the reducer's hooks, so they run first on every gradient.
@@ -171,9 +173,10 @@ class GradientSync:
         return hook
 
     def _announce(self) -> None:
-        """One negotiation round before the pass's first bucket is launched."""
+        """Start this pass's negotiation round before its first bucket is launched; it travels
+        while backward computes and is completed at the end of the pass."""
         req = Request(Kind.OPTIMIZER, self.key, [], _nothing)
-        controller(self.ps).submit(req, blocking=True).wait()
+        self._announced = controller(self.ps).submit_overlapped(req)
 
     def _sparse_grad(self, j: int, param: torch.Tensor) -> None:
         assert param.grad is not None
@@ -186,6 +189,9 @@ class GradientSync:
 
     def _end_pass(self) -> None:
         self._in_pass = False
+        if self._announced is not None:  # before the reducer's wait: a joined rank shadows
+            announced, self._announced = self._announced, None
+            announced()
         if self.reducer.enabled:  # this pass was all-reduced
             self.passes = 0
             if self._sparse or self._densified:  # runs after the reducer's write-back

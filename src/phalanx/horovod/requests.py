@@ -62,6 +62,8 @@ class Request:
     """Local settings of ``start`` (in place, compression ...); never compared."""
     key: str = ""
     """``<kind>.<name>`` or ``<kind>.noname.<k>``: what ranks match on (set by the controller)."""
+    key_hash: int = 0
+    """``stable_hash(key)``, as rows carry it."""
 
 
 def _tensor_meta(t: torch.Tensor) -> list[Any]:
