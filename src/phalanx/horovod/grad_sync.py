@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from phalanx.comm.errors import CollectiveMismatchError
 from phalanx.comm.objects import all_gather_object
 from phalanx.data_parallel.grad_bucket import GradBucket
 from phalanx.data_parallel.reducer import Hook, Reducer
@@ -87,14 +88,15 @@ def bucket_cap_bytes(params: list[nn.Parameter], groups: int) -> int:
 
 
 def check_same_parameters(named: list[tuple[str, nn.Parameter]], group: Any) -> None:
-    """Every rank must synchronise the same parameters (names, shapes, dtypes), in order."""
+    """Every rank must synchronise the same parameters (names, shapes, dtypes), in order: a
+    RuntimeError on every rank otherwise, as for any operation the ranks disagree on."""
     mine = [[n, list(p.shape), str(p.dtype)] for n, p in named]
     everyone: list[Any] = [None] * dist.get_world_size(group)
     all_gather_object(everyone, mine, group)
     ranks = dist.get_process_group_ranks(group) if group is not None else range(len(everyone))
     for rank, theirs in zip(ranks, everyone):
         if theirs != everyone[0]:
-            raise ValueError(_difference(everyone[0], theirs, rank))
+            raise CollectiveMismatchError(_difference(everyone[0], theirs, rank))
 
 
 def _difference(ref: list[Any], other: list[Any], rank: int) -> str:
