@@ -108,16 +108,29 @@ def setup() -> None:
 
 
 def reset() -> None:
-    """Forget every process set (``shutdown()``); their groups die with the default group."""
-    for ps in [*_SETS.values(), *_RAW.values()]:
+    """Forget every process set (``shutdown()``) and destroy the groups made for them."""
+    alive = dist.is_initialized() and _BUILT_FOR[0] is distributed_c10d._get_default_group()
+    for ps in _SETS.values():
+        if ps._controller is not None:
+            ps._controller.discard()
+            if alive:  # else they died with the default group they belonged to
+                _destroy(ps._controller.meta, None if ps is global_process_set else ps.group)
+        ps._controller = None
+        if ps is not global_process_set:
+            ps.process_set_id, ps.group = None, None
+    for ps in _RAW.values():  # wrappers of the caller's torch groups: the groups are theirs
         if ps._controller is not None:
             ps._controller.discard()
         ps._controller = None
-        if ps is not global_process_set:
-            ps.process_set_id = None
     _SETS.clear()
     _RAW.clear()
     _BUILT_FOR[0] = None
+
+
+def _destroy(*groups: Any) -> None:
+    for group in groups:
+        if group is not None:
+            dist.destroy_process_group(group)
 
 
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
@@ -160,12 +173,9 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     if _SETS.get(ps.process_set_id) is not ps:
         return False
     del _SETS[ps.process_set_id]
-    if ps._controller is not None:
+    if ps._controller is not None:  # a member: the groups are real here
         ps._controller.discard()
-        meta = ps._controller.meta
-        for group in (ps.group, meta):
-            if group is not None:
-                dist.destroy_process_group(group)
+        _destroy(ps.group, ps._controller.meta)
     ps.process_set_id, ps.group, ps._controller = None, None, None
     return True
 
