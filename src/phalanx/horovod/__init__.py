@@ -18,7 +18,8 @@ averages gradients with the same bucketed, overlapped all-reduce engine as
   ``add_process_set`` after ``init()``), and ``add_process_set`` needs no
   ``HOROVOD_DYNAMIC_PROCESS_SETS``;
 * ``join()`` covers the global process set; a ``DistributedOptimizer`` shares the wrapped
-  optimizer's state instead of starting empty.
+  optimizer's state instead of starting empty, and all-gathers sparse gradients at
+  ``synchronize()`` (their slot in the bucketed all-reduce carries zeros).
 """
 
 from __future__ import annotations
