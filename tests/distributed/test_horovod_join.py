@@ -59,3 +59,44 @@ def test_join_shadows_uneven_ranks_and_matches_a_reference() -> None:
     for got, want in zip(results[1][1], ref):  # the rank that trained to the end
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert max(r[2] for r in results) < 30
+
+
+def _joined_collectives(first: int) -> int:
+    """Rank ``first`` joins at once; the other keeps calling collectives, then joins."""
+    last = hvd.join() if hvd.rank() == first else _working(first)
+    # unnamed operations match by call order: the joined rank counted the others' calls too
+    assert torch.equal(hvd.allreduce(torch.ones(1), op=hvd.Sum), torch.full((1,), 2.0))
+    return last
+
+
+def _working(first: int) -> int:
+    r = hvd.rank()
+    x = torch.tensor([5, -3, 7])
+    ops = {hvd.Sum: x, hvd.Average: torch.tensor([2, -1, 3]), hvd.Min: x, hvd.Max: x,
+           hvd.Product: x}  # fmt: skip
+    for op, want in ops.items():  # the joined rank contributes the neutral value of each
+        assert torch.equal(hvd.allreduce(x, op=op), want), f"op {op}"
+    got = hvd.grouped_allreduce([x.double(), torch.ones(2, 2)], op=hvd.Sum)
+    assert torch.equal(got[0], x.double()) and torch.equal(got[1], torch.ones(2, 2))
+    handle = hvd.allreduce_async(x.float(), name="named", op=hvd.Min)
+    assert torch.equal(hvd.synchronize(handle), x.float())
+    hvd.barrier()
+    for call in (
+        lambda: hvd.allgather(x),
+        lambda: hvd.broadcast(x, r),
+        lambda: hvd.alltoall(torch.ones(2)),
+        lambda: hvd.reducescatter(torch.ones(2)),
+    ):
+        try:  # as in Horovod: only all-reduces run while a rank has joined
+            call()
+        except RuntimeError as exc:
+            assert f"rank(s) [{first}] are in join()" in str(exc), str(exc)
+        else:
+            raise AssertionError("a collective that join() cannot take part in did not raise")
+    return hvd.join()
+
+
+def test_joined_rank_takes_part_in_allreduces_with_neutral_values() -> None:
+    for first in (0, 1):
+        results = run_distributed(_joined_collectives, first, world_size=2, timeout=60)
+        assert results == [1 - first] * 2  # every rank names the rank that joined last

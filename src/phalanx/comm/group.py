@@ -65,6 +65,7 @@ class World:
 
 
 _WORLD: World | None = None
+_GENERATION = 0  # process groups this process has initialised so far
 
 
 def resolve_backend(backend: str | None, local_rank: int) -> str:
@@ -167,7 +168,7 @@ def init_process_group(
     Returns:
         The frozen :class:`World` record.
     """
-    global _WORLD
+    global _WORLD, _GENERATION
     if dist.is_initialized():
         raise RuntimeError(
             "init_process_group() was called twice; call destroy_process_group() first"
@@ -189,6 +190,11 @@ def init_process_group(
         store = dist.HashStore() if init_method is None else None
         if store is None:
             store = _make_store(init_method, env, rank, world_size, limit)  # type: ignore[arg-type]
+        if _GENERATION:
+            # A process that initialises again (destroy, then init, as hvd.shutdown / hvd.init do)
+            # meets the same store: namespace every key by the generation, which every rank
+            # counts alike, so that no key of the previous group is read as this one's.
+            store = dist.PrefixStore(f"phalanx/generation{_GENERATION}/", store)
         dist.init_process_group(
             name,
             store=store,
@@ -197,6 +203,7 @@ def init_process_group(
             timeout=limit,
             device_id=device if name == "nccl" else None,
         )
+    _GENERATION += 1
     _WORLD = World(
         rank=rank,
         world_size=world_size,

@@ -1,22 +1,37 @@
 """Horovod's PyTorch API on phalanx: change ``import horovod.torch as hvd`` to
 ``import phalanx.horovod as hvd`` and launch with ``phalanx run`` instead of ``horovodrun``.
 
-``DistributedOptimizer`` averages gradients with the same bucketed, overlapped all-reduce engine
-as ``phalanx.DistributedDataParallel``. Differences from Horovod, all deliberate:
+Horovod's own ``test/parallel/test_torch.py`` runs against this package on two CPU ranks
+(``tools/peer_suites/horovod_suite.py``). As in Horovod, operations are matched across ranks by
+``name`` (unnamed ones by call order) in a negotiation round (``controller.py``): ranks that
+disagree on shape, dtype, root or operation get a ``RuntimeError`` on every rank; a name still in
+flight raises ``ValueError``; ``join()`` takes part in the others' all-reduces (also a
+``DistributedOptimizer``'s) with neutral values; int16 travels widened. ``DistributedOptimizer``
+averages gradients with the same bucketed, overlapped all-reduce engine as
+``phalanx.DistributedDataParallel``. Differences from Horovod, all deliberate:
 
-* operations are matched across ranks by call order, not by ``name`` (every rank must issue the
-  same collectives in the same order, as with ``torch.distributed``); handles are objects;
+* negotiation runs in the calling thread, not a background thread: an ``*_async`` call returns
+  once every rank of the process set has reached *an* operation (its collective then runs in the
+  background), and a name stays in flight until its handle is synchronized;
 * ``broadcast_object`` / ``allgather_object`` never unpickle: they carry plain data and tensors;
-* ``Adasum`` is not supported; a process set is a ``torch.distributed`` process group;
-* ``join()`` shadows the ``DistributedOptimizer`` gradient all-reduces of ranks still training
-  (zeros) and returns the last rank to arrive; other collectives issued inside the training
-  loop cannot be shadowed.
+* ``Adasum`` and the timeline are not supported; ``init(comm=...)`` is not (use
+  ``add_process_set`` after ``init()``), and ``add_process_set`` needs no
+  ``HOROVOD_DYNAMIC_PROCESS_SETS``;
+* ``join()`` covers the global process set; a ``DistributedOptimizer`` shares the wrapped
+  optimizer's state instead of starting empty, and all-gathers sparse gradients at
+  ``synchronize()`` (their slot in the bucketed all-reduce carries zeros).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from phalanx.horovod.allgather import (
+    allgather,
+    allgather_async,
+    grouped_allgather,
+    grouped_allgather_async,
+)
 from phalanx.horovod.allreduce import (
     ReduceOp,
     allreduce,
@@ -47,6 +62,7 @@ from phalanx.horovod.basics import (
     shutdown,
     size,
 )
+from phalanx.horovod.broadcast import broadcast, broadcast_, broadcast_async, broadcast_async_
 from phalanx.horovod.compression import Compression
 from phalanx.horovod.functions import (
     allgather_object,
@@ -61,15 +77,20 @@ from phalanx.horovod.grouped import (
     grouped_allreduce_async_,
 )
 from phalanx.horovod.handle import Handle, poll, synchronize
-from phalanx.horovod.ops import (
-    allgather,
-    allgather_async,
-    broadcast,
-    broadcast_,
-    broadcast_async,
-    broadcast_async_,
-)
 from phalanx.horovod.optimizer import DistributedOptimizer
+from phalanx.horovod.process_sets import (
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    remove_process_set,
+)
+from phalanx.horovod.reducescatter import (
+    grouped_reducescatter,
+    grouped_reducescatter_async,
+    reducescatter,
+    reducescatter_async,
+)
+from phalanx.horovod.sparse import sparse_allreduce_async
 from phalanx.horovod.sync import barrier, join
 
 Average = ReduceOp.Average
@@ -88,9 +109,11 @@ __all__ = [
     "HorovodInternalError",
     "Max",
     "Min",
+    "ProcessSet",
     "Product",
     "Sum",
     "SyncBatchNorm",
+    "add_process_set",
     "allgather",
     "allgather_async",
     "allgather_object",
@@ -113,12 +136,17 @@ __all__ = [
     "cross_size",
     "cuda_built",
     "ddl_built",
+    "global_process_set",
     "gloo_built",
     "gloo_enabled",
+    "grouped_allgather",
+    "grouped_allgather_async",
     "grouped_allreduce",
     "grouped_allreduce_",
     "grouped_allreduce_async",
     "grouped_allreduce_async_",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
     "init",
     "is_initialized",
     "join",
@@ -130,9 +158,13 @@ __all__ = [
     "nccl_built",
     "poll",
     "rank",
+    "reducescatter",
+    "reducescatter_async",
+    "remove_process_set",
     "rocm_built",
     "shutdown",
     "size",
+    "sparse_allreduce_async",
     "synchronize",
 ]
 

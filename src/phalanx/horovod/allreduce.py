@@ -1,26 +1,31 @@
-"""Horovod's all-reduce family: ``allreduce``, ``allreduce_``, their ``_async`` forms, grouped.
+"""Horovod's all-reduce: ``allreduce``, ``allreduce_`` and their ``_async`` forms.
 
 Semantics follow ``horovod.torch``: the result is ``postscale * reduce(prescale * x)``, divided
 by the process-set size for ``Average``; integer tensors are scaled in float64 and truncated
 toward zero, as Horovod's C++ core does. ``allreduce`` returns a new tensor and is
 differentiable (the gradient is all-reduced with the same operation); ``allreduce_`` works in
-place.
+place. A rank in ``join()`` contributes the operation's neutral value (0 for a sum or average,
+1 for a product, the dtype's extreme for min and max); the average still divides by the whole
+set, as in Horovod.
 """
 
 from __future__ import annotations
 
-import enum
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from phalanx.comm import collectives as c
-from phalanx.horovod.basics import ProcessSet, check_group
+from phalanx.horovod import dtypes
 from phalanx.horovod.compression import Compression, check_compression
+from phalanx.horovod.controller import NEUTRAL
 from phalanx.horovod.handle import Handle
+from phalanx.horovod.process_sets import ProcessSet, controller, resolve
+from phalanx.horovod.protocol import Kind, ReduceOp
+from phalanx.horovod.requests import Agreement, Request
 
 __all__ = [
     "ReduceOp",
@@ -28,20 +33,11 @@ __all__ = [
     "allreduce_",
     "allreduce_async",
     "allreduce_async_",
+    "launch",
+    "neutral_tensor",
     "resolve_op",
+    "submit_allreduce",
 ]
-
-
-class ReduceOp(enum.IntEnum):
-    """Horovod's reduction operations (exported as ``hvd.Average``, ``hvd.Sum``, ...)."""
-
-    Average = 0
-    Sum = 1
-    Adasum = 2
-    Min = 3
-    Max = 4
-    Product = 5
-
 
 _TORCH_OP = {
     ReduceOp.Average: dist.ReduceOp.SUM,  # then divided by the group size
@@ -64,7 +60,7 @@ def resolve_op(op: Any, average: bool | None = None) -> ReduceOp:
     if op is None:
         return ReduceOp.Average
     if op == ReduceOp.Adasum:
-        raise ValueError("Adasum is not supported, use Average or Sum")
+        raise NotImplementedError("Adasum is not supported, use Average or Sum")
     try:
         return ReduceOp(op)
     except (ValueError, TypeError):
@@ -83,7 +79,8 @@ def scale_(t: torch.Tensor, factor: float) -> None:
         t.copy_((t.double() * factor).to(t.dtype))
 
 
-def _finish_scale(t: torch.Tensor, op: ReduceOp, post: float, n: int) -> None:
+def finish_scale(t: torch.Tensor, op: ReduceOp, post: float, n: int) -> None:
+    """Apply the postscale factor (and the 1/n of an average) to a reduced tensor."""
     if op != ReduceOp.Average:
         scale_(t, post)
     elif post != 1:
@@ -95,7 +92,7 @@ def _finish_scale(t: torch.Tensor, op: ReduceOp, post: float, n: int) -> None:
 
 
 def launch(
-    buffers: list[torch.Tensor], op: ReduceOp, pre: float, post: float, group: ProcessSet,
+    buffers: list[torch.Tensor], op: ReduceOp, pre: float, post: float, group: Any,
 ) -> tuple[list[Any], Callable[[], None]]:  # fmt: skip
     """Scale and start reducing ``buffers`` in place; returns the works and the finishing step."""
     n = dist.get_world_size(group)
@@ -106,32 +103,64 @@ def launch(
 
     def finish() -> None:
         for buf in buffers:
-            _finish_scale(buf, op, post, n)
+            finish_scale(buf, op, post, n)
 
     return works, finish
 
 
-def reduce_async(
-    tensor: torch.Tensor, op: ReduceOp, pre: float, post: float, group: ProcessSet,
-    inplace: bool,
-) -> Handle:  # fmt: skip
-    """All-reduce ``tensor`` (in place, or a copy) with resolved arguments."""
-    target = tensor.detach()
-    copy_back = inplace and not target.is_contiguous()
-    if inplace and not copy_back:
+def neutral_tensor(shape: Sequence[int], dtype: torch.dtype, op: ReduceOp) -> torch.Tensor:
+    """What a joined rank contributes: the identity of ``op`` (0, 1 or the dtype's extreme)."""
+    if op in (ReduceOp.Sum, ReduceOp.Average):
+        return torch.zeros(shape, dtype=dtype)
+    if op == ReduceOp.Product:
+        return torch.ones(shape, dtype=dtype)
+    if dtype == torch.bool:
+        return torch.full(shape, op == ReduceOp.Min, dtype=dtype)
+    info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
+    extreme = info.max if op == ReduceOp.Min else info.min
+    if dtype.is_floating_point:
+        extreme = float("inf") if op == ReduceOp.Min else float("-inf")
+    return torch.full(shape, extreme, dtype=dtype)
+
+
+def _start(req: Request, agreement: Agreement) -> tuple[list[Any], Callable[[], Any]]:
+    (tensor,) = req.tensors
+    target, inplace = tensor.detach(), req.options["inplace"]
+    wire = dtypes.wire_dtype(target.dtype)
+    if inplace and target.is_contiguous() and wire == target.dtype:
         buf = target
     else:
-        buf = target.clone(memory_format=torch.contiguous_format)
-    works, finish = launch([buf], op, pre, post, group)
+        buf = target.to(wire, memory_format=torch.contiguous_format, copy=True)
+    works, finish = launch([buf], ReduceOp(req.op), req.pre, req.post, req.options["group"])
 
     def result() -> torch.Tensor:
         finish()
-        if copy_back:
-            target.copy_(buf)
-            return tensor
-        return tensor if inplace else buf
+        out = dtypes.narrow(buf, target.dtype)
+        if inplace and out is not target:
+            target.copy_(out)
+        return tensor if inplace else out
 
-    return Handle(works, result)
+    return works, result
+
+
+def _neutral(desc: dict[str, Any]) -> Request:
+    (dtype, shape, _), op = desc["tensors"][0], ReduceOp(desc["op"])
+    t = neutral_tensor(shape, getattr(torch, dtype), op)
+    return Request(Kind.ALLREDUCE, None, [t], _start, op=int(op),
+                   options={"group": None, "inplace": True})  # fmt: skip
+
+
+NEUTRAL[Kind.ALLREDUCE] = _neutral
+
+
+def submit_allreduce(
+    tensor: torch.Tensor, op: ReduceOp, pre: float, post: float, ps: ProcessSet,
+    inplace: bool, name: str | None = None, blocking: bool = True,
+) -> Handle:  # fmt: skip
+    """Negotiate and start one all-reduce with resolved arguments."""
+    req = Request(Kind.ALLREDUCE, name, [tensor], _start, op=int(op), pre=pre, post=post,
+                  options={"group": ps.group, "inplace": inplace})  # fmt: skip
+    return controller(ps).submit(req, blocking)
 
 
 class _Allreduce(torch.autograd.Function):
@@ -139,79 +168,73 @@ class _Allreduce(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, op: ReduceOp, pre: float, post: float,
-                group: ProcessSet) -> torch.Tensor:  # fmt: skip
-        ctx.args = (op, pre, post, group)
-        return reduce_async(tensor, op, pre, post, group, inplace=False).wait()
+                ps: ProcessSet, name: str | None) -> torch.Tensor:  # fmt: skip
+        ctx.args = (op, pre, post, ps)
+        return submit_allreduce(tensor, op, pre, post, ps, False, name).wait()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        op, pre, post, group = ctx.args
-        reduced = reduce_async(grad, op, pre, post, group, inplace=False).wait()
-        return reduced, None, None, None, None
+        op, pre, post, ps = ctx.args
+        reduced = submit_allreduce(grad, op, pre, post, ps, False).wait()
+        return reduced, None, None, None, None, None
 
 
 def allreduce_async(
     tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: Any = None,
-    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-    process_set: ProcessSet = None,
+    prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: Any = None,
 ) -> Handle:  # fmt: skip
     """Start reducing a copy of ``tensor``; ``synchronize(handle)`` returns the new tensor.
 
     Args:
         tensor: The tensor to reduce (left unchanged).
         average: Deprecated; use ``op``.
-        name: Accepted for compatibility; operations are matched by call order, not name.
+        name: Matches this operation across ranks (unnamed ones match by call order); a name
+            still in flight on this rank raises ValueError.
         op: ``hvd.Average`` (default), ``hvd.Sum``, ``hvd.Min``, ``hvd.Max`` or ``hvd.Product``.
         prescale_factor: Multiply by this before the reduction.
         postscale_factor: Multiply by this after the reduction.
-        process_set: Group to reduce over; None for all ranks.
+        process_set: An ``hvd.ProcessSet`` to reduce over; None for all ranks.
 
     Returns:
         A :class:`Handle` for :func:`synchronize` / :func:`poll`.
     """
-    op = resolve_op(op, average)
-    group = check_group(process_set)
-    return reduce_async(tensor, op, prescale_factor, postscale_factor, group, inplace=False)
+    op, ps = resolve_op(op, average), resolve(process_set)
+    return submit_allreduce(tensor, op, prescale_factor, postscale_factor, ps, False, name, False)
 
 
 def allreduce_async_(
     tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: Any = None,
-    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-    process_set: ProcessSet = None,
+    prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: Any = None,
 ) -> Handle:  # fmt: skip
     """Start reducing ``tensor`` in place; ``synchronize(handle)`` returns ``tensor``."""
-    op = resolve_op(op, average)
-    group = check_group(process_set)
-    return reduce_async(tensor, op, prescale_factor, postscale_factor, group, inplace=True)
+    op, ps = resolve_op(op, average), resolve(process_set)
+    return submit_allreduce(tensor, op, prescale_factor, postscale_factor, ps, True, name, False)
 
 
 def allreduce(
     tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
     compression: Any = Compression.none, op: Any = None, prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0, process_set: ProcessSet = None,
+    postscale_factor: float = 1.0, process_set: Any = None,
 ) -> torch.Tensor:  # fmt: skip
     """Reduce ``tensor`` over the ranks and return the result as a new tensor.
 
     Same arguments as :func:`allreduce_async`, plus ``compression`` (e.g.
     ``hvd.Compression.fp16``) applied on the wire. Differentiable.
     """
-    op = resolve_op(op, average)
-    group = check_group(process_set)
+    op, ps = resolve_op(op, average), resolve(process_set)
     check_compression(compression)
     wire, ctx = compression.compress(tensor)
     if wire.requires_grad and torch.is_grad_enabled():
-        out = _Allreduce.apply(wire, op, prescale_factor, postscale_factor, group)
+        out = _Allreduce.apply(wire, op, prescale_factor, postscale_factor, ps, name)
     else:
-        out = reduce_async(wire, op, prescale_factor, postscale_factor, group, False).wait()
+        out = submit_allreduce(wire, op, prescale_factor, postscale_factor, ps, False, name).wait()
     return compression.decompress(out, ctx)
 
 
 def allreduce_(
     tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: Any = None,
-    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-    process_set: ProcessSet = None,
+    prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: Any = None,
 ) -> torch.Tensor:  # fmt: skip
     """Reduce ``tensor`` in place and return it."""
-    handle = allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor,
-                              process_set)  # fmt: skip
-    return handle.wait()
+    op, ps = resolve_op(op, average), resolve(process_set)
+    return submit_allreduce(tensor, op, prescale_factor, postscale_factor, ps, True, name).wait()

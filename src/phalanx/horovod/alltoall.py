@@ -1,21 +1,23 @@
 """Horovod's ``alltoall``: send ``splits[j]`` rows to rank j, receive every rank's rows.
 
-The splits and trailing shapes are exchanged first (one small all-to-all), so the receive
-buffer has the right size and a rank whose tensor does not fit is named in an error.
+Each rank's splits travel in the negotiation round, so every rank knows how many rows it
+receives from each peer before the exchange; the trailing dimensions and the dtype must match
+(every rank raises otherwise).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from phalanx.comm import collectives as c
-from phalanx.horovod.basics import ProcessSet, check_group
+from phalanx.horovod import dtypes
 from phalanx.horovod.handle import Handle
-from phalanx.horovod.shapes import describe, shape_row
+from phalanx.horovod.process_sets import ProcessSet, controller, resolve
+from phalanx.horovod.protocol import Kind
+from phalanx.horovod.requests import Agreement, Request
 
 __all__ = ["alltoall", "alltoall_async"]
 
@@ -26,87 +28,88 @@ def _send_splits(splits: Any, x: torch.Tensor, n: int) -> list[int]:
             raise ValueError(f"alltoall without splits divides dimension 0 evenly by the "
                              f"{n} ranks, but it has size {x.shape[0]}; pass splits=")  # fmt: skip
         return [x.shape[0] // n] * n
-    out = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
-    if len(out) != n or any(s < 0 for s in out) or sum(out) != x.shape[0]:
-        raise ValueError(f"splits={out} must hold {n} non-negative sizes (one per rank) summing "
+    if isinstance(splits, torch.Tensor) and (splits.is_floating_point() or splits.is_complex()
+                                             or splits.dtype == torch.bool):  # fmt: skip
+        raise ValueError(f"splits must hold integers (int32, as Horovod's), got a tensor of "
+                         f"{splits.dtype}")  # fmt: skip
+    raw = splits.tolist() if isinstance(splits, torch.Tensor) else list(splits)
+    if any(not isinstance(s, int) or isinstance(s, bool) for s in raw):
+        raise ValueError(f"splits must hold integers, got {raw}")
+    if len(raw) != n or any(s < 0 for s in raw) or sum(raw) != x.shape[0]:
+        raise ValueError(f"splits={raw} must hold {n} non-negative sizes (one per rank) summing "
                          f"to dimension 0 of the tensor, {x.shape[0]}")  # fmt: skip
-    return out
+    return raw
 
 
-def _exchange_splits(x: torch.Tensor, send: list[int], group: ProcessSet) -> list[int]:
-    n = len(send)
-    mine = shape_row(x).repeat(n, 1)
-    mine[:, 2] = torch.tensor(send)  # the size sent to rank j replaces dimension 0 in row j
-    theirs = torch.empty_like(mine)
-    c.all_to_all_single(theirs, mine, group=group)
-    rows = theirs.tolist()
-    me = mine[0].tolist()
-    bad = [j for j, r in enumerate(rows) if r[:2] != me[:2] or r[3:] != me[3:]]
-    if bad:
-        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(n))
-        others = ", ".join(f"rank {ranks[j]} sends {describe(rows[j], True)}" for j in bad)
-        raise ValueError(
-            f"[rank {dist.get_rank()}] alltoall: tensors must have the same dtype and the same "
-            f"size in every dimension but the first; this rank has {describe(me, True)}, {others}"
-        )
-    return [r[2] for r in rows]
+def _start(req: Request, agreement: Agreement) -> tuple[list[Any], Callable[[], Any]]:
+    (tensor,) = req.tensors
+    me = req.options["me"]
+    recv = [p[me] for p in agreement.payloads if p is not None]
+    x = tensor.detach().to(dtypes.wire_dtype(tensor.dtype), memory_format=torch.contiguous_format)
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    work = c.all_to_all_single(out, x, recv, list(req.payload), req.options["group"],
+                               async_op=True)  # fmt: skip
+    received = torch.tensor(recv, dtype=torch.int32, device=req.options["splits_device"])
+    return [work], lambda: (dtypes.narrow(out, tensor.dtype), received)
 
 
-def _alltoall_async(tensor: torch.Tensor, splits: Any, group: ProcessSet) -> Handle:
+def _submit(tensor: torch.Tensor, splits: Any, ps: ProcessSet, name: str | None,
+            blocking: bool) -> Handle:  # fmt: skip
     if tensor.dim() == 0:
         raise ValueError("alltoall needs a tensor with at least one dimension, got a scalar")
-    x = tensor.detach().contiguous()
-    send = _send_splits(splits, x, dist.get_world_size(group))
-    recv = _exchange_splits(x, send, group)
-    out = x.new_empty((sum(recv), *x.shape[1:]))
-    work = c.all_to_all_single(out, x, recv, send, group, async_op=True)
-    received = torch.tensor(recv, dtype=torch.int32)
-    return Handle([work], lambda: (out, received))
+    n = len(ps.ranks)
+    send = _send_splits(splits, tensor, n)
+    device = splits.device if isinstance(splits, torch.Tensor) else torch.device("cpu")
+    options = {"group": ps.group, "me": ps.rank(), "splits_device": device}
+    req = Request(Kind.ALLTOALL, name, [tensor], _start, payload=tuple(send),
+                  free_first_dim=True, options=options)  # fmt: skip
+    return controller(ps).submit(req, blocking)
 
 
 class _Alltoall(torch.autograd.Function):
     """The gradient travels back: an alltoall with the received splits."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, group: ProcessSet) -> Any:
-        out, received = _alltoall_async(tensor, splits, group).wait()
-        ctx.received, ctx.group = received, group
+    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, ps: ProcessSet, name: Any) -> Any:
+        out, received = _submit(tensor, splits, ps, name, True).wait()
+        ctx.received, ctx.ps = received, ps
         ctx.mark_non_differentiable(received)
         return out, received
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, _: Any) -> tuple[Any, ...]:
-        out, _received = _alltoall_async(grad, ctx.received, ctx.group).wait()
-        return out, None, None
+        out, _received = _submit(grad, ctx.received, ctx.ps, None, True).wait()
+        return out, None, None, None
 
 
 def alltoall_async(
     tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None = None,
-    name: str | None = None, process_set: ProcessSet = None,
+    name: str | None = None, process_set: Any = None,
 ) -> Handle:  # fmt: skip
     """Start an alltoall; ``synchronize`` returns ``(output, received_splits)``."""
-    return _alltoall_async(tensor, splits, check_group(process_set))
+    return _submit(tensor, splits, resolve(process_set), name, False)
 
 
 def alltoall(
     tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None = None,
-    name: str | None = None, process_set: ProcessSet = None,
+    name: str | None = None, process_set: Any = None,
 ) -> Any:  # fmt: skip
     """Send ``splits[j]`` rows of ``tensor`` to rank j; concatenate what arrives, by rank.
 
     Args:
         tensor: Rows to distribute along dimension 0.
-        splits: Rows for each rank, in rank order; None splits dimension 0 evenly.
-        name: Accepted for compatibility.
-        process_set: Group to exchange within; None for all ranks.
+        splits: Rows for each rank of the set, in rank order (integers); None splits dimension 0
+            evenly.
+        name: Matches this operation across ranks (unnamed ones match by call order).
+        process_set: An ``hvd.ProcessSet`` to exchange within; None for all ranks.
 
     Returns:
         The received tensor; when ``splits`` is given, ``(tensor, received_splits)`` with the
         rows received from each rank (int32), as Horovod returns.
     """
-    group = check_group(process_set)
+    ps = resolve(process_set)
     if tensor.requires_grad and torch.is_grad_enabled():
-        out, received = _Alltoall.apply(tensor, splits, group)
+        out, received = _Alltoall.apply(tensor, splits, ps, name)
     else:
-        out, received = _alltoall_async(tensor, splits, group).wait()
+        out, received = _submit(tensor, splits, ps, name, True).wait()
     return out if splits is None else (out, received)

@@ -1,11 +1,14 @@
 """Horovod's process functions: ``init``, ``rank``, ``size``, ``local_rank`` ... over phalanx.
 
 ``init()`` joins phalanx's default process group (reading the ``phalanx run`` / torchrun / SLURM /
-Open MPI environment), so a Horovod script runs under ``phalanx run`` unchanged. A process set is
-a ``torch.distributed`` process group here (None means every rank), as everywhere in phalanx.
+Open MPI environment), so a Horovod script runs under ``phalanx run`` unchanged, and sets up the
+global process set. ``shutdown()`` then ``init()`` works as often as needed: every generation's
+rendezvous keys are namespaced (``comm/group.py``), so none of the previous group's is read.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.distributed as dist
@@ -13,12 +16,11 @@ import torch.distributed as dist
 from phalanx.comm import group as pg
 from phalanx.comm.env import discover_env
 from phalanx.comm.errors import CollectiveError
+from phalanx.horovod import process_sets as psets
 
 __all__ = [
     "HorovodInternalError",
-    "ProcessSet",
     "ccl_built",
-    "check_group",
     "cross_rank",
     "cross_size",
     "cuda_built",
@@ -39,31 +41,53 @@ __all__ = [
     "size",
 ]
 
-ProcessSet = dist.ProcessGroup | None
-"""A subset of ranks for a collective: a ``torch.distributed`` group, or None for all ranks."""
-
 HorovodInternalError = CollectiveError
-"""Raised when a collective fails (a peer died, a timeout): Horovod's name for it."""
+"""Raised when a collective fails (a peer died, a timeout, ranks disagree): a RuntimeError."""
 
 _OWNS_GROUP = False
 
 
-def init() -> None:
+def _timeout() -> float | None:
+    raw = os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS")
+    if raw is None:
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if seconds <= 0:
+        raise ValueError(f"HOROVOD_GLOO_TIMEOUT_SECONDS={raw!r} must be a positive number of "
+                         f"seconds")  # fmt: skip
+    return seconds
+
+
+def init(comm: object = None, process_sets: object = None) -> None:
     """Join the job (``phalanx.init_process_group()`` from the environment); idempotent.
 
     Under ``phalanx run`` / torchrun the environment names rank, world size and rendezvous; a
-    plain ``python script.py`` runs as a single process of world size 1.
+    plain ``python script.py`` runs as a single process of world size 1. The collective timeout
+    is ``HOROVOD_GLOO_TIMEOUT_SECONDS`` when set (phalanx's 300 s otherwise).
+
+    Args:
+        comm: Horovod's MPI communicator or list of ranks; only None is supported.
+        process_sets: Horovod's static process sets; only None is supported (use
+            :func:`~phalanx.horovod.add_process_set` after ``init()``).
     """
     global _OWNS_GROUP
-    if dist.is_initialized():
-        return
-    pg.init_process_group()
-    _OWNS_GROUP = True
+    if comm is not None or process_sets is not None:
+        raise ValueError("init(comm=..., process_sets=...) is not supported: call hvd.init() "
+                         "on every rank, then hvd.add_process_set(ranks)")  # fmt: skip
+    if not dist.is_initialized():
+        pg.init_process_group(timeout=_timeout())
+        _OWNS_GROUP = True
+    psets.setup()
 
 
 def shutdown() -> None:
-    """Leave the job if :func:`init` joined it (a group made by the caller is left alone)."""
+    """Forget process sets and operations in flight; leave the job if :func:`init` joined it
+    (a group made by the caller is left alone)."""
     global _OWNS_GROUP
+    psets.reset()
     if _OWNS_GROUP:
         pg.destroy_process_group()
         _OWNS_GROUP = False
@@ -162,22 +186,3 @@ def ddl_built() -> bool:
 def ccl_built() -> bool:
     """False: oneCCL is not supported."""
     return False
-
-
-def check_group(process_set: ProcessSet, root_rank: int | None = None) -> ProcessSet:
-    """Validate ``process_set`` (and ``root_rank``, a global rank) and return the group."""
-    _require_init()
-    if process_set is not None and not isinstance(process_set, dist.ProcessGroup):
-        raise TypeError(
-            f"process_set must be a torch.distributed ProcessGroup (phalanx's process sets) or "
-            f"None for all ranks, got {type(process_set).__name__}"
-        )
-    if root_rank is not None:
-        members = list(range(dist.get_world_size()))
-        if process_set is not None:
-            members = dist.get_process_group_ranks(process_set)
-        if root_rank not in members:
-            raise ValueError(
-                f"root_rank={root_rank} is not a rank of the process set (ranks {members})"
-            )
-    return process_set

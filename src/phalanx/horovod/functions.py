@@ -1,15 +1,18 @@
 """Start-of-training helpers: broadcast parameters, optimizer state and plain objects.
 
-``broadcast_optimizer_state`` sends the root's whole ``optimizer.state_dict()``: its structure
-and hyper-parameters (lr, momentum, betas, ...) through phalanx's pickle-free object broadcast,
-its tensors as one flat broadcast per dtype; the other ranks load it. So an optimizer whose state
-is still empty (before its first step) ends up exactly like the root's, with no dummy
-zero-gradient step (which Horovod uses, and which moves parameters under weight decay).
+``broadcast_optimizer_state`` first gives an optimizer whose state is still empty Horovod's
+dummy step with zero gradients (so its state tensors exist, on every rank; note that weight
+decay moves the parameters in that step, as in Horovod), then sends the root's whole
+``optimizer.state_dict()``: structure and hyper-parameters (lr, momentum, betas, ...) through
+phalanx's pickle-free object broadcast, tensors as one flat broadcast per dtype; the other ranks
+load it. Every step is negotiated like the other operations, so models or optimizers that differ
+across ranks raise a ``RuntimeError`` on every rank naming the shapes, instead of corrupting
+memory.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -17,7 +20,10 @@ import torch.distributed as dist
 
 from phalanx.comm import collectives as c
 from phalanx.comm.objects import all_gather_object, broadcast_object_list
-from phalanx.horovod.basics import ProcessSet, check_group
+from phalanx.horovod import dtypes
+from phalanx.horovod.process_sets import ProcessSet, controller, resolve
+from phalanx.horovod.protocol import Kind
+from phalanx.horovod.requests import Agreement, Request
 
 __all__ = [
     "allgather_object",
@@ -29,21 +35,50 @@ __all__ = [
 _TENSOR_KEY = "__phalanx_tensor__"
 
 
-def broadcast_coalesced(tensors: list[torch.Tensor], root: int, group: ProcessSet) -> None:
-    """Overwrite ``tensors`` with the root's, one flat broadcast per (device, dtype)."""
+def _start_coalesced(req: Request, agreement: Agreement) -> tuple[list[Any], Callable[[], None]]:
     kinds: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for t in tensors:
+    for t in req.tensors:
         kinds.setdefault((t.device, t.dtype), []).append(t)
-    with torch.no_grad():
-        for same in kinds.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in same])
-            c.broadcast(flat, root, group)
-            if dist.get_rank() == root:
-                continue
-            offset = 0
-            for t in same:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+    group, root = req.options["group"], req.root
+    works, flats = [], []
+    for (_, dtype), same in kinds.items():
+        wire = dtypes.wire_dtype(dtype)
+        flat = torch.cat([t.detach().reshape(-1).to(wire) for t in same])
+        works.append(c.broadcast(flat, root, group, async_op=True))
+        flats.append((same, flat))
+
+    def result() -> None:
+        if dist.get_rank() == root:
+            return
+        with torch.no_grad():
+            for same, flat in flats:
+                offset = 0
+                for t in same:
+                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                    offset += t.numel()
+
+    return works, result
+
+
+def broadcast_coalesced(tensors: list[torch.Tensor], root: int, ps: ProcessSet) -> None:
+    """Overwrite ``tensors`` with the root's, one flat broadcast per (device, dtype)."""
+    req = Request(Kind.BROADCAST_PARAMETERS, None, tensors, _start_coalesced, root=root,
+                  options={"group": ps.group})  # fmt: skip
+    controller(ps).submit(req, blocking=True).wait()
+
+
+def _object_request(kind: Kind, obj: Any, root: int, ps: ProcessSet, name: str | None) -> Any:
+    box: list[Any] = [obj] if kind == Kind.BROADCAST_OBJECT else [None] * len(ps.ranks)
+
+    def start(req: Request, agreement: Agreement) -> tuple[list[Any], Callable[[], Any]]:
+        if kind == Kind.BROADCAST_OBJECT:
+            broadcast_object_list(box, root, ps.group)
+            return [], lambda: box[0]
+        all_gather_object(box, obj, ps.group)
+        return [], lambda: box
+
+    req = Request(kind, name, [], start, root=root)
+    return controller(ps).submit(req, blocking=True).wait()
 
 
 def _named_tensors(params: Any) -> list[tuple[str | None, torch.Tensor]]:
@@ -63,17 +98,17 @@ def _named_tensors(params: Any) -> list[tuple[str | None, torch.Tensor]]:
     return items
 
 
-def broadcast_parameters(params: Any, root_rank: int, process_set: ProcessSet = None) -> None:
+def broadcast_parameters(params: Any, root_rank: int, process_set: Any = None) -> None:
     """Overwrite every rank's tensors in ``params`` with ``root_rank``'s, in place.
 
     Args:
         params: ``model.state_dict()``, ``model.named_parameters()`` or ``model.parameters()``
             (any iterable of tensors or of (name, tensor) pairs).
         root_rank: Global rank whose values everyone takes.
-        process_set: Group to broadcast within; None for all ranks.
+        process_set: An ``hvd.ProcessSet`` to broadcast within; None for all ranks.
     """
-    group = check_group(process_set, root_rank)
-    broadcast_coalesced([t for _, t in _named_tensors(params)], root_rank, group)
+    ps = resolve(process_set, root_rank)
+    broadcast_coalesced([t for _, t in _named_tensors(params)], root_rank, ps)
 
 
 # ---- objects that contain tensors: structure by object broadcast, tensors in bulk ---------------
@@ -120,45 +155,67 @@ def _empty_like_placeholders(skeleton: Any, device: torch.device) -> list[torch.
             for _, shape, dtype in found]  # fmt: skip
 
 
-def broadcast_tree(obj: Any, root_rank: int, group: ProcessSet) -> Any:
+def broadcast_tree(obj: Any, root_rank: int, ps: ProcessSet) -> Any:
     """Return the root's ``obj`` (plain data and tensors, nested) on every rank."""
     tensors: list[torch.Tensor] = []
     skeleton = _split(obj, tensors) if dist.get_rank() == root_rank else None
-    box = [skeleton]
-    broadcast_object_list(box, root_rank, group)
-    device = _comm_device(group)
+    skeleton = _object_request(Kind.BROADCAST_OBJECT, skeleton, root_rank, ps, None)
+    device = _comm_device(ps.group)
     if dist.get_rank() == root_rank:  # same devices on every rank: the same flat broadcasts
         tensors = [t.to(device) for t in tensors]
     else:
-        tensors = _empty_like_placeholders(box[0], device)
-    broadcast_coalesced(tensors, root_rank, group)
-    return obj if dist.get_rank() == root_rank else _join(box[0], tensors)
+        tensors = _empty_like_placeholders(skeleton, device)
+    broadcast_coalesced(tensors, root_rank, ps)
+    return obj if dist.get_rank() == root_rank else _join(skeleton, tensors)
 
 
-def _comm_device(group: ProcessSet) -> torch.device:
+def _comm_device(group: Any) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
+def _dummy_step(optimizer: torch.optim.Optimizer) -> None:
+    """Horovod's state initialisation: one step with zero gradients, no communication."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+                if isinstance(optimizer, torch.optim.SparseAdam):
+                    p.grad = p.grad.to_sparse()
+    # A DistributedOptimizer's step() would all-reduce: take the wrapped class's step instead.
+    plain = getattr(optimizer, "_hvd_plain_step", None)
+    (plain or optimizer.step)()
+
+
 def broadcast_optimizer_state(
-    optimizer: torch.optim.Optimizer, root_rank: int, model: Any = None,
-    process_set: ProcessSet = None,
+    optimizer: torch.optim.Optimizer, root_rank: int, model: Any = None, process_set: Any = None,
 ) -> None:  # fmt: skip
     """Make every rank's optimizer state and hyper-parameters equal to ``root_rank``'s.
+
+    An optimizer with no state yet first takes Horovod's dummy step on every rank where it is
+    empty: the gradients of its trainable parameters are set to zeros (replacing any) and the
+    wrapped optimizer steps once, without communication, so its state tensors exist.
 
     Args:
         optimizer: A ``torch.optim`` optimizer, or one wrapped by ``DistributedOptimizer``.
         root_rank: Global rank whose state everyone takes.
         model: Accepted for compatibility (Horovod used it to find sparse parameters).
-        process_set: Group to broadcast within; None for all ranks.
+        process_set: An ``hvd.ProcessSet`` to broadcast within; None for all ranks.
     """
-    group = check_group(process_set, root_rank)
+    ps = resolve(process_set, root_rank)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")  # fmt: skip
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError(
+            "broadcast_optimizer_state: torch.optim.LBFGS state cannot be broadcast (as in "
+            "Horovod); broadcast the model parameters and start the optimizer afresh"
+        )
+    if not optimizer.state_dict()["state"]:
+        _dummy_step(optimizer)
     me = dist.get_rank()
-    state = broadcast_tree(optimizer.state_dict() if me == root_rank else None, root_rank, group)
+    state = broadcast_tree(optimizer.state_dict() if me == root_rank else None, root_rank, ps)
     if me == root_rank:
         return
     try:
@@ -169,7 +226,7 @@ def broadcast_optimizer_state(
 
 
 def broadcast_object(
-    obj: Any, root_rank: int = 0, name: str | None = None, process_set: ProcessSet = None
+    obj: Any, root_rank: int = 0, name: str | None = None, process_set: Any = None
 ) -> Any:
     """Return ``root_rank``'s ``obj`` on every rank.
 
@@ -177,16 +234,10 @@ def broadcast_object(
     lists, tuples, sets, dicts and tensors (a TypeError names anything else), so a peer can
     never make this rank run code. Horovod's version pickles.
     """
-    box = [obj]
-    broadcast_object_list(box, root_rank, check_group(process_set, root_rank))
-    return box[0]
+    ps = resolve(process_set, root_rank)
+    return _object_request(Kind.BROADCAST_OBJECT, obj, root_rank, ps, name)
 
 
-def allgather_object(
-    obj: Any, name: str | None = None, process_set: ProcessSet = None
-) -> list[Any]:
+def allgather_object(obj: Any, name: str | None = None, process_set: Any = None) -> list[Any]:
     """Return every rank's ``obj``, in rank order (pickle-free, as :func:`broadcast_object`)."""
-    group = check_group(process_set)
-    out: list[Any] = [None] * dist.get_world_size(group)
-    all_gather_object(out, obj, group)
-    return out
+    return _object_request(Kind.ALLGATHER_OBJECT, obj, -1, resolve(process_set), name)

@@ -16,13 +16,12 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from phalanx.horovod.allreduce import ReduceOp, resolve_op
-from phalanx.horovod.basics import ProcessSet, check_group
 from phalanx.horovod.compression import Compression, check_compression
 from phalanx.horovod.grad_sync import GradientSync, bucket_cap_bytes, check_same_parameters
+from phalanx.horovod.process_sets import resolve
 
 __all__ = ["DistributedOptimizer"]
 
@@ -34,11 +33,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     _hvd_sync: GradientSync | None
     _hvd_skip: bool
+    _hvd_synchronized: bool
+    _parameter_names: dict[torch.Tensor, str]
 
     def synchronize(self) -> None:
         """Make sure every gradient is all-reduced (they normally are when backward returns)."""
+        self._hvd_synchronize()
+        self._hvd_synchronized = True
+
+    def _hvd_synchronize(self) -> None:
         if self._hvd_sync is not None:
             self._hvd_sync.synchronize()
+
+    def _hvd_plain_step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """The wrapped optimizer's step, without synchronizing (broadcast_optimizer_state)."""
+        return super().step(closure)
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -50,9 +59,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._hvd_skip = previous
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Synchronize the gradients (unless skipped), then take the wrapped optimizer's step."""
+        """Synchronize the gradients (unless skipped), then take the wrapped optimizer's step.
+
+        After an explicit ``synchronize()``, call ``step()`` inside ``skip_synchronize()``;
+        otherwise a warning says so, as Horovod's does.
+        """
         if not self._hvd_skip:
-            self.synchronize()
+            if self._hvd_synchronized:
+                warnings.warn(
+                    "optimizer.step() called without optimizer.skip_synchronize() context after "
+                    "optimizer.synchronize(); wrap step() in `with optimizer.skip_synchronize():`",
+                    stacklevel=2,
+                )
+            self._hvd_synchronize()
+        self._hvd_synchronized = False
         return super().step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -71,6 +91,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Load the wrapped optimizer's state; restarts the count of backward passes."""
         if self._hvd_sync is not None:
             self._hvd_sync.reset()
+        self._hvd_synchronized = False
         super().load_state_dict(state_dict)
 
     @property
@@ -170,7 +191,7 @@ def DistributedOptimizer(  # Horovod's name
     num_groups: int = 0,
     groups: Any = None,
     sparse_as_dense: bool = False,
-    process_set: ProcessSet = None,
+    process_set: Any = None,
     *,
     find_unused_parameters: bool = True,
 ) -> torch.optim.Optimizer:
@@ -185,8 +206,10 @@ def DistributedOptimizer(  # Horovod's name
         gradient_predivide_factor: Divide by this before the sum and by N/f after (Average).
         num_groups: Deprecated alias of an integer ``groups``.
         groups: An integer: number of buckets (all-reduces) per step.
-        sparse_as_dense: All-reduce sparse gradients as dense ones (else an error names them).
-        process_set: Group to synchronise over; None for all ranks.
+        sparse_as_dense: All-reduce sparse gradients as dense ones (turned back into sparse
+            tensors for the optimizer); else they are all-gathered at ``synchronize()``.
+        process_set: An ``hvd.ProcessSet`` to synchronise over; None for all ranks. On ranks
+            outside the set the optimizer is local.
         find_unused_parameters: phalanx extension. True (default, Horovod's tolerance): a
             parameter may miss its gradient in a backward pass, at the cost of one small
             all-reduce per step; False saves it and names any parameter that misses one.
@@ -211,13 +234,13 @@ def DistributedOptimizer(  # Horovod's name
     _check_passes(backward_passes_per_step)
     check_compression(compression)
     n_buckets = _bucket_groups(num_groups, groups)
-    group = check_group(process_set)
+    ps = resolve(process_set, member=False)
     named = _named(optimizer, named_parameters)
     sync = None
-    if named and dist.get_rank(group) >= 0 and dist.get_world_size(group) > 1:
-        check_same_parameters(named, group)
+    if named and ps.included() and len(ps.ranks) > 1:
+        check_same_parameters(named, ps.group)
         cap = bucket_cap_bytes([p for _, p in named], n_buckets)
-        sync = GradientSync(named, group, compression, op, gradient_predivide_factor,
+        sync = GradientSync(named, ps, compression, op, gradient_predivide_factor,
                             backward_passes_per_step, cap, cap if n_buckets else None,
                             find_unused_parameters, sparse_as_dense)  # fmt: skip
     cls = _wrapped_class(type(optimizer))
@@ -227,4 +250,6 @@ def DistributedOptimizer(  # Horovod's name
     wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k not in _OWN})
     wrapped._hvd_sync = sync
     wrapped._hvd_skip = False
+    wrapped._hvd_synchronized = False
+    wrapped._parameter_names = {p: n for n, p in named}
     return wrapped

@@ -1,0 +1,1 @@
+"""Horovod's framework-independent names that its tests import, from ``phalanx.horovod``."""
