@@ -19,9 +19,8 @@ unmodified; this runner only changes its surroundings:
   devices per process) stays. The 16 ``test_ddp_zero_overlap_*`` tests then fail with torch's
   own class: its DDP hook refuses gloo ("Gloo backend using Overlapping DDP with ZeRO may meet
   hangs"), so they do not count against phalanx.
-- **Missing test dependency.** torch's ``common_utils`` imports ``expecttest``; when it is not
-  installed a stub whose ``TestCase`` is ``unittest.TestCase`` stands in (the ZeRO tests use
-  none of its features). One thread per rank (2 ranks on 2 cores).
+- One thread per rank (2 ranks on 2 cores). torch's ``common_utils`` imports ``expecttest``, a
+  dev dependency of phalanx (``pip install -e '.[dev]'``).
 
 Each test runs in its own subprocess (its own process session) with a deadline (``--timeout``);
 a test past it is killed and counted as failed. Tests listed in ``zero_exclusions.toml`` (next
@@ -55,16 +54,6 @@ ENV_FILE, ENV_IMPL, ENV_LIFT = "PHALANX_PEER_FILE", "PHALANX_PEER_IMPL", "PHALAN
 
 
 # ---- what runs in every process (runner, per-test subprocess, rank processes) -----------------
-def _stub_expecttest() -> None:
-    try:
-        import expecttest  # noqa: F401
-    except ImportError:
-        stub = types.ModuleType("expecttest")
-        stub.TestCase = unittest.TestCase  # type: ignore[attr-defined]
-        stub.ACCEPT = False  # type: ignore[attr-defined]
-        sys.modules["expecttest"] = stub
-
-
 def _lift_gates(names: list[str]) -> None:
     """Make the named decorators of torch's test helpers no-ops (before the file imports them)."""
     from torch.testing._internal import common_distributed
@@ -87,7 +76,6 @@ def prepare(path: str, impl: str, lift: list[str]) -> types.ModuleType:
     import torch
 
     torch.set_num_threads(1)
-    _stub_expecttest()
     _lift_gates(lift)
     spec = importlib.util.spec_from_file_location(MODULE, path)
     assert spec is not None and spec.loader is not None, path
@@ -133,9 +121,13 @@ def _spawn(path: str, impl: str, lift: list[str], test_id: str, timeout: float) 
     cmd = [sys.executable, __file__, path, "--one", test_id]
     start = time.monotonic()
     proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         start_new_session=True,
-    )  # fmt: skip
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -183,7 +175,12 @@ def _test_ids(module: types.ModuleType, pattern: str | None) -> list[str]:
     return ids
 
 
-def _summarise(results: dict[str, dict[str, dict[str, Any]]], exclusions: list[dict[str, str]]):  # type: ignore[no-untyped-def]
+Results = dict[str, dict[str, dict[str, Any]]]
+
+
+def _summarise(
+    results: Results, exclusions: list[dict[str, str]]
+) -> tuple[dict[str, dict[str, int]], list[str]]:
     counts: dict[str, dict[str, int]] = {}
     regressions = []
     for test_id, by_impl in results.items():
@@ -236,8 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     for test_id in regressions:
         print(f"REGRESSION (torch's class passes, phalanx's does not): {test_id}")
     outcomes = {t: {i: r["outcome"] for i, r in by.items()} for t, by in results.items()}
-    print("RESULT " + json.dumps({"counts": counts, "regressions": regressions,
-                                  "tests": outcomes, "lifted": lift}))  # fmt: skip
+    summary = {"counts": counts, "regressions": regressions, "tests": outcomes, "lifted": lift}
+    print("RESULT " + json.dumps(summary))
     return 1 if regressions else 0
 
 

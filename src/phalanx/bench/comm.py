@@ -211,10 +211,18 @@ def format_table(rows: Sequence[Row]) -> str:
     """The human table: one aligned line per row (text columns left, numbers right)."""
     head = ("op", "size", "impl", "p50 us", "p90 us", "algbw GB/s", "busbw GB/s", "vs native")
     body = [
-        (r.op, format_bytes(r.bytes), r.impl, f"{r.p50_us:.1f}", f"{r.p90_us:.1f}",
-         f"{r.algbw_gbps:.3f}", f"{r.busbw_gbps:.3f}", f"{r.vs_native:.2f}x")
+        (
+            r.op,
+            format_bytes(r.bytes),
+            r.impl,
+            f"{r.p50_us:.1f}",
+            f"{r.p90_us:.1f}",
+            f"{r.algbw_gbps:.3f}",
+            f"{r.busbw_gbps:.3f}",
+            f"{r.vs_native:.2f}x",
+        )
         for r in rows
-    ]  # fmt: skip
+    ]
     widths = [max(len(line[i]) for line in (head, *body)) for i in range(len(head))]
 
     def fmt(line: Sequence[str]) -> str:

@@ -26,18 +26,28 @@ CAPS_MB = (1.0, 4.0, 25.0)
 
 def mlp() -> nn.Module:
     """About 4.2 M parameters: 1024 -> 2048 -> 1024 -> 10."""
-    return nn.Sequential(nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 1024), nn.ReLU(),
-                         nn.Linear(1024, 10))  # fmt: skip
+    return nn.Sequential(
+        nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 1024), nn.ReLU(), nn.Linear(1024, 10)
+    )
 
 
 def cnn() -> nn.Module:
     """A small CIFAR-style CNN (about 0.3 M parameters)."""
     return nn.Sequential(
-        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(64 * 4 * 4, 256), nn.ReLU(), nn.Linear(256, 10),
-    )  # fmt: skip
+        nn.Conv2d(3, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(64, 64, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(64 * 4 * 4, 256),
+        nn.ReLU(),
+        nn.Linear(256, 10),
+    )
 
 
 MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
@@ -147,22 +157,32 @@ def summarize(steps: dict[str, dict[str, list[float]]]) -> list[dict[str, Any]]:
         for impl in ("torch", "phalanx"):
             p50 = statistics.median(t[impl])
             compute = statistics.median(t[f"{impl}_compute"])
-            rows.append({
-                "model": model_name, "cap_mb": float(cap), "impl": impl,
-                "p50_ms": 1e3 * p50, "p90_ms": 1e3 * _pct(t[impl], 0.9),
-                "compute_ms": 1e3 * compute, "exposed_comm_ms": 1e3 * max(0.0, p50 - compute),
-                "ratio_vs_torch": p50 / torch_p50,
-            })  # fmt: skip
+            rows.append(
+                {
+                    "model": model_name,
+                    "cap_mb": float(cap),
+                    "impl": impl,
+                    "p50_ms": 1e3 * p50,
+                    "p90_ms": 1e3 * _pct(t[impl], 0.9),
+                    "compute_ms": 1e3 * compute,
+                    "exposed_comm_ms": 1e3 * max(0.0, p50 - compute),
+                    "ratio_vs_torch": p50 / torch_p50,
+                }
+            )
     return rows
 
 
 def _print_table(rows: list[dict[str, Any]], hook_bytes: dict[str, dict[str, float]]) -> None:
-    print(f"{'model':<6}{'cap MB':>7}{'impl':>9}{'p50 ms':>9}{'p90 ms':>9}"
-          f"{'compute':>9}{'exposed':>9}{'vs torch':>9}")  # fmt: skip
+    print(
+        f"{'model':<6}{'cap MB':>7}{'impl':>9}{'p50 ms':>9}{'p90 ms':>9}"
+        f"{'compute':>9}{'exposed':>9}{'vs torch':>9}"
+    )
     for r in rows:
-        print(f"{r['model']:<6}{r['cap_mb']:>7g}{r['impl']:>9}{r['p50_ms']:>9.2f}"
-              f"{r['p90_ms']:>9.2f}{r['compute_ms']:>9.2f}{r['exposed_comm_ms']:>9.2f}"
-              f"{r['ratio_vs_torch']:>9.3f}")  # fmt: skip
+        print(
+            f"{r['model']:<6}{r['cap_mb']:>7g}{r['impl']:>9}{r['p50_ms']:>9.2f}"
+            f"{r['p90_ms']:>9.2f}{r['compute_ms']:>9.2f}{r['exposed_comm_ms']:>9.2f}"
+            f"{r['ratio_vs_torch']:>9.3f}"
+        )
     for model_name, by_hook in hook_bytes.items():
         base = by_hook["none"]
         print(f"\nbytes on the wire per rank per step ({model_name}, phalanx DDP):")
@@ -188,15 +208,23 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             f"--models has unknown {bad}" if bad else f"--iters must be >= 1, got {args.iters}"
         )
-    cfg = {"models": models, "caps": CAPS_MB, "iters": args.iters, "warmup": args.warmup,
-           "hooks": not args.no_hooks}  # fmt: skip
+    cfg = {
+        "models": models,
+        "caps": CAPS_MB,
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "hooks": not args.no_hooks,
+    }
     if args.quick:
         cfg.update(models=["mlp"], caps=(25.0,), iters=6, warmup=2)
     result = run_distributed(_rank_job, cfg, world_size=2, timeout=1800, collective_timeout=300)[0]
     rows = summarize(result["steps"])
     _print_table(rows, result["bytes"])
-    payload = {"config": {**cfg, "caps": list(cfg["caps"]), "world_size": 2}, "rows": rows,
-               "hook_bytes": result["bytes"]}  # fmt: skip
+    payload = {
+        "config": {**cfg, "caps": list(cfg["caps"]), "world_size": 2},
+        "rows": rows,
+        "hook_bytes": result["bytes"],
+    }
     emit(payload, args.json)
     return 0
 

@@ -108,8 +108,12 @@ class _Steps:
 def _ps_job(cfg: dict[str, Any]) -> dict[str, Any]:
     from phalanx.parameter_server import ParameterServer
 
-    mode, bound = {"ps-sync": ("sync", None), "ps-async": ("async", None),
-                   "ssp2": ("ssp", 2), "ssp4": ("ssp", 4)}[cfg["mode"]]  # fmt: skip
+    mode, bound = {
+        "ps-sync": ("sync", None),
+        "ps-async": ("async", None),
+        "ssp2": ("ssp", 2),
+        "ssp4": ("ssp", 4),
+    }[cfg["mode"]]
     import torch.distributed as dist
 
     model = _model()
@@ -122,16 +126,20 @@ def _ps_job(cfg: dict[str, Any]) -> dict[str, Any]:
         if version * per % cfg["snap_every"] < per:
             snaps.append((time.perf_counter() - start[0], version * per, flat.clone()))
 
-    ps = ParameterServer(model, _sgd, mode=mode, bound=bound, max_updates=cfg["updates"],
-                         on_version=snapshot)  # fmt: skip
+    ps = ParameterServer(
+        model, _sgd, mode=mode, bound=bound, max_updates=cfg["updates"], on_version=snapshot
+    )
     dist.barrier()  # everyone has its data loaded: the clock starts for all at once
     if ps.is_server:
         start[0] = time.perf_counter()
         report = ps.serve()
         views = [ps.plan.unflatten(f, 0) for _, _, f in snaps]
-        return {"seconds": report.seconds, "applied": report.applied,
-                "staleness": report.staleness,
-                "snaps": [(t, n, v) for (t, n, _), v in zip(snaps, views)]}  # fmt: skip
+        return {
+            "seconds": report.seconds,
+            "applied": report.applied,
+            "staleness": report.staleness,
+            "snaps": [(t, n, v) for (t, n, _), v in zip(snaps, views)],
+        }
     while ps.pull():
         steps.grad(model, ps.worker.clock)  # type: ignore[union-attr]
         ps.push()
@@ -155,8 +163,9 @@ def _ddp_job(cfg: dict[str, Any]) -> dict[str, Any]:
         steps.grad(model, step)
         opt.step()
         if rank == 0 and (2 * (step + 1)) % cfg["snap_every"] < 2:
-            state = {n.removeprefix("module."): p.detach().clone()
-                     for n, p in model.named_parameters()}  # fmt: skip
+            state = {
+                n.removeprefix("module."): p.detach().clone() for n, p in model.named_parameters()
+            }
             snaps.append((time.perf_counter() - start, 2 * (step + 1), state))
     seconds = time.perf_counter() - start
     return {"seconds": seconds, "applied": cfg["updates"], "staleness": {}, "snaps": snaps}
@@ -181,25 +190,31 @@ def _summarise(run: dict[str, Any], target: float) -> dict[str, Any]:
     reached = next((t for t, _, a in curve if a >= target), None)
     staleness = {int(k): v for k, v in run["staleness"].items()}
     return {
-        "seconds": run["seconds"], "applied": run["applied"],
+        "seconds": run["seconds"],
+        "applied": run["applied"],
         "updates_per_s": run["applied"] / run["seconds"],
         "final_acc": curve[-1][2] if curve else float("nan"),
-        "time_to_target_s": reached, "staleness": staleness,
+        "time_to_target_s": reached,
+        "staleness": staleness,
         "max_staleness": max(staleness, default=0),
         "curve": [(round(t, 4), n, round(a, 4)) for t, n, a in curve],
-    }  # fmt: skip
+    }
 
 
 def _table(setting: str, rows: dict[str, dict[str, Any]], target: float) -> None:
     sync = rows["ps-sync"]
     print(f"\nstraggler {setting}:")
-    print(f"{'mode':9} {'upd/s':>8} {'x sync':>7} {'to ' + str(target):>9} {'final acc':>9} "
-          f"{'Δ sync pts':>10} {'max stale':>9}")  # fmt: skip
+    print(
+        f"{'mode':9} {'upd/s':>8} {'x sync':>7} {'to ' + str(target):>9} {'final acc':>9} "
+        f"{'Δ sync pts':>10} {'max stale':>9}"
+    )
     for mode, r in rows.items():
         ttt = "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.2f}s"
         ratio, gap = r["updates_per_s"] / sync["updates_per_s"], r["final_acc"] - sync["final_acc"]
-        print(f"{mode:9} {r['updates_per_s']:8.1f} {ratio:7.2f} {ttt:>9} {r['final_acc']:9.4f} "
-              f"{100 * gap:10.2f} {r['max_staleness']:9d}")  # fmt: skip
+        print(
+            f"{mode:9} {r['updates_per_s']:8.1f} {ratio:7.2f} {ttt:>9} {r['final_acc']:9.4f} "
+            f"{100 * gap:10.2f} {r['max_staleness']:9d}"
+        )
 
 
 def _plot(results: dict[str, dict[str, dict[str, Any]]], target: float, path: Path) -> None:
@@ -208,8 +223,9 @@ def _plot(results: dict[str, dict[str, dict[str, Any]]], target: float, path: Pa
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, grid = plt.subplots(1, len(results), figsize=(4.2 * len(results), 3.6), sharey=True,
-                             squeeze=False)  # fmt: skip
+    fig, grid = plt.subplots(
+        1, len(results), figsize=(4.2 * len(results), 3.6), sharey=True, squeeze=False
+    )
     axes = list(grid[0])
     for ax, (setting, rows) in zip(axes, results.items()):
         for mode, r in rows.items():
@@ -234,8 +250,9 @@ def _verdict(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
         out[f"{key}_acc_gap_points"] = round(100 * (rows[mode]["final_acc"] - sync["final_acc"]), 2)
     out["async_ge_1_5x"] = out["async_speedup"] >= 1.5
     out["ssp_ge_1_5x"] = min(out["ssp2_speedup"], out["ssp4_speedup"]) >= 1.5
-    out["acc_within_1_5_points"] = all(abs(out[f"{k}_acc_gap_points"]) <= 1.5
-                                       for k in ("async", "ssp2", "ssp4"))  # fmt: skip
+    out["acc_within_1_5_points"] = all(
+        abs(out[f"{k}_acc_gap_points"]) <= 1.5 for k in ("async", "ssp2", "ssp4")
+    )
     return out
 
 
@@ -257,12 +274,17 @@ def main(argv: list[str] | None = None) -> int:
     for setting in settings:
         rows = {}
         for mode in MODES:
-            cfg = {"mode": mode, "straggler": setting, "updates": updates,
-                   "step_ms": 1.0 if args.quick else args.step_ms,
-                   "snap_every": max(2, updates // 30 // 2 * 2)}  # fmt: skip
+            cfg = {
+                "mode": mode,
+                "straggler": setting,
+                "updates": updates,
+                "step_ms": 1.0 if args.quick else args.step_ms,
+                "snap_every": max(2, updates // 30 // 2 * 2),
+            }
             world = 2 if mode == "ddp" else 3
-            ranks = run_distributed(_rank_job, cfg, world_size=world, timeout=900,
-                                    collective_timeout=300)  # fmt: skip
+            ranks = run_distributed(
+                _rank_job, cfg, world_size=world, timeout=900, collective_timeout=300
+            )
             rows[mode] = _summarise(ranks[0], args.target)
         results[setting] = rows
         _table(setting, rows, args.target)
@@ -270,10 +292,22 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     _plot(results, args.target, out / "param_server.png")
     verdicts = {s: _verdict(rows) for s, rows in results.items() if s != "none"}
-    payload = {"updates": updates, "step_ms": args.step_ms, "target": args.target,
-               "wall_s": round(time.perf_counter() - wall, 1), "verdicts": verdicts,
-               "runs": results}  # fmt: skip
+    payload = {
+        "updates": updates,
+        "step_ms": args.step_ms,
+        "target": args.target,
+        "wall_s": round(time.perf_counter() - wall, 1),
+        "verdicts": verdicts,
+        "runs": results,
+    }
     (out / "param_server.json").write_text(json.dumps(payload, indent=1))
-    emit({"bench": "param_server", "updates": updates, "target": args.target,
-          **{f"{s}": v for s, v in verdicts.items()}}, None)  # fmt: skip
+    emit(
+        {
+            "bench": "param_server",
+            "updates": updates,
+            "target": args.target,
+            **{f"{s}": v for s, v in verdicts.items()},
+        },
+        None,
+    )
     return 0

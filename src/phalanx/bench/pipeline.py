@@ -35,8 +35,11 @@ from phalanx.bench.common import emit, timed
 __all__ = ["SleepLayer", "main"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
-TORCH_NAME = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
-              "interleaved": "ScheduleInterleaved1F1B"}  # fmt: skip
+TORCH_NAME = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved": "ScheduleInterleaved1F1B",
+}
 WIDTH, ROWS = 16, 2  # features, rows per micro-batch
 CHUNKS = 2
 
@@ -79,8 +82,14 @@ def _ours(sched: str, p: int, m: int, cfg: dict[str, Any], group: Any) -> Any:
     from phalanx.pipeline import Pipeline
 
     chunks = CHUNKS if sched == "interleaved" else 1
-    pipe = Pipeline(_layers(p, cfg), group, schedule=sched, micro_batches=m,
-                    loss_fn=nn.functional.mse_loss, chunks=chunks)  # fmt: skip
+    pipe = Pipeline(
+        _layers(p, cfg),
+        group,
+        schedule=sched,
+        micro_batches=m,
+        loss_fn=nn.functional.mse_loss,
+        chunks=chunks,
+    )
     return lambda x, y: pipe.step(x, y)
 
 
@@ -93,8 +102,9 @@ def _torch(sched: str, p: int, m: int, cfg: dict[str, Any], group: Any) -> Any:
     if sched == "interleaved":
         ids = [c * p + rank for c in range(CHUNKS)]
         cpu = torch.device("cpu")
-        stages: list[Any] = [tpp.PipelineStage(layers[s], s, CHUNKS * p, cpu, group=group)
-                             for s in ids]  # fmt: skip
+        stages: list[Any] = [
+            tpp.PipelineStage(layers[s], s, CHUNKS * p, cpu, group=group) for s in ids
+        ]
         schedule: Any = tpp.ScheduleInterleaved1F1B(stages, m, loss_fn=loss)
     else:
         mod = nn.Sequential(*layers[CHUNKS * rank : CHUNKS * (rank + 1)])
@@ -175,17 +185,29 @@ def summarize(
         step = statistics.median(ts)
         calibrated = (m + (p - 1) / v) * measured_unit
         twin = times.get(("torch-" if name.startswith("ours") else "ours-") + sched)
-        rows.append({
-            "p": p, "m": m, "impl": name, "schedule": sched, "step_ms": 1e3 * step,
-            "ideal_ms": 1e3 * ideal, "ratio_to_ideal": step / ideal if ideal else None,
-            "calibrated_ms": 1e3 * calibrated,
-            "ratio_to_calibrated": step / calibrated if calibrated else None,
-            "bubble": 1 - m * unit / step, "bubble_theory": (p - 1) / (v * m + p - 1),
-            "ours_over_torch": (step / statistics.median(twin)
-                                if twin and name.startswith("ours") else None),
-            "ours_over_torch_paired": (statistics.median(a / b for a, b in zip(ts, twin))
-                                       if twin and name.startswith("ours") else None),
-        })  # fmt: skip
+        rows.append(
+            {
+                "p": p,
+                "m": m,
+                "impl": name,
+                "schedule": sched,
+                "step_ms": 1e3 * step,
+                "ideal_ms": 1e3 * ideal,
+                "ratio_to_ideal": step / ideal if ideal else None,
+                "calibrated_ms": 1e3 * calibrated,
+                "ratio_to_calibrated": step / calibrated if calibrated else None,
+                "bubble": 1 - m * unit / step,
+                "bubble_theory": (p - 1) / (v * m + p - 1),
+                "ours_over_torch": (
+                    step / statistics.median(twin) if twin and name.startswith("ours") else None
+                ),
+                "ours_over_torch_paired": (
+                    statistics.median(a / b for a, b in zip(ts, twin))
+                    if twin and name.startswith("ours")
+                    else None
+                ),
+            }
+        )
     return rows
 
 
@@ -194,14 +216,18 @@ def _fmt(value: float | None) -> str:
 
 
 def _print(rows: list[dict[str, Any]]) -> None:
-    print(f"{'p':>2}{'m':>4} {'impl':<18}{'step ms':>9}{'ideal ms':>10}{'x ideal':>9}"
-          f"{'x calib':>9}{'bubble':>8}{'theory':>8}{'ours/torch':>12}{'paired':>8}")  # fmt: skip
+    print(
+        f"{'p':>2}{'m':>4} {'impl':<18}{'step ms':>9}{'ideal ms':>10}{'x ideal':>9}"
+        f"{'x calib':>9}{'bubble':>8}{'theory':>8}{'ours/torch':>12}{'paired':>8}"
+    )
     for r in rows:
         ratio, paired = _fmt(r["ours_over_torch"]), _fmt(r["ours_over_torch_paired"])
-        print(f"{r['p']:>2}{r['m']:>4} {r['impl']:<18}{r['step_ms']:>9.1f}{r['ideal_ms']:>10.1f}"
-              f"{_fmt(r['ratio_to_ideal']):>9}{_fmt(r['ratio_to_calibrated']):>9}"
-              f"{r['bubble']:>8.3f}{r['bubble_theory']:>8.3f}"
-              f"{ratio:>12}{paired:>8}")  # fmt: skip
+        print(
+            f"{r['p']:>2}{r['m']:>4} {r['impl']:<18}{r['step_ms']:>9.1f}{r['ideal_ms']:>10.1f}"
+            f"{_fmt(r['ratio_to_ideal']):>9}{_fmt(r['ratio_to_calibrated']):>9}"
+            f"{r['bubble']:>8.3f}{r['bubble_theory']:>8.3f}"
+            f"{ratio:>12}{paired:>8}"
+        )
 
 
 def _targets(rows: list[dict[str, Any]]) -> dict[str, bool]:
@@ -214,12 +240,14 @@ def _targets(rows: list[dict[str, Any]]) -> dict[str, bool]:
         if s == "interleaved" and (p, m, "1f1b") in step and m >= p
     ]
     return {
-        "within_1.10_of_ideal": all((r["ratio_to_ideal"] or 0) <= 1.10 for r in ours
-                                    if r["schedule"] in ("gpipe", "1f1b")),
+        "within_1.10_of_ideal": all(
+            (r["ratio_to_ideal"] or 0) <= 1.10 for r in ours if r["schedule"] in ("gpipe", "1f1b")
+        ),
         "interleaved_below_1f1b": bool(inter) and all(inter),
-        "ours_not_slower_than_torch": all(r["ours_over_torch"] <= 1.0 for r in ours
-                                          if r["ours_over_torch"] is not None),
-    }  # fmt: skip
+        "ours_not_slower_than_torch": all(
+            r["ours_over_torch"] <= 1.0 for r in ours if r["ours_over_torch"] is not None
+        ),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -240,10 +268,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     ranks = [int(v) for v in args.ranks.split(",") if v]
     cfg: dict[str, Any] = {
-        "t_f": args.t_f, "t_b": args.t_b, "iters": args.iters, "warmup": args.warmup,
+        "t_f": args.t_f,
+        "t_b": args.t_b,
+        "iters": args.iters,
+        "warmup": args.warmup,
         "microbatches": [int(v) for v in args.microbatches.split(",") if v],
-        "schedules": [v for v in args.schedules.split(",") if v], "torch": not args.no_torch,
-    }  # fmt: skip
+        "schedules": [v for v in args.schedules.split(",") if v],
+        "torch": not args.no_torch,
+    }
     if args.quick:
         ranks = [2]
         cfg.update(iters=2, warmup=1, microbatches=[4])
@@ -254,13 +286,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--schedules has unknown {bad}; choose from {', '.join(SCHEDULES)}")
     rows: list[dict[str, Any]] = []
     for p in ranks:
-        result = run_distributed(_rank_job, cfg, world_size=p, timeout=3600,
-                                 collective_timeout=300)  # fmt: skip
+        result = run_distributed(_rank_job, cfg, world_size=p, timeout=3600, collective_timeout=300)
         for m, times in result[0]["times"].items():
             rows += summarize(p, m, times, cfg, result[0]["unit"])
     _print(rows)
-    emit({"config": {**cfg, "ranks": ranks, "chunks": CHUNKS}, "rows": rows,
-          "targets": _targets(rows)}, args.json)  # fmt: skip
+    emit(
+        {
+            "config": {**cfg, "ranks": ranks, "chunks": CHUNKS},
+            "rows": rows,
+            "targets": _targets(rows),
+        },
+        args.json,
+    )
     return 0
 
 

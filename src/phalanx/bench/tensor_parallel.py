@@ -37,11 +37,16 @@ WORKLOADS = ("mlp", "block")
 OURS = {
     "mlp": {"fc1": "colwise", "fc2": "rowwise"},
     "block": {
-        "attn": "parallel_input", "attn.q_proj": "colwise", "attn.k_proj": "colwise",
-        "attn.v_proj": "colwise", "attn.out_proj": "rowwise",
-        "mlp": "parallel_input", "mlp.fc1": "colwise", "mlp.fc2": "rowwise",
+        "attn": "parallel_input",
+        "attn.q_proj": "colwise",
+        "attn.k_proj": "colwise",
+        "attn.v_proj": "colwise",
+        "attn.out_proj": "rowwise",
+        "mlp": "parallel_input",
+        "mlp.fc1": "colwise",
+        "mlp.fc2": "rowwise",
     },
-}  # fmt: skip
+}
 
 
 class _MLP(nn.Module):
@@ -166,26 +171,35 @@ def summarize(result: dict[str, Any]) -> list[dict[str, Any]]:
             i: sorted(r[i]["times"])[min(len(r[i]["times"]) - 1, int(0.9 * len(r[i]["times"])))]
             for i in IMPLS
         }
-        rows.append({
-            "workload": workload, "hidden": int(hidden),
-            "phalanx_p50_ms": 1e3 * p50["phalanx"], "torch_p50_ms": 1e3 * p50["torch-dtensor"],
-            "phalanx_p90_ms": 1e3 * p90["phalanx"], "torch_p90_ms": 1e3 * p90["torch-dtensor"],
-            "ratio_vs_torch": p50["phalanx"] / p50["torch-dtensor"],
-            "phalanx_all_reduces": r["phalanx"]["all_reduce"],
-            "torch_all_reduces": r["torch-dtensor"]["all_reduce"],
-            "max_abs_diff": r["max_abs_diff"],
-        })  # fmt: skip
+        rows.append(
+            {
+                "workload": workload,
+                "hidden": int(hidden),
+                "phalanx_p50_ms": 1e3 * p50["phalanx"],
+                "torch_p50_ms": 1e3 * p50["torch-dtensor"],
+                "phalanx_p90_ms": 1e3 * p90["phalanx"],
+                "torch_p90_ms": 1e3 * p90["torch-dtensor"],
+                "ratio_vs_torch": p50["phalanx"] / p50["torch-dtensor"],
+                "phalanx_all_reduces": r["phalanx"]["all_reduce"],
+                "torch_all_reduces": r["torch-dtensor"]["all_reduce"],
+                "max_abs_diff": r["max_abs_diff"],
+            }
+        )
     return rows
 
 
 def _print(rows: list[dict[str, Any]]) -> None:
-    print(f"{'workload':<10}{'H':>6}{'ours ms':>9}{'torch ms':>10}{'ratio':>8}{'ours p90':>10}"
-          f"{'torch p90':>11}{'AR ours':>9}{'AR torch':>10}{'max diff':>10}")  # fmt: skip
+    print(
+        f"{'workload':<10}{'H':>6}{'ours ms':>9}{'torch ms':>10}{'ratio':>8}{'ours p90':>10}"
+        f"{'torch p90':>11}{'AR ours':>9}{'AR torch':>10}{'max diff':>10}"
+    )
     for r in rows:
-        print(f"{r['workload']:<10}{r['hidden']:>6}{r['phalanx_p50_ms']:>9.2f}"
-              f"{r['torch_p50_ms']:>10.2f}{r['ratio_vs_torch']:>8.3f}{r['phalanx_p90_ms']:>10.2f}"
-              f"{r['torch_p90_ms']:>11.2f}{r['phalanx_all_reduces']:>9}"
-              f"{r['torch_all_reduces']:>10}{r['max_abs_diff']:>10.1e}")  # fmt: skip
+        print(
+            f"{r['workload']:<10}{r['hidden']:>6}{r['phalanx_p50_ms']:>9.2f}"
+            f"{r['torch_p50_ms']:>10.2f}{r['ratio_vs_torch']:>8.3f}{r['phalanx_p90_ms']:>10.2f}"
+            f"{r['torch_p90_ms']:>11.2f}{r['phalanx_all_reduces']:>9}"
+            f"{r['torch_all_reduces']:>10}{r['max_abs_diff']:>10.1e}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -214,8 +228,14 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("iters", "batch", "seq"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
-    cfg: dict[str, Any] = {"workloads": workloads, "hidden": hidden, "iters": args.iters,
-                           "warmup": args.warmup, "batch": args.batch, "seq": args.seq}  # fmt: skip
+    cfg: dict[str, Any] = {
+        "workloads": workloads,
+        "hidden": hidden,
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "batch": args.batch,
+        "seq": args.seq,
+    }
     if args.quick:
         cfg.update(iters=6, warmup=2, hidden=hidden[:1])
     result = run_distributed(_rank_job, cfg, world_size=2, timeout=1800, collective_timeout=300)

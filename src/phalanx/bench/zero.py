@@ -160,27 +160,36 @@ def summarize(result: dict[str, Any]) -> list[dict[str, Any]]:
         base = BASELINE.get(impl)
         ratio = p50 / statistics.median(result[base]["times"]) if base in result else None
         ordered = sorted(r["times"])
-        rows.append({
-            "impl": impl, "baseline": base, "p50_ms": 1e3 * p50,
-            "p90_ms": 1e3 * ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
-            "ratio_vs_torch": ratio, "state_bytes": r["state"],
-            "model_state_bytes": sum(r["state"].values()),
-            "comm_bytes_per_step": r["comm_bytes"] if not impl.startswith("torch") else None,
-            "peak_growth_bytes": r["peak_bytes"],
-        })  # fmt: skip
+        rows.append(
+            {
+                "impl": impl,
+                "baseline": base,
+                "p50_ms": 1e3 * p50,
+                "p90_ms": 1e3 * ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
+                "ratio_vs_torch": ratio,
+                "state_bytes": r["state"],
+                "model_state_bytes": sum(r["state"].values()),
+                "comm_bytes_per_step": r["comm_bytes"] if not impl.startswith("torch") else None,
+                "peak_growth_bytes": r["peak_bytes"],
+            }
+        )
     return rows
 
 
 def _print(rows: list[dict[str, Any]]) -> None:
-    print(f"{'impl':<12}{'p50 ms':>9}{'p90 ms':>9}{'vs torch':>10}{'states MB':>11}"
-          f"{'optim MB':>10}{'comm MB':>9}{'peak+ MB':>10}")  # fmt: skip
+    print(
+        f"{'impl':<12}{'p50 ms':>9}{'p90 ms':>9}{'vs torch':>10}{'states MB':>11}"
+        f"{'optim MB':>10}{'comm MB':>9}{'peak+ MB':>10}"
+    )
     for r in rows:
         ratio = f"{r['ratio_vs_torch']:.3f}" if r["ratio_vs_torch"] is not None else "-"
         comm = r["comm_bytes_per_step"]
-        print(f"{r['impl']:<12}{r['p50_ms']:>9.2f}{r['p90_ms']:>9.2f}{ratio:>10}"
-              f"{r['model_state_bytes'] / 1e6:>11.2f}{r['state_bytes']['optimizer'] / 1e6:>10.2f}"
-              f"{'-' if comm is None else f'{comm / 1e6:.2f}':>9}"
-              f"{r['peak_growth_bytes'] / 1e6:>10.1f}")  # fmt: skip
+        print(
+            f"{r['impl']:<12}{r['p50_ms']:>9.2f}{r['p90_ms']:>9.2f}{ratio:>10}"
+            f"{r['model_state_bytes'] / 1e6:>11.2f}{r['state_bytes']['optimizer'] / 1e6:>10.2f}"
+            f"{'-' if comm is None else f'{comm / 1e6:.2f}':>9}"
+            f"{r['peak_growth_bytes'] / 1e6:>10.1f}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -80,8 +80,9 @@ def _run(
     compare_shape: bool = True,
     post: Callable[[], None] | None = None,
 ) -> Any:
-    seq = tracking.enter(op, group, tensor, reduce_op=reduce_op, root=root,
-                         compare_shape=compare_shape)  # fmt: skip
+    seq = tracking.enter(
+        op, group, tensor, reduce_op=reduce_op, root=root, compare_shape=compare_shape
+    )
     try:
         work = call()
     except CollectiveError:
@@ -150,9 +151,12 @@ def all_reduce(
 
 
 def reduce(
-    tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: Group = None,
+    tensor: torch.Tensor,
+    dst: int,
+    op: Any = ReduceOp.SUM,
+    group: Group = None,
     async_op: bool = False,
-) -> Any:  # fmt: skip
+) -> Any:
     """Reduce ``tensor`` across the group onto global rank ``dst``."""
     post, call_op = None, op
     if _avg_on_gloo(op, group):
@@ -178,9 +182,11 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group = None, async_op: boo
 
 
 def all_gather(
-    tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Group = None,
+    tensor_list: list[torch.Tensor],
+    tensor: torch.Tensor,
+    group: Group = None,
     async_op: bool = False,
-) -> Any:  # fmt: skip
+) -> Any:
     """Gather every rank's ``tensor`` into ``tensor_list`` on every rank."""
     return _run(
         "all_gather",
@@ -203,9 +209,12 @@ def all_gather_into_tensor(
 
 
 def gather(
-    tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int = 0,
-    group: Group = None, async_op: bool = False,
-) -> Any:  # fmt: skip
+    tensor: torch.Tensor,
+    gather_list: list[torch.Tensor] | None = None,
+    dst: int = 0,
+    group: Group = None,
+    async_op: bool = False,
+) -> Any:
     """Gather every rank's ``tensor`` into ``gather_list`` on global rank ``dst``."""
     return _run(
         "gather",
@@ -217,9 +226,12 @@ def gather(
 
 
 def scatter(
-    tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int = 0,
-    group: Group = None, async_op: bool = False,
-) -> Any:  # fmt: skip
+    tensor: torch.Tensor,
+    scatter_list: list[torch.Tensor] | None = None,
+    src: int = 0,
+    group: Group = None,
+    async_op: bool = False,
+) -> Any:
     """Send ``scatter_list[i]`` from global rank ``src`` to rank i's ``tensor``."""
     return _run(
         "scatter",
@@ -231,9 +243,12 @@ def scatter(
 
 
 def reduce_scatter(
-    output: torch.Tensor, input_list: list[torch.Tensor], op: Any = ReduceOp.SUM,
-    group: Group = None, async_op: bool = False,
-) -> Any:  # fmt: skip
+    output: torch.Tensor,
+    input_list: list[torch.Tensor],
+    op: Any = ReduceOp.SUM,
+    group: Group = None,
+    async_op: bool = False,
+) -> Any:
     """Reduce ``input_list`` elementwise across ranks; rank i receives entry i in ``output``."""
     post, call_op = None, op
     if _avg_on_gloo(op, group):
@@ -249,9 +264,12 @@ def reduce_scatter(
 
 
 def reduce_scatter_tensor(
-    output: torch.Tensor, input: torch.Tensor, op: Any = ReduceOp.SUM, group: Group = None,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: Any = ReduceOp.SUM,
+    group: Group = None,
     async_op: bool = False,
-) -> Any:  # fmt: skip
+) -> Any:
     """Reduce ``input`` across ranks; rank i receives the i-th equal slice in ``output``."""
     post, call_op = None, op
     if _avg_on_gloo(op, group):
@@ -267,9 +285,11 @@ def reduce_scatter_tensor(
 
 
 def all_to_all(
-    output_tensor_list: list[torch.Tensor], input_tensor_list: list[torch.Tensor],
-    group: Group = None, async_op: bool = False,
-) -> Any:  # fmt: skip
+    output_tensor_list: list[torch.Tensor],
+    input_tensor_list: list[torch.Tensor],
+    group: Group = None,
+    async_op: bool = False,
+) -> Any:
     """Rank i sends ``input_tensor_list[j]`` to rank j, receiving into ``output_tensor_list``."""
     return _run(
         "all_to_all",
@@ -281,9 +301,13 @@ def all_to_all(
 
 
 def all_to_all_single(
-    output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int] | None = None,
-    input_split_sizes: list[int] | None = None, group: Group = None, async_op: bool = False,
-) -> Any:  # fmt: skip
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: list[int] | None = None,
+    input_split_sizes: list[int] | None = None,
+    group: Group = None,
+    async_op: bool = False,
+) -> Any:
     """Split ``input`` along dim 0, send piece j to rank j, concatenate what arrives."""
     even = output_split_sizes is None and input_split_sizes is None
     return _run(

@@ -28,10 +28,14 @@ def main(argv: list[str] | None = None) -> int:
     records = dict(load_dump(p) for p in paths)
     for rank, recs in sorted(records.items()):
         last = recs[-1] if recs else None
-        state = "none" if last is None else (
-            f"{last.where()} (#{last.seq} on group {last.group}, "
-            f"{'completed' if last.end is not None else 'in flight'})"
-        )  # fmt: skip
+        state = (
+            "none"
+            if last is None
+            else (
+                f"{last.where()} (#{last.seq} on group {last.group}, "
+                f"{'completed' if last.end is not None else 'in flight'})"
+            )
+        )
         print(f"rank {rank}: {len(recs)} collectives recorded; last: {state}")
     div = first_divergence(records)
     if div is None:

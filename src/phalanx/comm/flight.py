@@ -129,8 +129,9 @@ def first_divergence(records: Mapping[int, Sequence[Record]]) -> Divergence | No
     found: list[tuple[float, Divergence]] = []
     groups = {r.group for recs in records.values() for r in recs}
     for group in sorted(groups):
-        by_rank = {rank: {r.seq: r for r in recs if r.group == group}
-                   for rank, recs in records.items()}  # fmt: skip
+        by_rank = {
+            rank: {r.seq: r for r in recs if r.group == group} for rank, recs in records.items()
+        }
         members = {rank: seqs for rank, seqs in by_rank.items() if seqs}
         if len(members) < 2:
             continue

@@ -113,9 +113,10 @@ def build_report(
         f"{waited:.0f} s in {stuck.where()} (collective #{stuck.seq} on group {stuck.group})."
     ]
     behind = [
-        r for r, recs in records.items()
+        r
+        for r, recs in records.items()
         if not any(x.group == stuck.group and x.seq >= stuck.seq for x in recs)
-    ]  # fmt: skip
+    ]
     silent = sorted(set(range(world_size)) - set(states))
     if behind:
         lines.append(f"Rank(s) {behind} never reached it.")

@@ -39,8 +39,9 @@ def _gather_one(
 
     def result() -> torch.Tensor:
         if any(f != width for f in firsts):
-            return dtypes.narrow(torch.cat([out[i * width : i * width + f]
-                                            for i, f in enumerate(firsts)]), dtype)  # fmt: skip
+            return dtypes.narrow(
+                torch.cat([out[i * width : i * width + f] for i, f in enumerate(firsts)]), dtype
+            )
         return dtypes.narrow(out, dtype)
 
     return work, result
@@ -59,12 +60,22 @@ def _start(req: Request, agreement: Agreement) -> tuple[list[Any], Callable[[], 
 
 
 def _submit(
-    tensors: list[torch.Tensor], ps: ProcessSet, name: str | None, blocking: bool,
+    tensors: list[torch.Tensor],
+    ps: ProcessSet,
+    name: str | None,
+    blocking: bool,
     kind: Kind = Kind.ALLGATHER,
-) -> Handle:  # fmt: skip
+) -> Handle:
     tensors = [t.reshape(1) if t.dim() == 0 else t for t in tensors]  # scalars gather to a vector
-    req = Request(kind, name, tensors, _start, payload=tuple(t.shape[0] for t in tensors),
-                  free_first_dim=True, options={"group": ps.group})  # fmt: skip
+    req = Request(
+        kind,
+        name,
+        tensors,
+        _start,
+        payload=tuple(t.shape[0] for t in tensors),
+        free_first_dim=True,
+        options={"group": ps.group},
+    )
     return controller(ps).submit(req, blocking)
 
 

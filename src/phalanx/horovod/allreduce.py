@@ -51,11 +51,16 @@ _TORCH_OP = {
 def resolve_op(op: Any, average: bool | None = None) -> ReduceOp:
     """Turn ``op`` / the deprecated ``average`` flag into a supported :class:`ReduceOp`."""
     if op is not None and average is not None:
-        raise ValueError(f"pass op= or the deprecated average=, not both (got op={op!r}, "
-                         f"average={average!r}); op supersedes average")  # fmt: skip
+        raise ValueError(
+            f"pass op= or the deprecated average=, not both (got op={op!r}, "
+            f"average={average!r}); op supersedes average"
+        )
     if average is not None:
-        warnings.warn("average= is deprecated; use op=hvd.Average or op=hvd.Sum",
-                      DeprecationWarning, stacklevel=3)  # fmt: skip
+        warnings.warn(
+            "average= is deprecated; use op=hvd.Average or op=hvd.Sum",
+            DeprecationWarning,
+            stacklevel=3,
+        )
         return ReduceOp.Average if average else ReduceOp.Sum
     if op is None:
         return ReduceOp.Average
@@ -92,8 +97,12 @@ def finish_scale(t: torch.Tensor, op: ReduceOp, post: float, n: int) -> None:
 
 
 def launch(
-    buffers: list[torch.Tensor], op: ReduceOp, pre: float, post: float, group: Any,
-) -> tuple[list[Any], Callable[[], None]]:  # fmt: skip
+    buffers: list[torch.Tensor],
+    op: ReduceOp,
+    pre: float,
+    post: float,
+    group: Any,
+) -> tuple[list[Any], Callable[[], None]]:
     """Scale and start reducing ``buffers`` in place; returns the works and the finishing step."""
     n = dist.get_world_size(group)
     works = []
@@ -146,20 +155,35 @@ def _start(req: Request, agreement: Agreement) -> tuple[list[Any], Callable[[], 
 def _neutral(desc: dict[str, Any]) -> Request:
     (dtype, shape, _), op = desc["tensors"][0], ReduceOp(desc["op"])
     t = neutral_tensor(shape, getattr(torch, dtype), op)
-    return Request(Kind.ALLREDUCE, None, [t], _start, op=int(op),
-                   options={"group": None, "inplace": True})  # fmt: skip
+    return Request(
+        Kind.ALLREDUCE, None, [t], _start, op=int(op), options={"group": None, "inplace": True}
+    )
 
 
 NEUTRAL[Kind.ALLREDUCE] = _neutral
 
 
 def submit_allreduce(
-    tensor: torch.Tensor, op: ReduceOp, pre: float, post: float, ps: ProcessSet,
-    inplace: bool, name: str | None = None, blocking: bool = True,
-) -> Handle:  # fmt: skip
+    tensor: torch.Tensor,
+    op: ReduceOp,
+    pre: float,
+    post: float,
+    ps: ProcessSet,
+    inplace: bool,
+    name: str | None = None,
+    blocking: bool = True,
+) -> Handle:
     """Negotiate and start one all-reduce with resolved arguments."""
-    req = Request(Kind.ALLREDUCE, name, [tensor], _start, op=int(op), pre=pre, post=post,
-                  options={"group": ps.group, "inplace": inplace})  # fmt: skip
+    req = Request(
+        Kind.ALLREDUCE,
+        name,
+        [tensor],
+        _start,
+        op=int(op),
+        pre=pre,
+        post=post,
+        options={"group": ps.group, "inplace": inplace},
+    )
     return controller(ps).submit(req, blocking)
 
 
@@ -167,8 +191,15 @@ class _Allreduce(torch.autograd.Function):
     """Differentiable all-reduce: the gradient is all-reduced with the same operation."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, op: ReduceOp, pre: float, post: float,
-                ps: ProcessSet, name: str | None) -> torch.Tensor:  # fmt: skip
+    def forward(
+        ctx: Any,
+        tensor: torch.Tensor,
+        op: ReduceOp,
+        pre: float,
+        post: float,
+        ps: ProcessSet,
+        name: str | None,
+    ) -> torch.Tensor:
         ctx.args = (op, pre, post, ps)
         return submit_allreduce(tensor, op, pre, post, ps, False, name).wait()
 
@@ -180,9 +211,14 @@ class _Allreduce(torch.autograd.Function):
 
 
 def allreduce_async(
-    tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: Any = None,
-    prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: Any = None,
-) -> Handle:  # fmt: skip
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = None,
+) -> Handle:
     """Start reducing a copy of ``tensor``; ``synchronize(handle)`` returns the new tensor.
 
     Args:
@@ -203,19 +239,29 @@ def allreduce_async(
 
 
 def allreduce_async_(
-    tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: Any = None,
-    prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: Any = None,
-) -> Handle:  # fmt: skip
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = None,
+) -> Handle:
     """Start reducing ``tensor`` in place; ``synchronize(handle)`` returns ``tensor``."""
     op, ps = resolve_op(op, average), resolve(process_set)
     return submit_allreduce(tensor, op, prescale_factor, postscale_factor, ps, True, name, False)
 
 
 def allreduce(
-    tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-    compression: Any = Compression.none, op: Any = None, prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0, process_set: Any = None,
-) -> torch.Tensor:  # fmt: skip
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    compression: Any = Compression.none,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = None,
+) -> torch.Tensor:
     """Reduce ``tensor`` over the ranks and return the result as a new tensor.
 
     Same arguments as :func:`allreduce_async`, plus ``compression`` (e.g.
@@ -232,9 +278,14 @@ def allreduce(
 
 
 def allreduce_(
-    tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: Any = None,
-    prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: Any = None,
-) -> torch.Tensor:  # fmt: skip
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = None,
+) -> torch.Tensor:
     """Reduce ``tensor`` in place and return it."""
     op, ps = resolve_op(op, average), resolve(process_set)
     return submit_allreduce(tensor, op, prescale_factor, postscale_factor, ps, True, name).wait()

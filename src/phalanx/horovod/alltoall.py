@@ -25,19 +25,25 @@ __all__ = ["alltoall", "alltoall_async"]
 def _send_splits(splits: Any, x: torch.Tensor, n: int) -> list[int]:
     if splits is None:
         if x.shape[0] % n:
-            raise ValueError(f"alltoall without splits divides dimension 0 evenly by the "
-                             f"{n} ranks, but it has size {x.shape[0]}; pass splits=")  # fmt: skip
+            raise ValueError(
+                f"alltoall without splits divides dimension 0 evenly by the "
+                f"{n} ranks, but it has size {x.shape[0]}; pass splits="
+            )
         return [x.shape[0] // n] * n
-    if isinstance(splits, torch.Tensor) and (splits.is_floating_point() or splits.is_complex()
-                                             or splits.dtype == torch.bool):  # fmt: skip
-        raise ValueError(f"splits must hold integers (int32, as Horovod's), got a tensor of "
-                         f"{splits.dtype}")  # fmt: skip
+    if isinstance(splits, torch.Tensor) and (
+        splits.is_floating_point() or splits.is_complex() or splits.dtype == torch.bool
+    ):
+        raise ValueError(
+            f"splits must hold integers (int32, as Horovod's), got a tensor of {splits.dtype}"
+        )
     raw = splits.tolist() if isinstance(splits, torch.Tensor) else list(splits)
     if any(not isinstance(s, int) or isinstance(s, bool) for s in raw):
         raise ValueError(f"splits must hold integers, got {raw}")
     if len(raw) != n or any(s < 0 for s in raw) or sum(raw) != x.shape[0]:
-        raise ValueError(f"splits={raw} must hold {n} non-negative sizes (one per rank) summing "
-                         f"to dimension 0 of the tensor, {x.shape[0]}")  # fmt: skip
+        raise ValueError(
+            f"splits={raw} must hold {n} non-negative sizes (one per rank) summing "
+            f"to dimension 0 of the tensor, {x.shape[0]}"
+        )
     return raw
 
 
@@ -47,22 +53,29 @@ def _start(req: Request, agreement: Agreement) -> tuple[list[Any], Callable[[], 
     recv = [p[me] for p in agreement.payloads if p is not None]
     x = tensor.detach().to(dtypes.wire_dtype(tensor.dtype), memory_format=torch.contiguous_format)
     out = x.new_empty((sum(recv), *x.shape[1:]))
-    work = c.all_to_all_single(out, x, recv, list(req.payload), req.options["group"],
-                               async_op=True)  # fmt: skip
+    work = c.all_to_all_single(out, x, recv, list(req.payload), req.options["group"], async_op=True)
     received = torch.tensor(recv, dtype=torch.int32, device=req.options["splits_device"])
     return [work], lambda: (dtypes.narrow(out, tensor.dtype), received)
 
 
-def _submit(tensor: torch.Tensor, splits: Any, ps: ProcessSet, name: str | None,
-            blocking: bool) -> Handle:  # fmt: skip
+def _submit(
+    tensor: torch.Tensor, splits: Any, ps: ProcessSet, name: str | None, blocking: bool
+) -> Handle:
     if tensor.dim() == 0:
         raise ValueError("alltoall needs a tensor with at least one dimension, got a scalar")
     n = len(ps.ranks)
     send = _send_splits(splits, tensor, n)
     device = splits.device if isinstance(splits, torch.Tensor) else torch.device("cpu")
     options = {"group": ps.group, "me": ps.rank(), "splits_device": device}
-    req = Request(Kind.ALLTOALL, name, [tensor], _start, payload=tuple(send),
-                  free_first_dim=True, options=options)  # fmt: skip
+    req = Request(
+        Kind.ALLTOALL,
+        name,
+        [tensor],
+        _start,
+        payload=tuple(send),
+        free_first_dim=True,
+        options=options,
+    )
     return controller(ps).submit(req, blocking)
 
 
@@ -83,17 +96,21 @@ class _Alltoall(torch.autograd.Function):
 
 
 def alltoall_async(
-    tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None = None,
-    name: str | None = None, process_set: Any = None,
-) -> Handle:  # fmt: skip
+    tensor: torch.Tensor,
+    splits: Sequence[int] | torch.Tensor | None = None,
+    name: str | None = None,
+    process_set: Any = None,
+) -> Handle:
     """Start an alltoall; ``synchronize`` returns ``(output, received_splits)``."""
     return _submit(tensor, splits, resolve(process_set), name, False)
 
 
 def alltoall(
-    tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None = None,
-    name: str | None = None, process_set: Any = None,
-) -> Any:  # fmt: skip
+    tensor: torch.Tensor,
+    splits: Sequence[int] | torch.Tensor | None = None,
+    name: str | None = None,
+    process_set: Any = None,
+) -> Any:
     """Send ``splits[j]`` rows of ``tensor`` to rank j; concatenate what arrives, by rank.
 
     Args:

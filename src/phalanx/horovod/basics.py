@@ -56,8 +56,9 @@ def _timeout() -> float | None:
     except ValueError:
         seconds = -1.0
     if seconds <= 0:
-        raise ValueError(f"HOROVOD_GLOO_TIMEOUT_SECONDS={raw!r} must be a positive number of "
-                         f"seconds")  # fmt: skip
+        raise ValueError(
+            f"HOROVOD_GLOO_TIMEOUT_SECONDS={raw!r} must be a positive number of seconds"
+        )
     return seconds
 
 
@@ -75,8 +76,10 @@ def init(comm: object = None, process_sets: object = None) -> None:
     """
     global _OWNS_GROUP
     if comm is not None or process_sets is not None:
-        raise ValueError("init(comm=..., process_sets=...) is not supported: call hvd.init() "
-                         "on every rank, then hvd.add_process_set(ranks)")  # fmt: skip
+        raise ValueError(
+            "init(comm=..., process_sets=...) is not supported: call hvd.init() "
+            "on every rank, then hvd.add_process_set(ranks)"
+        )
     if not dist.is_initialized():
         pg.init_process_group(timeout=_timeout())
         _OWNS_GROUP = True

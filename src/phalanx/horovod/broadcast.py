@@ -44,11 +44,21 @@ def _start(req: Request, agreement: Agreement) -> tuple[list[Any], Callable[[], 
 
 
 def _submit(
-    tensor: torch.Tensor, root: int, ps: ProcessSet, inplace: bool, name: str | None,
+    tensor: torch.Tensor,
+    root: int,
+    ps: ProcessSet,
+    inplace: bool,
+    name: str | None,
     blocking: bool,
-) -> Handle:  # fmt: skip
-    req = Request(Kind.BROADCAST, name, [tensor], _start, root=root,
-                  options={"group": ps.group, "inplace": inplace})  # fmt: skip
+) -> Handle:
+    req = Request(
+        Kind.BROADCAST,
+        name,
+        [tensor],
+        _start,
+        root=root,
+        options={"group": ps.group, "inplace": inplace},
+    )
     return controller(ps).submit(req, blocking)
 
 
@@ -69,22 +79,31 @@ class _Broadcast(torch.autograd.Function):
 
 
 def broadcast_async(
-    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None,
-) -> Handle:  # fmt: skip
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: Any = None,
+) -> Handle:
     """Start broadcasting a copy of global rank ``root_rank``'s ``tensor``."""
     return _submit(tensor, root_rank, resolve(process_set, root_rank), False, name, False)
 
 
 def broadcast_async_(
-    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None,
-) -> Handle:  # fmt: skip
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: Any = None,
+) -> Handle:
     """Start overwriting ``tensor`` with global rank ``root_rank``'s, in place."""
     return _submit(tensor, root_rank, resolve(process_set, root_rank), True, name, False)
 
 
 def broadcast(
-    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None,
-) -> torch.Tensor:  # fmt: skip
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: Any = None,
+) -> torch.Tensor:
     """Return a new tensor holding global rank ``root_rank``'s ``tensor`` (differentiable).
 
     Args:
@@ -100,7 +119,10 @@ def broadcast(
 
 
 def broadcast_(
-    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None,
-) -> torch.Tensor:  # fmt: skip
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: Any = None,
+) -> torch.Tensor:
     """Overwrite ``tensor`` in place with global rank ``root_rank``'s; return it."""
     return _submit(tensor, root_rank, resolve(process_set, root_rank), True, name, True).wait()

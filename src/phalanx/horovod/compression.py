@@ -70,8 +70,10 @@ class Compression:
 
 def check_compression(compression: Any) -> None:
     """Raise a TypeError unless ``compression`` has ``compress`` and ``decompress``."""
-    if not (callable(getattr(compression, "compress", None))
-            and callable(getattr(compression, "decompress", None))):  # fmt: skip
+    if not (
+        callable(getattr(compression, "compress", None))
+        and callable(getattr(compression, "decompress", None))
+    ):
         raise TypeError(
             f"compression={compression!r} must have compress(tensor) and "
             f"decompress(tensor, ctx), e.g. hvd.Compression.none or hvd.Compression.fp16"

@@ -189,8 +189,7 @@ class Controller:
             return Row(state, 0, 0, 0, rounds, pending, len(pending), ())
         req = current[0]
         sig = signature(describe(req))
-        return Row(state, int(req.kind), req.key_hash, sig, 0, pending, len(pending),
-                   req.payload)  # fmt: skip
+        return Row(state, int(req.kind), req.key_hash, sig, 0, pending, len(pending), req.payload)
 
     def _buffers(self, row: Row) -> tuple[torch.Tensor, torch.Tensor]:
         mine = torch.tensor(encode_row(row), dtype=torch.int64)
@@ -229,15 +228,18 @@ class Controller:
         """The slow path: descriptions travel, are compared, and joined ranks learn shapes."""
         descs: list[Desc | None] = self._gather(describe(mine[0]) if mine else None)
         holders = {self.ranks[i]: d for i, d in enumerate(descs) if d is not None}
-        joined = tuple(i for i, (r, d) in enumerate(zip(rows, descs))
-                       if r.state == State.JOINED and d is None)  # fmt: skip
+        joined = tuple(
+            i for i, (r, d) in enumerate(zip(rows, descs)) if r.state == State.JOINED and d is None
+        )
         first = next(iter(holders.values()))
         kind = Kind(first["kind"])
         why = mismatch(holders)
         if why is None and joined and kind not in NEUTRAL:
             names = [self.ranks[i] for i in joined]
-            why = (f"not supported while rank(s) {names} are in join() (as in Horovod, only "
-                   f"all-reduces are); issue it before join() on every rank")  # fmt: skip
+            why = (
+                f"not supported while rank(s) {names} are in join() (as in Horovod, only "
+                f"all-reduces are); issue it before join() on every rank"
+            )
         agreement = Agreement(tuple(tuple(d["payload"]) if d else None for d in descs), joined)
         if mine is not None:
             if why is None:

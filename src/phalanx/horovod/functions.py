@@ -62,8 +62,14 @@ def _start_coalesced(req: Request, agreement: Agreement) -> tuple[list[Any], Cal
 
 def broadcast_coalesced(tensors: list[torch.Tensor], root: int, ps: ProcessSet) -> None:
     """Overwrite ``tensors`` with the root's, one flat broadcast per (device, dtype)."""
-    req = Request(Kind.BROADCAST_PARAMETERS, None, tensors, _start_coalesced, root=root,
-                  options={"group": ps.group})  # fmt: skip
+    req = Request(
+        Kind.BROADCAST_PARAMETERS,
+        None,
+        tensors,
+        _start_coalesced,
+        root=root,
+        options={"group": ps.group},
+    )
     controller(ps).submit(req, blocking=True).wait()
 
 
@@ -91,8 +97,11 @@ def _named_tensors(params: Any) -> list[tuple[str | None, torch.Tensor]]:
             f"params must be a state_dict, model.named_parameters() or model.parameters(), "
             f"got {type(params).__name__}"
         )
-    bad = [name if name is not None else i for i, (name, t) in enumerate(items)
-           if not isinstance(t, torch.Tensor)]  # fmt: skip
+    bad = [
+        name if name is not None else i
+        for i, (name, t) in enumerate(items)
+        if not isinstance(t, torch.Tensor)
+    ]
     if bad:
         raise ValueError(f"params: entries {bad[:10]} are not tensors")
     return items
@@ -151,8 +160,9 @@ def _empty_like_placeholders(skeleton: Any, device: torch.device) -> list[torch.
 
     walk(skeleton)
     found.sort(key=lambda f: f[0])
-    return [torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-            for _, shape, dtype in found]  # fmt: skip
+    return [
+        torch.empty(shape, dtype=getattr(torch, dtype), device=device) for _, shape, dtype in found
+    ]
 
 
 def broadcast_tree(obj: Any, root_rank: int, ps: ProcessSet) -> Any:
@@ -189,8 +199,11 @@ def _dummy_step(optimizer: torch.optim.Optimizer) -> None:
 
 
 def broadcast_optimizer_state(
-    optimizer: torch.optim.Optimizer, root_rank: int, model: Any = None, process_set: Any = None,
-) -> None:  # fmt: skip
+    optimizer: torch.optim.Optimizer,
+    root_rank: int,
+    model: Any = None,
+    process_set: Any = None,
+) -> None:
     """Make every rank's optimizer state and hyper-parameters equal to ``root_rank``'s.
 
     An optimizer with no state yet first takes Horovod's dummy step on every rank where it is
@@ -205,8 +218,9 @@ def broadcast_optimizer_state(
     """
     ps = resolve(process_set, root_rank)
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
-                        f"{type(optimizer).__name__}")  # fmt: skip
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError(
             "broadcast_optimizer_state: torch.optim.LBFGS state cannot be broadcast (as in "
@@ -221,8 +235,10 @@ def broadcast_optimizer_state(
     try:
         optimizer.load_state_dict(state)
     except ValueError as exc:
-        raise ValueError(f"[rank {me}] broadcast_optimizer_state: rank {root_rank}'s optimizer "
-                         f"does not fit this rank's: {exc}") from exc  # fmt: skip
+        raise ValueError(
+            f"[rank {me}] broadcast_optimizer_state: rank {root_rank}'s optimizer "
+            f"does not fit this rank's: {exc}"
+        ) from exc
 
 
 def broadcast_object(

@@ -119,9 +119,11 @@ def _shadow(desc: dict[str, Any]) -> Request:
     key = desc["key"].split(".", 1)[1]
     sync = controller(global_process_set).optimizers.get(key)
     if sync is None:
-        raise RuntimeError(f"[rank {dist.get_rank()}] join(): the other ranks run "
-                           f"DistributedOptimizer #{key}, which this rank does not have; build "
-                           f"the same optimizers on every rank")  # fmt: skip
+        raise RuntimeError(
+            f"[rank {dist.get_rank()}] join(): the other ranks run "
+            f"DistributedOptimizer #{key}, which this rank does not have; build "
+            f"the same optimizers on every rank"
+        )
 
     def start(req: Request, agreement: Agreement) -> tuple[list[Any], Callable[[], None]]:
         sync.reducer.shadow_iteration()
@@ -137,10 +139,18 @@ class GradientSync:
     """Owns the reducer, the pass counter and the catch-up all-reduce of one optimizer."""
 
     def __init__(
-        self, named: list[tuple[str, nn.Parameter]], ps: ProcessSet, compression: Any,
-        op: ReduceOp, predivide: float, passes_per_step: int, cap_bytes: int,
-        first_bucket_bytes: int | None, find_unused: bool, sparse_as_dense: bool,
-    ) -> None:  # fmt: skip
+        self,
+        named: list[tuple[str, nn.Parameter]],
+        ps: ProcessSet,
+        compression: Any,
+        op: ReduceOp,
+        predivide: float,
+        passes_per_step: int,
+        cap_bytes: int,
+        first_bucket_bytes: int | None,
+        find_unused: bool,
+        sparse_as_dense: bool,
+    ) -> None:
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.ps, self.compression, self.op, self.predivide = ps, compression, op, predivide
@@ -152,10 +162,18 @@ class GradientSync:
         self._sparse: dict[int, torch.Tensor] = {}  # sparse gradients waiting for synchronize()
         self._densified: set[int] = set()  # sparse_as_dense: back to sparse after synchronize()
         # Registered before the reducer's hooks, so they run first on every gradient.
-        self._handles = [p.register_post_accumulate_grad_hook(self._prepare_hook(j))
-                         for j, p in enumerate(self.params)]  # fmt: skip
-        self.reducer = Reducer(named, ps.group, cap_bytes, find_unused, grad_as_bucket_view=False,
-                               first_bucket_bytes=first_bucket_bytes)  # fmt: skip
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._prepare_hook(j))
+            for j, p in enumerate(self.params)
+        ]
+        self.reducer = Reducer(
+            named,
+            ps.group,
+            cap_bytes,
+            find_unused,
+            grad_as_bucket_view=False,
+            first_bucket_bytes=first_bucket_bytes,
+        )
         self.key = controller(ps).add_optimizer(self)
         self.reducer.hook = make_comm_hook(op, compression, predivide)
         self.reducer.hook_state = ps.group
@@ -255,8 +273,10 @@ class GradientSync:
         self.reset()
 
     def _gather_sparse(self) -> None:
-        handles = [(j, sparse_allreduce_async(grad, self.names[j], self.op, self.ps))
-                   for j, grad in sorted(self._sparse.items())]  # fmt: skip
+        handles = [
+            (j, sparse_allreduce_async(grad, self.names[j], self.op, self.ps))
+            for j, grad in sorted(self._sparse.items())
+        ]
         self._sparse.clear()
         for j, result in handles:
             self.params[j].grad = result()

@@ -36,8 +36,10 @@ def pack(tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]
     kinds: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
         kinds.setdefault((t.device, dtypes.wire_dtype(t.dtype)), []).append(i)
-    return [(idx, torch.cat([tensors[i].detach().reshape(-1).to(wire) for i in idx]))
-            for (_, wire), idx in kinds.items()]  # fmt: skip
+    return [
+        (idx, torch.cat([tensors[i].detach().reshape(-1).to(wire) for i in idx]))
+        for (_, wire), idx in kinds.items()
+    ]
 
 
 def unpack(
@@ -61,8 +63,7 @@ def unpack(
 def _start(req: Request, agreement: Agreement) -> tuple[list[Any], Callable[[], Any]]:
     packed = pack(req.tensors)
     group = req.options["group"]
-    works, finish = launch([flat for _, flat in packed], ReduceOp(req.op), req.pre, req.post,
-                           group)  # fmt: skip
+    works, finish = launch([flat for _, flat in packed], ReduceOp(req.op), req.pre, req.post, group)
 
     def result() -> list[torch.Tensor]:
         finish()
@@ -74,20 +75,40 @@ def _start(req: Request, agreement: Agreement) -> tuple[list[Any], Callable[[], 
 def _neutral(desc: dict[str, Any]) -> Request:
     op = ReduceOp(desc["op"])
     tensors = [neutral_tensor(shape, getattr(torch, d), op) for d, shape, _ in desc["tensors"]]
-    return Request(Kind.GROUPED_ALLREDUCE, None, tensors, _start, op=int(op),
-                   options={"group": None, "inplace": True})  # fmt: skip
+    return Request(
+        Kind.GROUPED_ALLREDUCE,
+        None,
+        tensors,
+        _start,
+        op=int(op),
+        options={"group": None, "inplace": True},
+    )
 
 
 NEUTRAL[Kind.GROUPED_ALLREDUCE] = _neutral
 
 
 def submit_grouped(
-    tensors: list[torch.Tensor], op: ReduceOp, pre: float, post: float, ps: ProcessSet,
-    inplace: bool, name: str | None = None, blocking: bool = True,
-) -> Handle:  # fmt: skip
+    tensors: list[torch.Tensor],
+    op: ReduceOp,
+    pre: float,
+    post: float,
+    ps: ProcessSet,
+    inplace: bool,
+    name: str | None = None,
+    blocking: bool = True,
+) -> Handle:
     """Negotiate and start one grouped all-reduce with resolved arguments."""
-    req = Request(Kind.GROUPED_ALLREDUCE, name, tensors, _start, op=int(op), pre=pre, post=post,
-                  options={"group": ps.group, "inplace": inplace})  # fmt: skip
+    req = Request(
+        Kind.GROUPED_ALLREDUCE,
+        name,
+        tensors,
+        _start,
+        op=int(op),
+        pre=pre,
+        post=post,
+        options={"group": ps.group, "inplace": inplace},
+    )
     return controller(ps).submit(req, blocking)
 
 
@@ -103,32 +124,47 @@ def check_tensors(tensors: Any, what: str = "tensors") -> list[torch.Tensor]:
 
 
 def grouped_allreduce_async(
-    tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
-    op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
     process_set: Any = None,
-) -> Handle:  # fmt: skip
+) -> Handle:
     """Start reducing copies of ``tensors`` together; the result is a list of new tensors."""
     op, ps = resolve_op(op, average), resolve(process_set)
-    return submit_grouped(check_tensors(tensors), op, prescale_factor, postscale_factor, ps,
-                          False, name, False)  # fmt: skip
+    return submit_grouped(
+        check_tensors(tensors), op, prescale_factor, postscale_factor, ps, False, name, False
+    )
 
 
 def grouped_allreduce_async_(
-    tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
-    op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
     process_set: Any = None,
-) -> Handle:  # fmt: skip
+) -> Handle:
     """Start reducing ``tensors`` together, in place; the result is the same list."""
     op, ps = resolve_op(op, average), resolve(process_set)
-    return submit_grouped(check_tensors(tensors), op, prescale_factor, postscale_factor, ps,
-                          True, name, False)  # fmt: skip
+    return submit_grouped(
+        check_tensors(tensors), op, prescale_factor, postscale_factor, ps, True, name, False
+    )
 
 
 def grouped_allreduce(
-    tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
-    compression: Any = Compression.none, op: Any = None, prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0, process_set: Any = None,
-) -> list[torch.Tensor]:  # fmt: skip
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    compression: Any = Compression.none,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = None,
+) -> list[torch.Tensor]:
     """Reduce ``tensors`` together (one collective per dtype) and return new tensors.
 
     Differentiable: with tensors that require grad, each travels in its own all-reduce.
@@ -136,22 +172,38 @@ def grouped_allreduce(
     tensors = check_tensors(tensors)
     check_compression(compression)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return [allreduce(t, average, None if name is None else f"{name}.{i}", compression, op,
-                          prescale_factor, postscale_factor, process_set)
-                for i, t in enumerate(tensors)]  # fmt: skip
+        return [
+            allreduce(
+                t,
+                average,
+                None if name is None else f"{name}.{i}",
+                compression,
+                op,
+                prescale_factor,
+                postscale_factor,
+                process_set,
+            )
+            for i, t in enumerate(tensors)
+        ]
     op, ps = resolve_op(op, average), resolve(process_set)
     packed = [compression.compress(t) for t in tensors]
-    handle = submit_grouped([w for w, _ in packed], op, prescale_factor, postscale_factor, ps,
-                            False, name)  # fmt: skip
+    handle = submit_grouped(
+        [w for w, _ in packed], op, prescale_factor, postscale_factor, ps, False, name
+    )
     return [compression.decompress(t, ctx) for t, (_, ctx) in zip(handle.wait(), packed)]
 
 
 def grouped_allreduce_(
-    tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
-    op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
     process_set: Any = None,
-) -> list[torch.Tensor]:  # fmt: skip
+) -> list[torch.Tensor]:
     """Reduce ``tensors`` together in place and return them."""
     op, ps = resolve_op(op, average), resolve(process_set)
-    return submit_grouped(check_tensors(tensors), op, prescale_factor, postscale_factor, ps,
-                          True, name).wait()  # fmt: skip
+    return submit_grouped(
+        check_tensors(tensors), op, prescale_factor, postscale_factor, ps, True, name
+    ).wait()

@@ -122,9 +122,11 @@ def _check_passes(passes: Any) -> None:
 
 def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[tuple[str, nn.Parameter]]:
     """Every parameter of the optimizer, with where it sits (for names and messages)."""
-    return [(f"param_groups[{i}]['params'][{j}]", p)
-            for i, group in enumerate(optimizer.param_groups)
-            for j, p in enumerate(group["params"])]  # fmt: skip
+    return [
+        (f"param_groups[{i}]['params'][{j}]", p)
+        for i, group in enumerate(optimizer.param_groups)
+        for j, p in enumerate(group["params"])
+    ]
 
 
 def _named(
@@ -137,12 +139,15 @@ def _named(
     else:
         named = list(named_parameters)
         if any(not (isinstance(x, tuple) and len(x) == 2) for x in named):
-            raise ValueError("named_parameters must be (name, parameter) pairs, as produced by "
-                             "model.named_parameters()")  # fmt: skip
+            raise ValueError(
+                "named_parameters must be (name, parameter) pairs, as produced by "
+                "model.named_parameters()"
+            )
         dups = sorted(n for n, k in Counter(n for n, _ in named).items() if k > 1)
         if dups:
-            raise ValueError(f"named_parameters: parameter names must be unique, found "
-                             f"duplicates {dups}")  # fmt: skip
+            raise ValueError(
+                f"named_parameters: parameter names must be unique, found duplicates {dups}"
+            )
         given = {id(p) for _, p in named}
         missing = [f"{where} (shape {list(p.shape)})" for where, p in located if id(p) not in given]
         if missing:
@@ -164,8 +169,11 @@ def _named(
 
 def _bucket_groups(num_groups: int, groups: Any) -> int:
     if num_groups:
-        warnings.warn("num_groups is deprecated (as in Horovod); use groups=",
-                      DeprecationWarning, stacklevel=3)  # fmt: skip
+        warnings.warn(
+            "num_groups is deprecated (as in Horovod); use groups=",
+            DeprecationWarning,
+            stacklevel=3,
+        )
         groups = groups if groups is not None else num_groups
     if groups is None:
         return 0
@@ -174,11 +182,15 @@ def _bucket_groups(num_groups: int, groups: Any) -> int:
     if isinstance(groups, list) and all(
         isinstance(g, (list, tuple)) and all(isinstance(p, torch.Tensor) for p in g) for g in groups
     ):
-        warnings.warn(f"groups: phalanx packs gradients into {len(groups)} buckets by size and "
-                      f"parameter order, not by the lists given", stacklevel=3)  # fmt: skip
+        warnings.warn(
+            f"groups: phalanx packs gradients into {len(groups)} buckets by size and "
+            f"parameter order, not by the lists given",
+            stacklevel=3,
+        )
         return len(groups)
-    raise ValueError(f"groups must be a non-negative integer or a list of lists of parameters, "
-                     f"got {groups!r}")  # fmt: skip
+    raise ValueError(
+        f"groups must be a non-negative integer or a list of lists of parameters, got {groups!r}"
+    )
 
 
 def DistributedOptimizer(  # Horovod's name
@@ -220,17 +232,21 @@ def DistributedOptimizer(  # Horovod's name
     if isinstance(optimizer, _DistributedOptimizer):
         raise ValueError("optimizer is already a DistributedOptimizer; wrap the plain one once")
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
-                        f"{type(optimizer).__name__}")  # fmt: skip
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
     op = resolve_op(op)
     if op not in (ReduceOp.Average, ReduceOp.Sum):
         raise ValueError(f"op={op.name} is not supported for gradients, use Average or Sum")
     if gradient_predivide_factor != 1.0 and op != ReduceOp.Average:
-        raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor} needs "
-                         f"op=hvd.Average, got op=hvd.{op.name}")  # fmt: skip
+        raise ValueError(
+            f"gradient_predivide_factor={gradient_predivide_factor} needs "
+            f"op=hvd.Average, got op=hvd.{op.name}"
+        )
     if gradient_predivide_factor <= 0:
-        raise ValueError(f"gradient_predivide_factor must be positive, got "
-                         f"{gradient_predivide_factor}")  # fmt: skip
+        raise ValueError(
+            f"gradient_predivide_factor must be positive, got {gradient_predivide_factor}"
+        )
     _check_passes(backward_passes_per_step)
     check_compression(compression)
     n_buckets = _bucket_groups(num_groups, groups)
@@ -240,9 +256,18 @@ def DistributedOptimizer(  # Horovod's name
     if named and ps.included() and len(ps.ranks) > 1:
         check_same_parameters(named, ps.group)
         cap = bucket_cap_bytes([p for _, p in named], n_buckets)
-        sync = GradientSync(named, ps, compression, op, gradient_predivide_factor,
-                            backward_passes_per_step, cap, cap if n_buckets else None,
-                            find_unused_parameters, sparse_as_dense)  # fmt: skip
+        sync = GradientSync(
+            named,
+            ps,
+            compression,
+            op,
+            gradient_predivide_factor,
+            backward_passes_per_step,
+            cap,
+            cap if n_buckets else None,
+            find_unused_parameters,
+            sparse_as_dense,
+        )
     cls = _wrapped_class(type(optimizer))
     wrapped = object.__new__(cls)
     # Share state and param_groups; skip instance-level overrides of our methods (an LR

@@ -95,8 +95,9 @@ def _ensure_global() -> None:
     meta = dist.new_group(backend="gloo") if n > 1 else None
     global_process_set.ranks = list(range(n))
     global_process_set.process_set_id = 0
-    global_process_set._controller = Controller(global_process_set.ranks, meta,
-                                                _label(global_process_set))  # fmt: skip
+    global_process_set._controller = Controller(
+        global_process_set.ranks, meta, _label(global_process_set)
+    )
     _SETS[0] = global_process_set
     _BUILT_FOR[0] = default
 
@@ -190,19 +191,26 @@ def resolve(process_set: Any, root_rank: int | None = None, member: bool = True)
     elif isinstance(process_set, ProcessSet):
         ps = process_set
         if ps.process_set_id is None or _SETS.get(ps.process_set_id) is not ps:
-            raise ValueError(f"{ps} is not an added process set; create it with "
-                             f"hvd.add_process_set(ranks) on every rank first")  # fmt: skip
+            raise ValueError(
+                f"{ps} is not an added process set; create it with "
+                f"hvd.add_process_set(ranks) on every rank first"
+            )
     elif isinstance(process_set, dist.ProcessGroup):
         ps = _wrap(process_set)
     else:
-        raise TypeError(f"process_set must be an hvd.ProcessSet (or a torch.distributed "
-                        f"ProcessGroup), got {type(process_set).__name__}")  # fmt: skip
+        raise TypeError(
+            f"process_set must be an hvd.ProcessSet (or a torch.distributed "
+            f"ProcessGroup), got {type(process_set).__name__}"
+        )
     if member and dist.get_rank() not in ps.ranks:
-        raise ValueError(f"[rank {dist.get_rank()}] this rank is not in {_label(ps)}; only its "
-                         f"members may call operations on it")  # fmt: skip
+        raise ValueError(
+            f"[rank {dist.get_rank()}] this rank is not in {_label(ps)}; only its "
+            f"members may call operations on it"
+        )
     if root_rank is not None and root_rank not in ps.ranks:
-        raise ValueError(f"root_rank={root_rank} is not a rank of the process set (ranks "
-                         f"{ps.ranks})")  # fmt: skip
+        raise ValueError(
+            f"root_rank={root_rank} is not a rank of the process set (ranks {ps.ranks})"
+        )
     return ps
 
 
@@ -210,9 +218,11 @@ def _wrap(group: dist.ProcessGroup) -> ProcessSet:
     """A torch group used as a process set: its rows travel on the group itself (gloo only)."""
     if id(group) not in _RAW:
         if dist.get_backend(group) != "gloo":
-            raise ValueError("process_set: a torch.distributed group on a non-gloo backend cannot "
-                             "carry Horovod's negotiation; create the set with "
-                             "hvd.add_process_set(ranks) instead")  # fmt: skip
+            raise ValueError(
+                "process_set: a torch.distributed group on a non-gloo backend cannot "
+                "carry Horovod's negotiation; create the set with "
+                "hvd.add_process_set(ranks) instead"
+            )
         ps = ProcessSet(dist.get_process_group_ranks(group))
         ps.process_set_id, ps.group = -1, group
         ps._controller = Controller(ps.ranks, group, f"the process group of ranks {ps.ranks}")

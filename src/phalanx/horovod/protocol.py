@@ -122,8 +122,15 @@ def encode_row(row: Row) -> list[int]:
     pending = list(row.pending[:PENDING_SLOTS])
     payload = list(row.payload or ())
     fits = row.payload is not None and len(payload) <= PAYLOAD_SLOTS
-    head = [int(row.state), row.kind, row.name, row.sig, row.join_rounds, row.n_pending,
-            len(payload) if fits else -1]  # fmt: skip
+    head = [
+        int(row.state),
+        row.kind,
+        row.name,
+        row.sig,
+        row.join_rounds,
+        row.n_pending,
+        len(payload) if fits else -1,
+    ]
     pending += [0] * (PENDING_SLOTS - len(pending))
     payload = (payload if fits else []) + [0] * (PAYLOAD_SLOTS - (len(payload) if fits else 0))
     return head + pending + payload
@@ -198,5 +205,13 @@ def decide(rows: Sequence[Row], pending: Sequence[Sequence[int]] | None = None) 
 
 
 def _with_pending(row: Row, pending: Sequence[int]) -> Row:
-    return Row(row.state, row.kind, row.name, row.sig, row.join_rounds, tuple(pending),
-               len(pending), row.payload)  # fmt: skip
+    return Row(
+        row.state,
+        row.kind,
+        row.name,
+        row.sig,
+        row.join_rounds,
+        tuple(pending),
+        len(pending),
+        row.payload,
+    )

@@ -84,14 +84,30 @@ def _start(req: Request, agreement: Agreement) -> tuple[list[Any], Callable[[], 
 
 
 def _submit(
-    tensors: list[torch.Tensor], op: ReduceOp, pre: float, post: float, ps: ProcessSet,
-    name: str | None, blocking: bool, kind: Kind,
-) -> Handle:  # fmt: skip
+    tensors: list[torch.Tensor],
+    op: ReduceOp,
+    pre: float,
+    post: float,
+    ps: ProcessSet,
+    name: str | None,
+    blocking: bool,
+    kind: Kind,
+) -> Handle:
     if any(t.dim() == 0 for t in tensors):
-        raise ValueError(f"{kind.label} needs tensors with at least one dimension (it splits "
-                         f"dimension 0 across the ranks), got a scalar")  # fmt: skip
-    req = Request(kind, name, tensors, _start, op=int(op), pre=pre, post=post,
-                  options={"group": ps.group, "me": ps.rank()})  # fmt: skip
+        raise ValueError(
+            f"{kind.label} needs tensors with at least one dimension (it splits "
+            f"dimension 0 across the ranks), got a scalar"
+        )
+    req = Request(
+        kind,
+        name,
+        tensors,
+        _start,
+        op=int(op),
+        pre=pre,
+        post=post,
+        options={"group": ps.group, "me": ps.rank()},
+    )
     return controller(ps).submit(req, blocking)
 
 
@@ -102,8 +118,15 @@ def _scaled_gradients(grads: Sequence[torch.Tensor], ctx: Any) -> list[torch.Ten
 
 class _Reducescatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, op: ReduceOp, pre: float, post: float,
-                ps: ProcessSet, name: str | None) -> Any:  # fmt: skip
+    def forward(
+        ctx: Any,
+        tensor: torch.Tensor,
+        op: ReduceOp,
+        pre: float,
+        post: float,
+        ps: ProcessSet,
+        name: str | None,
+    ) -> Any:
         ctx.op, ctx.pre, ctx.post, ctx.ps = op, pre, post, ps
         return _submit([tensor], op, pre, post, ps, name, True, Kind.REDUCESCATTER).wait()
 
@@ -116,8 +139,15 @@ class _Reducescatter(torch.autograd.Function):
 
 class _GroupedReducescatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, op: ReduceOp, pre: float, post: float, ps: ProcessSet,
-                name: str | None, *tensors: torch.Tensor) -> Any:  # fmt: skip
+    def forward(
+        ctx: Any,
+        op: ReduceOp,
+        pre: float,
+        post: float,
+        ps: ProcessSet,
+        name: str | None,
+        *tensors: torch.Tensor,
+    ) -> Any:
         ctx.op, ctx.pre, ctx.post, ctx.ps = op, pre, post, ps
         kind = Kind.GROUPED_REDUCESCATTER
         return tuple(_submit(list(tensors), op, pre, post, ps, name, True, kind).wait())
@@ -131,20 +161,29 @@ class _GroupedReducescatter(torch.autograd.Function):
 
 
 def reducescatter_async(
-    tensor: torch.Tensor, name: str | None = None, op: Any = ReduceOp.Average,
-    process_set: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-) -> Handle:  # fmt: skip
+    tensor: torch.Tensor,
+    name: str | None = None,
+    op: Any = ReduceOp.Average,
+    process_set: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> Handle:
     """Start reducing ``tensor`` across the set and keeping this rank's rows of the result."""
     op, ps = resolve_op(op), resolve(process_set)
-    return _submit([tensor], op, prescale_factor, postscale_factor, ps, name, False,
-                   Kind.REDUCESCATTER)  # fmt: skip
+    return _submit(
+        [tensor], op, prescale_factor, postscale_factor, ps, name, False, Kind.REDUCESCATTER
+    )
 
 
 def reducescatter(
-    tensor: torch.Tensor, name: str | None = None, compression: Any = Compression.none,
-    op: Any = ReduceOp.Average, process_set: Any = None, prescale_factor: float = 1.0,
+    tensor: torch.Tensor,
+    name: str | None = None,
+    compression: Any = Compression.none,
+    op: Any = ReduceOp.Average,
+    process_set: Any = None,
+    prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """Reduce ``tensor`` across the set; return this rank's rows of the result.
 
     Args:
@@ -165,26 +204,43 @@ def reducescatter(
     if wire.requires_grad and torch.is_grad_enabled():
         out = _Reducescatter.apply(wire, op, prescale_factor, postscale_factor, ps, name)
     else:
-        out = _submit([wire], op, prescale_factor, postscale_factor, ps, name, True,
-                      Kind.REDUCESCATTER).wait()  # fmt: skip
+        out = _submit(
+            [wire], op, prescale_factor, postscale_factor, ps, name, True, Kind.REDUCESCATTER
+        ).wait()
     return compression.decompress(out, ctx)
 
 
 def grouped_reducescatter_async(
-    tensors: Sequence[torch.Tensor], name: str | None = None, op: Any = ReduceOp.Average,
-    process_set: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-) -> Handle:  # fmt: skip
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    op: Any = ReduceOp.Average,
+    process_set: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> Handle:
     """Start a reducescatter of each of ``tensors`` (one negotiation, one collective per dtype)."""
     op, ps = resolve_op(op), resolve(process_set)
-    return _submit(check_tensors(tensors), op, prescale_factor, postscale_factor, ps, name,
-                   False, Kind.GROUPED_REDUCESCATTER)  # fmt: skip
+    return _submit(
+        check_tensors(tensors),
+        op,
+        prescale_factor,
+        postscale_factor,
+        ps,
+        name,
+        False,
+        Kind.GROUPED_REDUCESCATTER,
+    )
 
 
 def grouped_reducescatter(
-    tensors: Sequence[torch.Tensor], name: str | None = None,
-    compression: Any = Compression.none, op: Any = ReduceOp.Average, process_set: Any = None,
-    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-) -> list[torch.Tensor]:  # fmt: skip
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    compression: Any = Compression.none,
+    op: Any = ReduceOp.Average,
+    process_set: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> list[torch.Tensor]:
     """Reducescatter each of ``tensors``; returns this rank's rows of each (differentiable)."""
     op, ps = resolve_op(op), resolve(process_set)
     tensors = check_tensors(tensors)
@@ -192,9 +248,11 @@ def grouped_reducescatter(
     packed = [compression.compress(t) for t in tensors]
     wires = [w for w, _ in packed]
     if torch.is_grad_enabled() and any(w.requires_grad for w in wires):
-        outs = list(_GroupedReducescatter.apply(op, prescale_factor, postscale_factor, ps, name,
-                                                *wires))  # fmt: skip
+        outs = list(
+            _GroupedReducescatter.apply(op, prescale_factor, postscale_factor, ps, name, *wires)
+        )
     else:
-        outs = _submit(wires, op, prescale_factor, postscale_factor, ps, name, True,
-                       Kind.GROUPED_REDUCESCATTER).wait()  # fmt: skip
+        outs = _submit(
+            wires, op, prescale_factor, postscale_factor, ps, name, True, Kind.GROUPED_REDUCESCATTER
+        ).wait()
     return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, packed)]

@@ -73,9 +73,17 @@ def _tensor_meta(t: torch.Tensor) -> list[Any]:
 def describe(req: Request) -> Desc:
     """Plain-data form of ``req`` (travels through phalanx's pickle-free object codec)."""
     tensors = [_tensor_meta(t) for t in req.tensors]
-    return {"kind": int(req.kind), "key": req.key, "tensors": tensors, "root": req.root,
-            "op": req.op, "pre": req.pre, "post": req.post, "payload": list(req.payload),
-            "free": req.free_first_dim}  # fmt: skip
+    return {
+        "kind": int(req.kind),
+        "key": req.key,
+        "tensors": tensors,
+        "root": req.root,
+        "op": req.op,
+        "pre": req.pre,
+        "post": req.post,
+        "payload": list(req.payload),
+        "free": req.free_first_dim,
+    }
 
 
 def signature(desc: Desc) -> int:
@@ -108,20 +116,34 @@ def mismatch(descs: dict[int, Desc]) -> str | None:
     """
     checks: list[tuple[str, Callable[[Desc], Any], Callable[[Desc], str]]] = [
         ("operations", lambda d: d["kind"], lambda d: f"called {Kind(d['kind']).label}"),
-        ("numbers of tensors", lambda d: len(d["tensors"]),
-         lambda d: f"passed {len(d['tensors'])}"),
-        ("data types", lambda d: [m[0] for m in d["tensors"]],
-         lambda d: f"sent {', '.join(m[0] for m in d['tensors'])}"),
-        ("tensor shapes", lambda d: [(len(m[1]), m[1][1:] if d["free"] else m[1])
-                                     for m in d["tensors"]],
-         lambda d: f"sent {'; '.join(_shape(m, d['free']) for m in d['tensors'])}"),
+        (
+            "numbers of tensors",
+            lambda d: len(d["tensors"]),
+            lambda d: f"passed {len(d['tensors'])}",
+        ),
+        (
+            "data types",
+            lambda d: [m[0] for m in d["tensors"]],
+            lambda d: f"sent {', '.join(m[0] for m in d['tensors'])}",
+        ),
+        (
+            "tensor shapes",
+            lambda d: [(len(m[1]), m[1][1:] if d["free"] else m[1]) for m in d["tensors"]],
+            lambda d: f"sent {'; '.join(_shape(m, d['free']) for m in d['tensors'])}",
+        ),
         ("root ranks", lambda d: d["root"], lambda d: f"named root {d['root']}"),
         ("reduction operations", lambda d: d["op"], lambda d: f"asked for op {_op_name(d['op'])}"),
-        ("prescale/postscale factors", lambda d: (d["pre"], d["post"]),
-         lambda d: f"scaled by ({d['pre']}, {d['post']})"),
-        ("devices", lambda d: [m[2] for m in d["tensors"]],
-         lambda d: f"used {', '.join(m[2] for m in d['tensors'])}"),
-    ]  # fmt: skip
+        (
+            "prescale/postscale factors",
+            lambda d: (d["pre"], d["post"]),
+            lambda d: f"scaled by ({d['pre']}, {d['post']})",
+        ),
+        (
+            "devices",
+            lambda d: [m[2] for m in d["tensors"]],
+            lambda d: f"used {', '.join(m[2] for m in d['tensors'])}",
+        ),
+    ]
     for what, key, show in checks:
         if len({json.dumps(key(d)) for d in descs.values()}) > 1:
             return f"mismatched {what}: {_per_rank(descs, show)}"

@@ -22,9 +22,11 @@ __all__ = ["sparse_allreduce_async"]
 
 
 def sparse_allreduce_async(
-    tensor: torch.Tensor, name: str | None = None, op: Any = ReduceOp.Average,
+    tensor: torch.Tensor,
+    name: str | None = None,
+    op: Any = ReduceOp.Average,
     process_set: Any = None,
-) -> Callable[[], torch.Tensor]:  # fmt: skip
+) -> Callable[[], torch.Tensor]:
     """Start summing (or averaging) a sparse COO tensor across ranks.
 
     Args:
@@ -38,15 +40,19 @@ def sparse_allreduce_async(
     """
     op = resolve_op(op)
     if op not in (ReduceOp.Average, ReduceOp.Sum):
-        raise ValueError(f"sparse_allreduce_async supports op=hvd.Average or hvd.Sum, got "
-                         f"hvd.{op.name}")  # fmt: skip
+        raise ValueError(
+            f"sparse_allreduce_async supports op=hvd.Average or hvd.Sum, got hvd.{op.name}"
+        )
     if not tensor.is_sparse:
-        raise ValueError(f"sparse_allreduce_async takes a sparse COO tensor, got a "
-                         f"{tensor.layout} one; use allreduce for dense tensors")  # fmt: skip
+        raise ValueError(
+            f"sparse_allreduce_async takes a sparse COO tensor, got a "
+            f"{tensor.layout} one; use allreduce for dense tensors"
+        )
     ps = resolve(process_set)
     # allgather concatenates along dimension 0: indices travel transposed, one row per entry.
-    indices = allgather_async(tensor._indices().t().contiguous(),
-                              None if name is None else f"{name}.indices", ps)  # fmt: skip
+    indices = allgather_async(
+        tensor._indices().t().contiguous(), None if name is None else f"{name}.indices", ps
+    )
     values = allgather_async(tensor._values(), None if name is None else f"{name}.values", ps)
 
     def result() -> torch.Tensor:

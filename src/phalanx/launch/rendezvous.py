@@ -122,8 +122,10 @@ class AgentStore:
                 f"node {self.node_rank} joined generation {g} after node 0 had started it "
                 f"with nodes {self.members} (--nnodes {self.min_nodes}:{self.nnodes})"
             )
-        nprocs = [int(v) for v in self._call(
-            "multi_get", [self._key(g, "nproc", n) for n in self.members])]  # fmt: skip
+        nprocs = [
+            int(v)
+            for v in self._call("multi_get", [self._key(g, "nproc", n) for n in self.members])
+        ]
         mine = self.members.index(self.node_rank)
         config = json.loads(self._call("get", "phalanx/config"))
         return Rendezvous(

@@ -49,8 +49,10 @@ def segments_of(key: str, full: tuple[int, ...], dim: int, start: int, end: int)
     for s in full[dim + 1 :]:
         inner *= s
     width, stride = (end - start) * inner, full[dim] * inner
-    return [(key, full, o * stride + start * inner, o * stride + start * inner + width, o * width)
-            for o in range(outer)]  # fmt: skip
+    return [
+        (key, full, o * stride + start * inner, o * stride + start * inner + width, o * width)
+        for o in range(outer)
+    ]
 
 
 def tp_slices(model: nn.Module) -> dict[int, tuple[int, int, int, int]]:
@@ -112,8 +114,10 @@ class ParallelModelState:
         for p, segs in self.layout:
             if id(p) in self.writes:
                 flat = p.detach().reshape(-1)
-                pieces += [(_piece(key, shape, a, b, p), flat[off : off + b - a])
-                           for key, shape, a, b, off in segs]  # fmt: skip
+                pieces += [
+                    (_piece(key, shape, a, b, p), flat[off : off + b - a])
+                    for key, shape, a, b, off in segs
+                ]
         if self.write_buffers:
             for name, t in self.buffers.items():
                 pieces.append((_piece(name, tuple(t.shape), 0, t.numel(), t), t.reshape(-1)))

@@ -95,10 +95,19 @@ class ParameterServer:
         self.worker: Worker | None = None
         if self.is_server:
             self.server = Server(
-                named, make_optimizer, self.plan, rank, self.group, mode=mode, bound=bound,
-                staleness_lr=staleness_lr, max_updates=max_updates, heartbeat=heartbeat,
-                dead_after=dead_after, on_version=on_version,
-            )  # fmt: skip
+                named,
+                make_optimizer,
+                self.plan,
+                rank,
+                self.group,
+                mode=mode,
+                bound=bound,
+                staleness_lr=staleness_lr,
+                max_updates=max_updates,
+                heartbeat=heartbeat,
+                dead_after=dead_after,
+                on_version=on_version,
+            )
         else:
             self.worker = Worker(model, self.plan, self.group, heartbeat=heartbeat)
 

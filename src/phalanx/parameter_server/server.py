@@ -109,9 +109,13 @@ class Server:
         self.optimizer = make_optimizer(self.params)
         self.num_workers = dist.get_world_size(group) - plan.num_servers
         self.core = ServerCore(
-            self.num_workers, mode, self.apply,
-            bound=bound, staleness_lr=staleness_lr, max_updates=max_updates,
-        )  # fmt: skip
+            self.num_workers,
+            mode,
+            self.apply,
+            bound=bound,
+            staleness_lr=staleness_lr,
+            max_updates=max_updates,
+        )
         self._inbox: queue.Queue[tuple[int, str, Any]] = queue.Queue()
         self._last_seen: dict[int, float] = {}
         self._outgoing: dict[int, wire.Sent] = {}
@@ -253,10 +257,14 @@ class Server:
     ) -> None:
         self._settle(worker)
         header = encode_header(
-            kind, worker=worker, version=version, shard=self.shard,
+            kind,
+            worker=worker,
+            version=version,
+            shard=self.shard,
             numel=0 if payload is None else payload.numel(),
-            dtype=None if payload is None else payload.dtype, flags=flags,
-        )  # fmt: skip
+            dtype=None if payload is None else payload.dtype,
+            flags=flags,
+        )
         dst = self.plan.num_servers + worker
         try:
             sent = wire.send(header, dst, self.group, payload, wait=False)

@@ -134,10 +134,15 @@ class Worker:
         flags: int = 0,
     ) -> None:
         header = encode_header(
-            kind, worker=self.index, step=step, version=self.versions[server], shard=server,
+            kind,
+            worker=self.index,
+            step=step,
+            version=self.versions[server],
+            shard=server,
             numel=0 if payload is None else payload.numel(),
-            dtype=None if payload is None else payload.dtype, flags=flags,
-        )  # fmt: skip
+            dtype=None if payload is None else payload.dtype,
+            flags=flags,
+        )
         with self._lock:
             wire.send(header, server, self.group, payload)
 

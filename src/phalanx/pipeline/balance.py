@@ -116,8 +116,9 @@ def _time_layer(layer: nn.Module, inputs: tuple[torch.Tensor, ...]) -> tuple[flo
     start = time.perf_counter()
     out = layer(*inputs)
     outs = [o for o in _as_tuple(out) if o.requires_grad]
-    wrt = [t for t in inputs if t.requires_grad] + [p for p in layer.parameters()
-                                                    if p.requires_grad]  # fmt: skip
+    wrt = [t for t in inputs if t.requires_grad] + [
+        p for p in layer.parameters() if p.requires_grad
+    ]
     if outs and wrt:
         grads = [torch.ones_like(o) for o in outs]
         torch.autograd.grad(outs, wrt, grads, allow_unused=True)

@@ -43,9 +43,19 @@ HEADER, FRESH = -1, -2
 HEADER_CAP = 32
 """int64 slots of the first header message; a longer header follows in a second message."""
 DTYPES = (  # dtype codes of the header
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
-)  # fmt: skip
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+)
 
 
 @dataclass(frozen=True)
@@ -139,15 +149,21 @@ class Comm:
         if not queue:
             return
         if self.trace is not None:
-            self.trace.append([("send" if op is dist.isend else "recv", peer, tag)
-                               for op, _, peer, tag, _ in queue])  # fmt: skip
+            self.trace.append(
+                [
+                    ("send" if op is dist.isend else "recv", peer, tag)
+                    for op, _, peer, tag, _ in queue
+                ]
+            )
         if not self.grouped:
             op, t, peer, tag, handle = queue[0]
             call = isend if op is dist.isend else irecv
             handle.work = call(t, self.global_rank(peer), group=self.group, tag=tag)
             return
-        ops = [dist.P2POp(op, t, self.global_rank(peer), self.group, tag)
-               for op, t, peer, tag, _ in queue]  # fmt: skip
+        ops = [
+            dist.P2POp(op, t, self.global_rank(peer), self.group, tag)
+            for op, t, peer, tag, _ in queue
+        ]
         for (*_, handle), work in zip(queue, batch_isend_irecv(ops)):
             handle.work = work
 

@@ -85,8 +85,9 @@ class Outbound:
             if metas == self._sent:
                 self._send_payload(mb, mb, outputs)
             else:
-                dummies = [torch.zeros(m.shape, dtype=m.dtype, device=self.device)
-                           for m in self._sent]  # fmt: skip
+                dummies = [
+                    torch.zeros(m.shape, dtype=m.dtype, device=self.device) for m in self._sent
+                ]
                 self._send_payload(mb, mb, dummies)
                 self._send_payload(mb, FRESH, outputs)
             self._send_header(outputs)
@@ -106,8 +107,11 @@ class Outbound:
         """Post the receives of ``mb``'s gradients if this step's shapes are known."""
         if self.metas is None or mb in self._grads:
             return
-        bufs = [torch.empty(m.shape, dtype=m.dtype, device=self.device)
-                for m in self.metas if m.requires_grad]  # fmt: skip
+        bufs = [
+            torch.empty(m.shape, dtype=m.dtype, device=self.device)
+            for m in self.metas
+            if m.requires_grad
+        ]
         tag = self.comm.tag(self.boundary, True, mb)
         self._grads[mb] = _Posted(bufs, [self.comm.recv(b, self.peer, tag) for b in bufs])
 
@@ -219,8 +223,9 @@ class Loopback:
 
     def send_grads(self, mb: int, inputs: Sequence[torch.Tensor]) -> None:
         """Store the gradients of ``mb``'s inputs that require grad."""
-        self._grads[mb] = [x.grad if x.grad is not None else torch.zeros_like(x)
-                           for x in inputs if x.requires_grad]  # fmt: skip
+        self._grads[mb] = [
+            x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs if x.requires_grad
+        ]
 
     def take_grads(self, mb: int) -> list[torch.Tensor]:
         """The gradients :meth:`send_grads` stored for ``mb``."""

@@ -207,8 +207,10 @@ class Pipeline(nn.Module):
     def _split(self, batch: Any, name: str) -> list[tuple[Any, ...]]:
         if batch is None:
             raise ValueError(f"Pipeline.step: this rank runs a stage that needs {name}, got None")
-        return [tuple(t.to(self.device) for t in mb)
-                for mb in split_batch(batch, self.num_microbatches, name)]  # fmt: skip
+        return [
+            tuple(t.to(self.device) for t in mb)
+            for mb in split_batch(batch, self.num_microbatches, name)
+        ]
 
     def _begin_step(self) -> None:
         self.max_in_flight, self.max_in_flight_per_chunk = 0, [0] * self.num_chunks
@@ -239,8 +241,10 @@ class Pipeline(nn.Module):
             return
         outs = as_tuple(out)
         if not all(isinstance(o, torch.Tensor) for o in outs):
-            raise TypeError(f"pipeline stage {self.stage_ids[c]} must return tensors, "
-                            f"got {[type(o).__name__ for o in outs]}")  # fmt: skip
+            raise TypeError(
+                f"pipeline stage {self.stage_ids[c]} must return tensors, "
+                f"got {[type(o).__name__ for o in outs]}"
+            )
         self._outbound[c].send(mb, outs)
         live[(mb, c)] = (x, outs)
 

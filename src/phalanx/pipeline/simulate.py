@@ -135,8 +135,9 @@ def simulate(
 
 
 def _raise_if_stuck(actions: Sequence[Sequence[Action]], pos: list[int]) -> None:
-    stuck = [f"rank {r} at {acts[pos[r]]!r}" for r, acts in enumerate(actions)
-             if pos[r] < len(acts)]  # fmt: skip
+    stuck = [
+        f"rank {r} at {acts[pos[r]]!r}" for r, acts in enumerate(actions) if pos[r] < len(acts)
+    ]
     if stuck:
         raise DeadlockError(
             f"schedule deadlocks: {'; '.join(stuck)} (each waits on an action that can only "

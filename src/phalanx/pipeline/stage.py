@@ -103,8 +103,10 @@ def split_batch(batch: Any, num_microbatches: int, name: str) -> list[tuple[Any,
     tensors = as_tuple(batch)
     sizes = {t.shape[0] for t in tensors if isinstance(t, torch.Tensor)}
     if len(sizes) != 1 or len(tensors) != sum(isinstance(t, torch.Tensor) for t in tensors):
-        raise ValueError(f"{name} must be a tensor or tuple of tensors with one batch size, "
-                         f"got batch sizes {sorted(sizes)}")  # fmt: skip
+        raise ValueError(
+            f"{name} must be a tensor or tuple of tensors with one batch size, "
+            f"got batch sizes {sorted(sizes)}"
+        )
     size = sizes.pop()
     if size == 0 or size % num_microbatches:
         raise ValueError(

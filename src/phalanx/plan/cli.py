@@ -48,8 +48,11 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="phalanx plan", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("script", nargs="?", help="training script defining build_model() and "
-                        "example_batch(batch_size)")  # fmt: skip
+    parser.add_argument(
+        "script",
+        nargs="?",
+        help="training script defining build_model() and example_batch(batch_size)",
+    )
     parser.add_argument("--params", type=float, help="parameter count, e.g. 7.5e9 (no script)")
     parser.add_argument("--batch-size", type=int, help="micro-batch per rank (with a script)")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel degree N")
@@ -98,13 +101,18 @@ def _plan_params(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([{**asdict(r), "total": r.total} for r in rows]))
         return 0
-    print(f"model states per device: {args.params:g} parameters, dp={args.dp}, "
-          f"{args.optimizer}, {precision} precision")  # fmt: skip
-    print(f"{'strategy':<9}{'params':>11}{'grads':>11}{'optimizer':>11}{'total':>11}"
-          f"{'comm/step':>13}")  # fmt: skip
+    print(
+        f"model states per device: {args.params:g} parameters, dp={args.dp}, "
+        f"{args.optimizer}, {precision} precision"
+    )
+    print(
+        f"{'strategy':<9}{'params':>11}{'grads':>11}{'optimizer':>11}{'total':>11}{'comm/step':>13}"
+    )
     for r in rows:
-        print(f"{r.strategy:<9}{_gb(r.params):>11}{_gb(r.grads):>11}{_gb(r.optimizer):>11}"
-              f"{_gb(r.total):>11}{r.comm_elements / args.params:>10.0f} Ψ")  # fmt: skip
+        print(
+            f"{r.strategy:<9}{_gb(r.params):>11}{_gb(r.grads):>11}{_gb(r.optimizer):>11}"
+            f"{_gb(r.total):>11}{r.comm_elements / args.params:>10.0f} Ψ"
+        )
     return 0
 
 
@@ -116,8 +124,9 @@ def _measure(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[
         parser.error(str(e))
     model = script.build_model()
     if not isinstance(model, torch.nn.Module):
-        parser.error(f"{args.script}: build_model() must return an nn.Module, "
-                     f"got {type(model).__name__}")  # fmt: skip
+        parser.error(
+            f"{args.script}: build_model() must return an nn.Module, got {type(model).__name__}"
+        )
     batch = script.example_batch(args.batch_size)
     if not isinstance(batch, tuple | list):
         batch = (batch,)
@@ -127,9 +136,13 @@ def _measure(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[
     dtype = next(model.parameters()).dtype
     activations = saved_activation_bytes(model, batch, script.loss_fn)
     native = _PRECISION_OF_DTYPE.get(dtype, "fp32")  # the precision the model was built in
-    return {"params": psi, "dtype": str(dtype).removeprefix("torch."),
-            "native_precision": native, "precision": args.precision or native,
-            "activation_bytes": activations}  # fmt: skip
+    return {
+        "params": psi,
+        "dtype": str(dtype).removeprefix("torch."),
+        "native_precision": native,
+        "precision": args.precision or native,
+        "activation_bytes": activations,
+    }
 
 
 def _plan_script(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -140,21 +153,29 @@ def _plan_script(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
     if args.json:
         print(json.dumps(_as_json(args, m, rows, fit)))
         return 0
-    print(f"phalanx plan {args.script}: {m['params']:,} parameters (Ψ), {m['dtype']}; "
-          f"dp={args.dp}, {args.optimizer}, {m['precision']} precision")  # fmt: skip
-    print(f"activations: {_gb(act)} per device for a micro-batch of {args.batch_size} "
-          f"(measured in {m['dtype']})")  # fmt: skip
+    print(
+        f"phalanx plan {args.script}: {m['params']:,} parameters (Ψ), {m['dtype']}; "
+        f"dp={args.dp}, {args.optimizer}, {m['precision']} precision"
+    )
+    print(
+        f"activations: {_gb(act)} per device for a micro-batch of {args.batch_size} "
+        f"(measured in {m['dtype']})"
+    )
     print(f"  ({ACTIVATION_NOTE})")
     if m["precision"] != m["native_precision"]:
         print(
             f"  note: activations are {m['dtype']}, not measured under {m['precision']} precision"
         )
-    print(f"{'strategy':<9}{'params':>10}{'grads':>10}{'optimizer':>11}{'states':>10}"
-          f"{'activations':>13}{'total':>10}{'comm/step':>11}")  # fmt: skip
+    print(
+        f"{'strategy':<9}{'params':>10}{'grads':>10}{'optimizer':>11}{'states':>10}"
+        f"{'activations':>13}{'total':>10}{'comm/step':>11}"
+    )
     for r in rows:
-        print(f"{r.strategy:<9}{_gb(r.params):>10}{_gb(r.grads):>10}{_gb(r.optimizer):>11}"
-              f"{_gb(r.total):>10}{_gb(act):>13}{_gb(device_total(r, act)):>10}"
-              f"{r.comm_elements / m['params']:>9.0f} Ψ")  # fmt: skip
+        print(
+            f"{r.strategy:<9}{_gb(r.params):>10}{_gb(r.grads):>10}{_gb(r.optimizer):>11}"
+            f"{_gb(r.total):>10}{_gb(act):>13}{_gb(device_total(r, act)):>10}"
+            f"{r.comm_elements / m['params']:>9.0f} Ψ"
+        )
     if fit is not None:
         print(_fit_line(fit))
     return 0
@@ -163,10 +184,14 @@ def _plan_script(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
 def _fit_line(fit: Recommendation) -> str:
     budget = f"{_gb(fit.budget)} per device"
     if fit.strategy is not None:
-        return (f"recommended for {budget}: {fit.strategy} (needs {_gb(fit.needed)}; "
-                "the least communication that fits)")  # fmt: skip
-    return (f"nothing fits in {budget}: the smallest, {fit.smallest}, needs {_gb(fit.needed)}, "
-            f"{_gb(fit.shortfall)} too much")  # fmt: skip
+        return (
+            f"recommended for {budget}: {fit.strategy} (needs {_gb(fit.needed)}; "
+            "the least communication that fits)"
+        )
+    return (
+        f"nothing fits in {budget}: the smallest, {fit.smallest}, needs {_gb(fit.needed)}, "
+        f"{_gb(fit.shortfall)} too much"
+    )
 
 
 def _as_json(
@@ -176,14 +201,25 @@ def _as_json(
     fit: Recommendation | None,
 ) -> dict[str, Any]:
     strategies = [
-        {**asdict(r), "model_states": r.total, "activations": m["activation_bytes"],
-         "total": device_total(r, m["activation_bytes"])}
+        {
+            **asdict(r),
+            "model_states": r.total,
+            "activations": m["activation_bytes"],
+            "total": device_total(r, m["activation_bytes"]),
+        }
         for r in rows
-    ]  # fmt: skip
+    ]
     recommendation = None
     if fit is not None:
         recommendation = {**asdict(fit), "shortfall": fit.shortfall}
-    return {"script": args.script, **m, "batch_size": args.batch_size, "dp": args.dp,
-            "optimizer": args.optimizer, "activation_note": ACTIVATION_NOTE,
-            "device_memory": args.device_memory, "strategies": strategies,
-            "recommendation": recommendation}  # fmt: skip
+    return {
+        "script": args.script,
+        **m,
+        "batch_size": args.batch_size,
+        "dp": args.dp,
+        "optimizer": args.optimizer,
+        "activation_note": ACTIVATION_NOTE,
+        "device_memory": args.device_memory,
+        "strategies": strategies,
+        "recommendation": recommendation,
+    }

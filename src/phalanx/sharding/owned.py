@@ -50,9 +50,13 @@ class OwnedRange:
 
 
 def owned_ranges(
-    params: Sequence[torch.Tensor], layout: ShardLayout, rank: int, *, step_params: bool,
+    params: Sequence[torch.Tensor],
+    layout: ShardLayout,
+    rank: int,
+    *,
+    step_params: bool,
     first_bucket: int = 0,
-) -> list[list[OwnedRange]]:  # fmt: skip
+) -> list[list[OwnedRange]]:
     """This rank's ranges, per bucket (buckets ``first_bucket`` onwards)."""
     out = []
     for b in range(first_bucket, len(layout.buckets)):

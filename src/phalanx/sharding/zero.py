@@ -168,9 +168,14 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, JoinableZero):
             self._reducer.close()
         if self.stage is not None:
             self._reducer = GradReducer(
-                self.params, self.layout, self.owned, pool, self.process_group, self.stage,
+                self.params,
+                self.layout,
+                self.owned,
+                pool,
+                self.process_group,
+                self.stage,
                 self._notify,
-            )  # fmt: skip
+            )
             self._reducer.require_sync = sync
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -66,8 +66,9 @@ def _scalar_piece(i: int, k: str, v: Any) -> tuple[Piece, torch.Tensor]:
     if isinstance(v, (bool, int, float)):
         t = torch.tensor([v])
         return Piece(f"param{i}/{k}:py", (), 0, 1, _dtype(t)), t
-    raise TypeError(f"optimizer state {k!r} of parameter {i} holds a {type(v).__name__}, "
-                    f"which cannot be saved")  # fmt: skip
+    raise TypeError(
+        f"optimizer state {k!r} of parameter {i} holds a {type(v).__name__}, which cannot be saved"
+    )
 
 
 def sharded_state(opt: ZeroRedundancyOptimizer) -> ShardedState:

@@ -50,8 +50,10 @@ def validate_tp(config: GPTConfig, tp: int) -> None:
     if problems:
         raise ValueError(f"tensor parallel: tp={tp} does not divide {' nor '.join(problems)}")
     if config.vocab_size < tp:
-        raise ValueError(f"tensor parallel: vocab_size={config.vocab_size} is smaller than "
-                         f"tp={tp}; every rank needs at least one row")  # fmt: skip
+        raise ValueError(
+            f"tensor parallel: vocab_size={config.vocab_size} is smaller than "
+            f"tp={tp}; every rank needs at least one row"
+        )
     if config.tie_weights:
         raise ValueError(
             "tensor parallel: tie_weights=True is not supported (the head and the "
@@ -68,9 +70,12 @@ def _config(model_or_config: GPT | GPTConfig) -> GPTConfig:
 
 
 def gpt_plan(
-    model_or_config: GPT | GPTConfig, *, loss: str = "vocab_parallel",
-    vocab_parallel_embedding: bool = True, tp: int | None = None,
-) -> dict[str, str]:  # fmt: skip
+    model_or_config: GPT | GPTConfig,
+    *,
+    loss: str = "vocab_parallel",
+    vocab_parallel_embedding: bool = True,
+    tp: int | None = None,
+) -> dict[str, str]:
     """The tensor-parallel plan of a GPT, for :func:`~phalanx.tensor_parallel.parallelize_module`.
 
     Args:
@@ -86,17 +91,19 @@ def gpt_plan(
     if tp is not None:
         validate_tp(config, tp)
     plan = {"embed.tok_emb": "embedding"} if vocab_parallel_embedding else {}
-    plan.update({
-        "blocks.*.attn": "parallel_input",  # one f for q, k and v
-        "blocks.*.attn.q_proj": "colwise",
-        "blocks.*.attn.k_proj": "colwise",
-        "blocks.*.attn.v_proj": "colwise",
-        "blocks.*.attn.out_proj": "rowwise",
-        "blocks.*.mlp": "parallel_input",
-        "blocks.*.mlp.fc1": "colwise",
-        "blocks.*.mlp.fc2": "rowwise",
-        "head": "vocab_head" if loss == "vocab_parallel" else "colwise_gather",
-    })  # fmt: skip
+    plan.update(
+        {
+            "blocks.*.attn": "parallel_input",  # one f for q, k and v
+            "blocks.*.attn.q_proj": "colwise",
+            "blocks.*.attn.k_proj": "colwise",
+            "blocks.*.attn.v_proj": "colwise",
+            "blocks.*.attn.out_proj": "rowwise",
+            "blocks.*.mlp": "parallel_input",
+            "blocks.*.mlp.fc1": "colwise",
+            "blocks.*.mlp.fc2": "rowwise",
+            "head": "vocab_head" if loss == "vocab_parallel" else "colwise_gather",
+        }
+    )
     return plan
 
 
@@ -104,8 +111,9 @@ def parallelize_gpt(
     model: GPT, group: Group, *, loss: str = "vocab_parallel", vocab_parallel_embedding: bool = True
 ) -> GPT:
     """Validate ``model`` against the group size and apply :func:`gpt_plan` in place."""
-    plan = gpt_plan(model, loss=loss, vocab_parallel_embedding=vocab_parallel_embedding,
-                    tp=tp_size(group))  # fmt: skip
+    plan = gpt_plan(
+        model, loss=loss, vocab_parallel_embedding=vocab_parallel_embedding, tp=tp_size(group)
+    )
     parallelize_module(model, plan, group)
     return model
 

@@ -84,10 +84,18 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool = True, *, group: Group,
-        gather_output: bool = False, sync_input_grad: bool = True, allow_uneven: bool = False,
-        device: Any = None, dtype: torch.dtype | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        group: Group,
+        gather_output: bool = False,
+        sync_input_grad: bool = True,
+        allow_uneven: bool = False,
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         tp, rank = tp_size(group), tp_rank(group)
         if out_features % tp and not allow_uneven:
@@ -122,17 +130,28 @@ class ColumnParallelLinear(nn.Module):
 
     @classmethod
     def from_dense(
-        cls, module: nn.Module, group: Group, *, gather_output: bool = False,
-        sync_input_grad: bool = True, allow_uneven: bool = False,
-    ) -> ColumnParallelLinear:  # fmt: skip
+        cls,
+        module: nn.Module,
+        group: Group,
+        *,
+        gather_output: bool = False,
+        sync_input_grad: bool = True,
+        allow_uneven: bool = False,
+    ) -> ColumnParallelLinear:
         """The column-parallel shard of an ``nn.Linear``: same outputs as the dense layer."""
         if not isinstance(module, nn.Linear):
             raise _type_error(cls, module, nn.Linear)
         layer: ColumnParallelLinear = _empty_like_dense(
-            cls, module, in_features=module.in_features, out_features=module.out_features,
-            bias=module.bias is not None, group=group, gather_output=gather_output,
-            sync_input_grad=sync_input_grad, allow_uneven=allow_uneven,
-        )  # fmt: skip
+            cls,
+            module,
+            in_features=module.in_features,
+            out_features=module.out_features,
+            bias=module.bias is not None,
+            group=group,
+            gather_output=gather_output,
+            sync_input_grad=sync_input_grad,
+            allow_uneven=allow_uneven,
+        )
         layer.copy_from_dense(module.weight, module.bias)
         return layer
 
@@ -168,9 +187,15 @@ class RowParallelLinear(nn.Module):
     """
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool = True, *, group: Group,
-        device: Any = None, dtype: torch.dtype | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        group: Group,
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         tp, rank = tp_size(group), tp_rank(group)
         if in_features % tp:
@@ -206,9 +231,13 @@ class RowParallelLinear(nn.Module):
         if not isinstance(module, nn.Linear):
             raise _type_error(cls, module, nn.Linear)
         layer: RowParallelLinear = _empty_like_dense(
-            cls, module, in_features=module.in_features, out_features=module.out_features,
-            bias=module.bias is not None, group=group,
-        )  # fmt: skip
+            cls,
+            module,
+            in_features=module.in_features,
+            out_features=module.out_features,
+            bias=module.bias is not None,
+            group=group,
+        )
         layer.copy_from_dense(module.weight, module.bias)
         return layer
 
@@ -238,9 +267,14 @@ class VocabParallelEmbedding(nn.Module):
     """
 
     def __init__(
-        self, num_embeddings: int, embedding_dim: int, *, group: Group, device: Any = None,
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        group: Group,
+        device: Any = None,
         dtype: torch.dtype | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__()
         tp, rank = tp_size(group), tp_rank(group)
         if num_embeddings < tp:
@@ -257,8 +291,12 @@ class VocabParallelEmbedding(nn.Module):
 
     def reset_parameters(self) -> None:
         """Draw the dense table from N(0, 1) as ``nn.Embedding`` does, keep this rank's rows."""
-        table = torch.empty(self.num_embeddings, self.embedding_dim, device=self.weight.device,
-                            dtype=self.weight.dtype)  # fmt: skip
+        table = torch.empty(
+            self.num_embeddings,
+            self.embedding_dim,
+            device=self.weight.device,
+            dtype=self.weight.dtype,
+        )
         self.copy_from_dense(nn.init.normal_(table))
 
     @torch.no_grad()
@@ -273,8 +311,10 @@ class VocabParallelEmbedding(nn.Module):
             raise _type_error(cls, module, nn.Embedding)
         for option in ("padding_idx", "max_norm"):
             if getattr(module, option) is not None:
-                raise ValueError(f"VocabParallelEmbedding.from_dense: {option} is not supported, "
-                                 f"got {option}={getattr(module, option)}")  # fmt: skip
+                raise ValueError(
+                    f"VocabParallelEmbedding.from_dense: {option} is not supported, "
+                    f"got {option}={getattr(module, option)}"
+                )
         if module.sparse or module.scale_grad_by_freq:
             raise ValueError(
                 "VocabParallelEmbedding.from_dense: sparse and scale_grad_by_freq are not "
@@ -282,9 +322,12 @@ class VocabParallelEmbedding(nn.Module):
                 f"scale_grad_by_freq={module.scale_grad_by_freq}"
             )
         layer: VocabParallelEmbedding = _empty_like_dense(
-            cls, module, num_embeddings=module.num_embeddings,
-            embedding_dim=module.embedding_dim, group=group,
-        )  # fmt: skip
+            cls,
+            module,
+            num_embeddings=module.num_embeddings,
+            embedding_dim=module.embedding_dim,
+            group=group,
+        )
         layer.copy_from_dense(module.weight)
         return layer
 

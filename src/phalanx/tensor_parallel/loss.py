@@ -50,9 +50,14 @@ def _global_max(x: torch.Tensor, group: Group, check_even: bool) -> torch.Tensor
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, logits: torch.Tensor, targets: torch.Tensor, group: Group,
-        layout: tuple[int, int, bool], ignore_index: int, reduction: str,
-    ) -> torch.Tensor:  # fmt: skip
+        ctx: Any,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        group: Group,
+        layout: tuple[int, int, bool],
+        ignore_index: int,
+        reduction: str,
+    ) -> torch.Tensor:
         start, vocab, check_even = layout
         n = logits.shape[-1]
         x = logits.reshape(-1, n).to(torch.promote_types(logits.dtype, torch.float32))
@@ -126,9 +131,12 @@ def vocab_parallel_cross_entropy(
     if tp == 1:
         if vocab_size is not None and vocab_size != n:
             raise ValueError(f"vocab_size={vocab_size} but the logits have {n} columns (tp=1)")
-        return F.cross_entropy(local_logits.reshape(-1, n), targets.reshape(-1),
-                               ignore_index=ignore_index, reduction=reduction
-                               ).reshape(targets.shape if reduction == "none" else ())  # fmt: skip
+        return F.cross_entropy(
+            local_logits.reshape(-1, n),
+            targets.reshape(-1),
+            ignore_index=ignore_index,
+            reduction=reduction,
+        ).reshape(targets.shape if reduction == "none" else ())
     if vocab_size is None:
         layout = (rank * n, n * tp, True)
     else:

@@ -86,9 +86,12 @@ def _build(style: str, module: nn.Module, group: Group, sync: bool) -> nn.Module
     if style == "embedding":
         return VocabParallelEmbedding.from_dense(module, group)
     return ColumnParallelLinear.from_dense(
-        module, group, sync_input_grad=sync, gather_output=style == "colwise_gather",
+        module,
+        group,
+        sync_input_grad=sync,
+        gather_output=style == "colwise_gather",
         allow_uneven=style in ("colwise_gather", "vocab_head"),
-    )  # fmt: skip
+    )
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -101,9 +104,10 @@ def _check_parent(model: nn.Module, name: str, resolved: dict[str, tuple[str, st
     pattern = resolved[name][0]
     linear = {n for n, (_, style) in resolved.items() if style in _LINEAR}
     stray = [
-        p for p, _ in model.get_submodule(name).named_parameters()
+        p
+        for p, _ in model.get_submodule(name).named_parameters()
         if f"{name}.{p}".rpartition(".")[0] not in linear
-    ]  # fmt: skip
+    ]
     if stray:
         raise ValueError(
             f"tensor-parallel plan entry {pattern!r} ({name}): 'parallel_input' needs every "
@@ -153,8 +157,10 @@ def parallelize_module(model: nn.Module, plan: Mapping[str, str], group: Group) 
         _check_parent(model, name, resolved)
         outer = [p for p in parents if name.startswith(p + ".")]
         if outer:  # two f's on one path would sum the gradient tp times
-            raise ValueError(f"tensor-parallel plan: 'parallel_input' on {name!r} is nested "
-                             f"inside 'parallel_input' on {outer[0]!r}; keep one")  # fmt: skip
+            raise ValueError(
+                f"tensor-parallel plan: 'parallel_input' on {name!r} is nested "
+                f"inside 'parallel_input' on {outer[0]!r}; keep one"
+            )
     layers: dict[
         str, nn.Module
     ] = {}  # build everything first: a failing entry leaves the model untouched

@@ -39,7 +39,9 @@ from phalanx.train.loop_helpers import (
     seed_everything,
     to_device,
 )
+from phalanx.train.metrics import MetricsLogger
 from phalanx.train.precision import Precision
+from phalanx.train.profiling import profile
 from phalanx.train.strategies import get_optimizer_hook, get_strategy
 
 __all__ = ["Job"]
@@ -114,33 +116,40 @@ class Job(CheckpointMixin, PSMixin):
         self.strategy = strategy
         self.owns_group = not pg.is_initialized()
         self.world = pg.init_process_group(backend) if self.owns_group else pg.world()
-        try:
-            self.precision = Precision(precision, self.world.device)
-        except ValueError:
-            if self.owns_group:  # leave no half-made job behind
-                pg.destroy_process_group()
-            raise
         from phalanx.train.parallel_strategies import parallel_config
         from phalanx.train.ps_strategies import ps_config
 
-        try:
+        self.seed = seed
+        try:  # a mistake in any option leaves no half-made job (nor its process group) behind
+            self.precision = Precision(precision, self.world.device)
             self.parallel = parallel_config(
-                strategy, self.world.world_size, dp=dp, pp=pp, tp=tp,
-                micro_batches=micro_batches, schedule=schedule, chunks=chunks,
-                balance=balance, tp_plan=tp_plan,
-            )  # fmt: skip
+                strategy,
+                self.world.world_size,
+                dp=dp,
+                pp=pp,
+                tp=tp,
+                micro_batches=micro_batches,
+                schedule=schedule,
+                chunks=chunks,
+                balance=balance,
+                tp_plan=tp_plan,
+            )
+            """The dp x pp x tp split of strategies "pipeline" and "tensor" (None for others)."""
             self.ps_config = ps_config(
-                strategy, self.world.world_size, servers=servers, staleness=staleness,
-                staleness_lr=staleness_lr, max_updates=max_updates,
-                checkpoint_dir=checkpoint_dir, precision=precision,
-            )  # fmt: skip
-            self.seed = seed
+                strategy,
+                self.world.world_size,
+                servers=servers,
+                staleness=staleness,
+                staleness_lr=staleness_lr,
+                max_updates=max_updates,
+                checkpoint_dir=checkpoint_dir,
+                precision=precision,
+            )
             self._init_roles(straggler, straggler_check_every)
         except ValueError:
             if self.owns_group:
                 pg.destroy_process_group()
             raise
-        """The dp x pp x tp split of strategies "pipeline" and "tensor" (None for others)."""
         if self.parallel is not None and self.parallel.pp > 1 and grad_accum > 1:
             raise ValueError(
                 f"grad_accum={grad_accum} with a pipeline (pp={self.parallel.pp}): the pipeline "
@@ -154,21 +163,13 @@ class Job(CheckpointMixin, PSMixin):
 
             self.groups = make_groups(self.parallel.topology(self.world.world_size))
         self.grad_accum = grad_accum
-        self.seed = seed
         self.checkpoint_dir = checkpoint_dir
         self.keep_last = keep_last
         seed_everything(seed)
         configure_logging(self.world.rank)
-        metrics_path = metrics_file
-        if metrics_path is None and checkpoint_dir is not None:
-            metrics_path = os.path.join(checkpoint_dir, "metrics.jsonl")
-        from phalanx.train.metrics import MetricsLogger
-
-        self.metrics = MetricsLogger(
-            metrics_path, tensorboard_dir=tensorboard_dir, group=self._worker_group()
+        self.metrics = MetricsLogger.for_job(
+            metrics_file, checkpoint_dir, tensorboard_dir, self._worker_group()
         )
-        from phalanx.train.profiling import profile
-
         self.profiler = profile(profile_dir)
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -298,8 +299,9 @@ class Job(CheckpointMixin, PSMixin):
         if self._serving():
             return
         total = batches_left(loader, self.sampler)
-        bar = progress(loader, desc=desc or f"epoch {self.epoch}", total=total,
-                       enabled=self._draws_progress())  # fmt: skip
+        bar = progress(
+            loader, desc=desc or f"epoch {self.epoch}", total=total, enabled=self._draws_progress()
+        )
         self._timer.start_epoch()
         for i, batch in enumerate(bar):
             self._last_batch = total is not None and i == total - 1
@@ -347,12 +349,11 @@ class Job(CheckpointMixin, PSMixin):
         opt = optimizer or self.optimizer
         if opt is None and self.ps is None:
             raise ValueError("Job.step(): no optimizer given and none passed to setup()")
-        self._micro += 1
-        if self._micro < self.grad_accum and not self._last_batch:
-            self._arm_sync()
-            return False
-        self._micro = 0
+        # Micro-steps done in this window; back to 0 ends it (so does the epoch's last batch).
+        self._micro = 0 if self._last_batch else (self._micro + 1) % self.grad_accum
         self._arm_sync()
+        if self._micro:
+            return False
         self._slow_down(self.step_count)
         if not self._ps_step():  # parameter servers step the optimizer (and the scheduler)
             assert opt is not None
@@ -381,8 +382,7 @@ class Job(CheckpointMixin, PSMixin):
 
     def summary(self) -> dict[str, float]:
         """Samples/s over the job and the share of step time spent waiting for communication."""
-        reducer = getattr(self.model, "reducer", None)
-        comm = getattr(reducer, "wait_seconds", 0.0)
+        comm = getattr(getattr(self.model, "reducer", None), "wait_seconds", 0.0)  # DDP's
         return self._timer.summary(comm, self.world.world_size)
 
     def close(self) -> None:

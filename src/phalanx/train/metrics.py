@@ -112,6 +112,19 @@ class MetricsLogger:
         if tensorboard_dir is not None:
             self._writer = self._tensorboard(tensorboard_dir)
 
+    @classmethod
+    def for_job(
+        cls,
+        path: str | os.PathLike[str] | None,
+        checkpoint_dir: str | os.PathLike[str] | None,
+        tensorboard_dir: str | None,
+        group: Any,
+    ) -> MetricsLogger:
+        """A job's logger: ``path``, else ``checkpoint_dir/metrics.jsonl``, else no file."""
+        if path is None and checkpoint_dir is not None:
+            path = os.path.join(checkpoint_dir, "metrics.jsonl")
+        return cls(path, tensorboard_dir=tensorboard_dir, group=group)
+
     def _tensorboard(self, logdir: str | os.PathLike[str]) -> Any:
         # Checked on every rank so that all of them fail alike; only rank 0 imports and writes.
         if importlib.util.find_spec("tensorboard") is None:

@@ -67,9 +67,15 @@ def parallel_config(
     if strategy == "tensor" and tp is None:
         tp = max(1, world_size // max(1, (dp or 1) * (pp or 1)))
     config = ParallelConfig(
-        dp=dp, pp=pp or 1, tp=tp or 1, micro_batches=micro_batches, schedule=schedule,
-        chunks=chunks, balance=balance, tp_plan=tp_plan,
-    )  # fmt: skip
+        dp=dp,
+        pp=pp or 1,
+        tp=tp or 1,
+        micro_batches=micro_batches,
+        schedule=schedule,
+        chunks=chunks,
+        balance=balance,
+        tp_plan=tp_plan,
+    )
     config.topology(world_size)  # errors now, naming every degree, rather than at setup
     return config
 

@@ -117,11 +117,16 @@ class PSRunner:
         # The parameter server speaks over gloo; with NCCL for the model, a gloo group of all.
         group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         self.ps = ParameterServer(
-            model, make_optimizer, group, num_servers=config.servers, mode=config.mode,
-            bound=config.staleness, staleness_lr=config.staleness_lr,
+            model,
+            make_optimizer,
+            group,
+            num_servers=config.servers,
+            mode=config.mode,
+            bound=config.staleness,
+            staleness_lr=config.staleness_lr,
             max_updates=config.max_updates,
             on_version=self._on_version if scheduler is not None else None,
-        )  # fmt: skip
+        )
         self.report: ServerReport | None = None
         self.done = False
 

@@ -70,8 +70,9 @@ class FullyShardedDataParallel(nn.Module):
     ) -> None:
         super().__init__()
         rank = dist.get_rank() if dist.is_initialized() else 0
-        _check_args(module, process_group, param_dtype, reduce_dtype, prefetch,
-                    sync_module_states, rank)  # fmt: skip
+        _check_args(
+            module, process_group, param_dtype, reduce_dtype, prefetch, sync_module_states, rank
+        )
         info = _group_info(process_group)
         keys = st.StateLayout.tensor_keys(module)
         try:
@@ -217,9 +218,14 @@ def _group_info(group: dist.ProcessGroup | None) -> GroupInfo:
 
 
 def _check_args(
-    module: Any, group: Any, param_dtype: Any, reduce_dtype: Any, prefetch: Any,
-    sync_module_states: Any, rank: int,
-) -> None:  # fmt: skip
+    module: Any,
+    group: Any,
+    param_dtype: Any,
+    reduce_dtype: Any,
+    prefetch: Any,
+    sync_module_states: Any,
+    rank: int,
+) -> None:
     who = f"[rank {rank}] FullyShardedDataParallel"
     if not dist.is_initialized():
         raise RuntimeError(

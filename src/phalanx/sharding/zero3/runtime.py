@@ -33,9 +33,12 @@ class Runtime:
     """Per-step state shared by the hooks of one ``FullyShardedDataParallel``."""
 
     def __init__(
-        self, root: FlatUnit | None, units: list[FlatUnit], prefetch: bool,
+        self,
+        root: FlatUnit | None,
+        units: list[FlatUnit],
+        prefetch: bool,
         param_dtype: torch.dtype | None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.root, self.units, self.prefetch, self.param_dtype = root, units, prefetch, param_dtype
         self.order: list[FlatUnit] = []
         self._position: dict[int, int] = {}
