@@ -266,15 +266,8 @@ class Reducer:
 
     def _complete_iteration(self) -> set[int]:
         """Stage what is missing and return the parameters unused on every rank."""
-        if self.counts is not None and not self.counts.learned:
-            self._stage_counted()
-        elif self.counts is not None:
-            try:
-                self.counts.check_all_fired(self.ready, self.names)
-            except RuntimeError:
-                self._drain()
-                raise
-            return self.counts.globally_unused
+        if self.counts is not None:
+            return self._complete_static(self.counts)
         missing = [j for j, r in enumerate(self.ready) if not r]
         if not self.options.find_unused:
             if missing:
@@ -283,11 +276,16 @@ class Reducer:
             return set()
         return self._fill_missing(missing)
 
-    def _stage_counted(self) -> None:
-        """First static-graph iteration: every gradient is complete only now."""
-        unused = self._fill_missing(list(range(len(self.params))))
-        assert self.counts is not None
-        self.counts.learn(unused)
+    def _complete_static(self, counts: HookCounts) -> set[int]:
+        if not counts.learned:  # first iteration: every gradient is complete only now
+            counts.learn(self._fill_missing(list(range(len(self.params)))))
+        else:
+            try:
+                counts.check_all_fired(self.ready, self.names)
+            except RuntimeError:
+                self._drain()
+                raise
+        return counts.globally_unused
 
     def _fill_missing(self, missing: list[int]) -> set[int]:
         skip = {j for j in missing if not self.used[j]} if self.options.skip_unused else set()
