@@ -36,7 +36,8 @@ class DistributedDataParallel(nn.Module, Joinable):
     """Data parallel training: replicas in N processes, gradients averaged by all-reduce.
 
     Same constructor, attributes and methods as ``torch.nn.parallel.DistributedDataParallel``
-    (torch 2.13), with the same meaning; it passes torch's own DDP tests that run on CPU.
+    (torch 2.13), with the same meaning; it passes torch's own DDP tests that run on CPU, but
+    for those that read torch-internal attributes (``tests/compat/ddp_internal_only.txt``).
     Differences: an unused parameter without ``find_unused_parameters`` raises an error that
     names it, at the end of the backward that missed it; mismatched models across ranks are
     reported at wrap time with the rank, parameter and both shapes; works on CPU (gloo) and GPU
