@@ -134,20 +134,12 @@ def neutral_tensor(shape: Sequence[int], dtype: torch.dtype, op: ReduceOp) -> to
 
 def _start(req: Request, agreement: Agreement) -> tuple[list[Any], Callable[[], Any]]:
     (tensor,) = req.tensors
-    target, inplace = tensor.detach(), req.options["inplace"]
-    wire = dtypes.wire_dtype(target.dtype)
-    if inplace and target.is_contiguous() and wire == target.dtype:
-        buf = target
-    else:
-        buf = target.to(wire, memory_format=torch.contiguous_format, copy=True)
+    buf = dtypes.wire_buffer(tensor, req.options["inplace"])
     works, finish = launch([buf], ReduceOp(req.op), req.pre, req.post, req.options["group"])
 
     def result() -> torch.Tensor:
         finish()
-        out = dtypes.narrow(buf, target.dtype)
-        if inplace and out is not target:
-            target.copy_(out)
-        return tensor if inplace else out
+        return dtypes.land(buf, tensor, req.options["inplace"])
 
     return works, result
 

@@ -26,19 +26,11 @@ __all__ = ["broadcast", "broadcast_", "broadcast_async", "broadcast_async_"]
 
 def _start(req: Request, agreement: Agreement) -> tuple[list[Any], Callable[[], Any]]:
     (tensor,) = req.tensors
-    target, inplace = tensor.detach(), req.options["inplace"]
-    wire = dtypes.wire_dtype(target.dtype)
-    if inplace and target.is_contiguous() and wire == target.dtype:
-        buf = target
-    else:
-        buf = target.to(wire, memory_format=torch.contiguous_format, copy=True)
+    buf = dtypes.wire_buffer(tensor, req.options["inplace"])
     work = c.broadcast(buf, req.root, req.options["group"], async_op=True)
 
     def result() -> torch.Tensor:
-        out = dtypes.narrow(buf, target.dtype)
-        if inplace and out is not target:
-            target.copy_(out)
-        return tensor if inplace else out
+        return dtypes.land(buf, tensor, req.options["inplace"])
 
     return [work], result
 

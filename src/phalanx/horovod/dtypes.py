@@ -22,6 +22,26 @@ def wire_dtype(dtype: torch.dtype) -> torch.dtype:
     return _WIDER.get(dtype, dtype)
 
 
+def wire_buffer(tensor: torch.Tensor, inplace: bool) -> torch.Tensor:
+    """The buffer a collective works on: ``tensor`` itself when the operation is in place and
+    gloo takes its dtype and layout, else a contiguous copy in the wire dtype."""
+    target = tensor.detach()
+    wire = wire_dtype(target.dtype)
+    if inplace and target.is_contiguous() and wire == target.dtype:
+        return target
+    return target.to(wire, memory_format=torch.contiguous_format, copy=True)
+
+
+def land(buf: torch.Tensor, tensor: torch.Tensor, inplace: bool) -> torch.Tensor:
+    """The collective's result as the caller asked for it: narrowed back to ``tensor``'s dtype,
+    and written into ``tensor`` when the operation is in place."""
+    target = tensor.detach()
+    out = narrow(buf, target.dtype)
+    if inplace and out is not target:
+        target.copy_(out)
+    return tensor if inplace else out
+
+
 def narrow(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t`` back in its original ``dtype`` (itself when it travelled unchanged)."""
     return t if t.dtype == dtype else t.to(dtype)
