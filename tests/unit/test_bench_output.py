@@ -14,9 +14,9 @@ from phalanx.bench.common import Output, add_output_flags, default_out
 def test_the_default_is_a_new_directory_under_runs(tmp_path: Path) -> None:
     first = default_out("comm", tmp_path / "runs", now=0)
     assert first.parent == tmp_path / "runs" and first.name.startswith("bench-comm-")
-    first.mkdir(parents=True)
+    assert first.is_dir()
     second = default_out("comm", tmp_path / "runs", now=0)  # same second: never the same place
-    assert second.name == f"{first.name}-2"
+    assert second.name == f"{first.name}-2" and second.is_dir()
 
 
 def test_out_defaults_to_none_and_json_stays_an_extra_copy() -> None:

@@ -12,6 +12,7 @@ measured; at the end ``DIR/<suite>.json`` gets the whole result and the last lin
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from collections.abc import Callable, Iterable
@@ -37,14 +38,20 @@ def timed(fn: Callable[[], None]) -> float:
 
 
 def default_out(suite: str, root: str | Path = "runs", now: float | None = None) -> Path:
-    """A directory under ``root`` that does not exist yet: ``bench-<suite>-<timestamp>[-N]``."""
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
-    base = Path(root) / f"bench-{suite}-{stamp}"
-    path, n = base, 1
-    while path.exists():
-        n += 1
-        path = base.with_name(f"{base.name}-{n}")
-    return path
+    """Make a new directory ``root/bench-<suite>-<timestamp>[-N]`` and return it.
+
+    Created exclusively, so two runs started in the same second never share one.
+    """
+    base = Path(root) / f"bench-{suite}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(now))}"
+    base.parent.mkdir(parents=True, exist_ok=True)
+    for n in itertools.count(1):
+        path = base if n == 1 else base.with_name(f"{base.name}-{n}")
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+    raise AssertionError("unreachable")
 
 
 def add_output_flags(parser: argparse.ArgumentParser, suite: str) -> None:
@@ -72,8 +79,11 @@ class Output:
     @classmethod
     def create(cls, suite: str, out: str | None, json_path: str | None = None) -> Output:
         """Make ``out`` (or a new default directory) and say where the numbers will go."""
-        directory = Path(out) if out else default_out(suite)
-        directory.mkdir(parents=True, exist_ok=True)
+        if out:
+            directory = Path(out)
+            directory.mkdir(parents=True, exist_ok=True)
+        else:
+            directory = default_out(suite)
         print(f"phalanx bench {suite}: results go to {directory}/", flush=True)
         return cls(suite, directory, json_path)
 
