@@ -4,7 +4,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint install clean
+NOEXTRAS := .venv-noextras
+SRC := $(shell find src/phalanx -type f -not -path '*/__pycache__/*')
+
+.PHONY: demo test lint install smoke-noextras clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,8 +27,25 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-test: $(STAMP) lint
+# phalanx as `pip install phalanx` leaves it: a venv with torch (the local wheel, as above) and
+# `pip install .` without extras. Made afresh when pyproject.toml changes (a dependency dropped
+# there is gone here too); phalanx alone is reinstalled when src/phalanx changes.
+$(NOEXTRAS)/.base: pyproject.toml
+	rm -rf $(NOEXTRAS)
+	$(PYTHON) -m venv $(NOEXTRAS)
+	$(NOEXTRAS)/bin/pip install --quiet --upgrade pip
+	$(NOEXTRAS)/bin/pip install --quiet torch==2.13.0
+	touch $@
+
+$(NOEXTRAS)/.installed: $(NOEXTRAS)/.base $(SRC)
+	$(NOEXTRAS)/bin/pip install --quiet .
+	touch $@
+
+smoke-noextras: $(NOEXTRAS)/.installed
+	$(NOEXTRAS)/bin/python tests/noextras/smoke.py
+
+test: $(STAMP) lint smoke-noextras
 	$(BIN)/pytest -q
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(NOEXTRAS) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

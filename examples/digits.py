@@ -20,6 +20,9 @@ import torch
 from torch import nn
 
 import phalanx
+from phalanx._optional import require
+
+require("examples", "examples/digits.py")  # scikit-learn (digits), checked first
 
 
 def digits_datasets(seed: int = 0) -> tuple[torch.utils.data.Dataset, torch.utils.data.Dataset]:

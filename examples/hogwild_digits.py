@@ -18,6 +18,9 @@ import torch
 from torch import nn
 
 import phalanx.hogwild
+from phalanx._optional import require
+
+require("examples", "examples/hogwild_digits.py")  # scikit-learn (digits), checked first
 
 TARGET = 0.95
 

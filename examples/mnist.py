@@ -20,6 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import phalanx
+from phalanx._optional import require
+
+require("examples", "examples/mnist.py")  # scikit-learn (digits), checked first
 
 
 class Net(nn.Module):

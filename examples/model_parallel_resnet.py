@@ -19,8 +19,11 @@ import argparse
 import torch
 from torch import nn
 
+from phalanx._optional import require
 from phalanx.model_parallel import split_across_devices
 from phalanx.models import small_resnet
+
+require("examples", "examples/model_parallel_resnet.py")  # scikit-learn (digits), checked first
 
 
 def two_devices() -> list[str]:

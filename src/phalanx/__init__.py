@@ -1,9 +1,20 @@
 """phalanx: distributed training for PyTorch — 2 processes or 200 machines as easy as one.
 
-Importing phalanx computes no tensors (safe before forking worker processes).
+Importing phalanx computes no tensors (safe before forking worker processes). Every subpackage is
+an attribute (``phalanx.checkpoint.save(...)`` after ``import phalanx``); those that the names
+below do not already import load on first use.
+
+Logging: phalanx's modules log to ``logging.getLogger(__name__)``, under "phalanx", and add no
+handlers, so the program's configuration and ``logging.getLogger("phalanx").setLevel(...)`` take
+effect. Unconfigured, Python shows warnings on stderr; ``Job`` shows its info lines on rank 0
+unless the program configured logging (:func:`phalanx.train.loop_helpers.configure_logging`).
 """
 
 from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 from torch.distributed import ReduceOp
 
@@ -53,7 +64,58 @@ from phalanx.sharding import ZeroRedundancyOptimizer
 from phalanx.sharding.zero3 import FullyShardedDataParallel
 from phalanx.train import Job
 
+if TYPE_CHECKING:  # loaded by __getattr__ on first use; imported here for type checkers only
+    from phalanx import bench as bench
+    from phalanx import checkpoint as checkpoint
+    from phalanx import cli as cli
+    from phalanx import datasets as datasets
+    from phalanx import doctor as doctor
+    from phalanx import horovod as horovod
+    from phalanx import mesh as mesh
+    from phalanx import models as models
+    from phalanx import parameter_server as parameter_server
+    from phalanx import pipeline as pipeline
+    from phalanx import tensor_parallel as tensor_parallel
+    from phalanx import testing as testing
+
 __version__ = "0.1.0"
+
+_SUBMODULES = (
+    "bench",
+    "checkpoint",
+    "cli",
+    "comm",
+    "data",
+    "data_parallel",
+    "datasets",
+    "doctor",
+    "hogwild",
+    "horovod",
+    "launch",
+    "mesh",
+    "model_parallel",
+    "models",
+    "parameter_server",
+    "pipeline",
+    "plan",
+    "sharding",
+    "tensor_parallel",
+    "testing",
+    "train",
+)
+"""Every public module directly under phalanx, each an attribute of the package."""
+
+
+def __getattr__(name: str) -> ModuleType:
+    # PEP 562: runs only for names not already set, i.e. the subpackages not imported yet.
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_SUBMODULES})
+
 
 __all__ = [
     "CollectiveError",

@@ -6,6 +6,8 @@ import argparse
 import importlib
 import sys
 
+from phalanx._optional import MissingExtraError
+
 __all__ = ["main"]
 
 SUITES = ("comm", "ddp", "checkpoint", "zero", "pipeline", "tensor_parallel", "param_server")
@@ -14,8 +16,9 @@ USAGE = """usage: phalanx <command> [args]
 
 commands:
   run      launch a training script on N processes / machines (torchrun's flags)
-  bench    benchmarks: `phalanx bench SUITE [--quick]`, SUITE one of comm, ddp, checkpoint,
-           zero, pipeline, tensor_parallel, param_server (ours vs torch, same run)
+  bench    benchmarks: `phalanx bench SUITE [--quick] [--out DIR]`, SUITE one of comm, ddp,
+           checkpoint, zero, pipeline, tensor_parallel, param_server (ours vs torch, same run;
+           results in DIR, default a new runs/bench-SUITE-<timestamp>/)
   plan     model-state memory per device for DDP and ZeRO-1/2/3 (the ZeRO paper's formulas)
   doctor   check torch, backends, GPUs, network interfaces and ports
   diagnose DIR: merge the ranks' flight records (PHALANX_DUMP_DIR) and print the first
@@ -28,7 +31,11 @@ def _bench(argv: list[str]) -> int:
     parser.add_argument("suite", choices=SUITES, help="which benchmark to run")
     suite = parser.parse_args(argv[:1]).suite
     module = importlib.import_module(f"phalanx.bench.{suite}")
-    return int(module.main(argv[1:]))
+    try:
+        return int(module.main(argv[1:]))
+    except MissingExtraError as exc:  # raised before the benchmark starts any work
+        print(f"phalanx bench {suite}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 def main(argv: list[str] | None = None) -> int:

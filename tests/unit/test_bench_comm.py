@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -147,12 +148,12 @@ def test_format_bytes_and_table() -> None:
     assert len({len(line) for line in lines}) == 1, "columns are aligned"
 
 
-def test_quick_run_end_to_end(tmp_path: object) -> None:
+def test_quick_run_end_to_end(tmp_path: Path) -> None:
     out = f"{tmp_path}/bench.json"
     proc = subprocess.run(
         [sys.executable, "-m", "phalanx.bench.comm", "--quick", "--max-bytes", "64KiB",
          "--iters", "3", "--json", out],
-        capture_output=True, text=True, timeout=240, check=False,
+        capture_output=True, text=True, timeout=240, check=False, cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
@@ -170,3 +171,10 @@ def test_quick_run_end_to_end(tmp_path: object) -> None:
     assert all(r["p50_us"] > 0 and r["busbw_gbps"] > 0 for r in rows)
     assert all(r["vs_native"] == 1.0 for r in rows if r["impl"] == "native")
     assert "busbw GB/s" in proc.stdout
+    # without --out: a new directory under runs/, each size's rows printed as measured
+    (run_dir,) = (tmp_path / "runs").glob("bench-comm-*")
+    assert json.loads((run_dir / "comm.json").read_text()) == result
+    streamed = [json.loads(line) for line in (run_dir / "rows.jsonl").read_text().splitlines()]
+    assert streamed == rows
+    assert proc.stdout.count("measured: op=") == len(rows)
+    assert proc.stdout.index("measured: op=") < proc.stdout.index("busbw GB/s")

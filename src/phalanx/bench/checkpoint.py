@@ -11,14 +11,13 @@ Each round saves, then loads, the same state with each implementation, in rotati
   straight back into the tensors (no hashing, no format): the floor.
 
 Throughput is state bytes / median time. Loads read files that were just written (page cache
-warm) unless ``--cold``, which evicts every file with ``posix_fadvise(DONTNEED)`` first.
-Last line: ``RESULT {json}``.
+warm) unless ``--cold``, which evicts every file with ``posix_fadvise(DONTNEED)`` first. Each
+round's times are printed as measured (and kept in ``--out``); last line: ``RESULT {json}``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -31,6 +30,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from phalanx.bench.common import Output, add_output_flags
 
 __all__ = ["main"]
 
@@ -110,7 +111,9 @@ def _timed(fn: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
-def measure(mb: float, rounds: int, cold: bool, workdir: Path) -> dict[str, dict[str, list[float]]]:
+def measure(
+    mb: float, rounds: int, cold: bool, workdir: Path, output: Output | None = None
+) -> dict[str, dict[str, list[float]]]:
     """Save and load times (s) per implementation, interleaved over ``rounds`` rounds."""
     torch.manual_seed(0)
     model = make_model(mb)
@@ -128,6 +131,8 @@ def measure(mb: float, rounds: int, cold: bool, workdir: Path) -> dict[str, dict
             if r:
                 times[impl]["save"].append(t_save)
                 times[impl]["load"].append(t_load)
+                if output is not None:
+                    output.rows([{"round": r, "impl": impl, "save_s": t_save, "load_s": t_load}])
     return times
 
 
@@ -164,26 +169,25 @@ def _print(result: dict[str, Any], rounds: int, cold: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``phalanx bench checkpoint [--mb 150] [--rounds 5] [--cold] [--dir D] [--json PATH]``."""
+    """``phalanx bench checkpoint [--mb 150] [--rounds 5] [--cold] [--dir D] [--out DIR]``."""
     parser = argparse.ArgumentParser(prog="phalanx bench checkpoint", description=__doc__)
     parser.add_argument("--mb", type=float, default=150.0, help="model state size in MB")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (median)")
     parser.add_argument("--cold", action="store_true", help="evict files before loading")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
-    parser.add_argument("--json", default=None, help="also write the result to this file")
+    add_output_flags(parser, "checkpoint")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.mb <= 0:
         parser.error(f"--rounds must be >= 1 and --mb > 0, got {args.rounds} and {args.mb}")
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    output = Output.create("checkpoint", args.out, args.json)
     workdir = Path(tempfile.mkdtemp(prefix="phalanx-bench-ckpt-", dir=args.dir))
     try:
-        times = measure(args.mb, args.rounds, args.cold, workdir)
+        times = measure(args.mb, args.rounds, args.cold, workdir, output)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     result = summarize(times, _state_bytes(make_model(args.mb)))
     result.update(rounds=args.rounds, cold=args.cold)
     _print(result, args.rounds, args.cold)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
-    print("RESULT " + json.dumps(result, sort_keys=True))
+    output.result(result)
     return 0

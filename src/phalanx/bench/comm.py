@@ -3,7 +3,9 @@
 For each operation and message size every rank runs the implementations interleaved
 (native, ring, tree, then ring, tree, native, ...), each after a barrier, timing it with
 ``time.perf_counter``; an iteration's time is the slowest rank's (a MAX all-reduce after the
-timed region). The parent prints p50/p90 latency and bandwidths as nccl-tests defines them:
+timed region). Rank 0 prints each size's rows as they are measured (and appends them to
+``rows.jsonl`` in ``--out``); the parent then prints p50/p90 latency and bandwidths as nccl-tests
+defines them:
 ``algbw = bytes / time`` and ``busbw = algbw * factor`` with factor ``2 (n - 1) / n`` for
 all-reduce, ``(n - 1) / n`` for reduce-scatter and all-gather (bytes = the whole gathered
 buffer) and 1 for broadcast, so busbw is comparable across world sizes. The last line is
@@ -23,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, NoReturn
 
-from phalanx.bench.common import emit
+from phalanx.bench.common import Output, add_output_flags
 
 __all__ = ["BenchConfig", "Row", "busbw_factor", "main", "parse_args", "size_list", "summarize"]
 
@@ -56,6 +58,8 @@ class BenchConfig:
     """Element type of the buffers."""
     json_path: str | None = None
     """Also write the result to this file."""
+    out: str | None = None
+    """Directory for the results (None: a new one under ``runs/``)."""
 
 
 @dataclass(frozen=True)
@@ -122,7 +126,7 @@ def _build_parser() -> _Parser:
     add("--warmup", type=int, default=None, help="untimed iterations (default 3, 1 with --quick)")
     add("--quick", action="store_true", help="a few sizes up to 1MiB, few iterations (CI)")
     add("--dtype", default="float32", help=", ".join(DTYPES))
-    add("--json", dest="json_path", default=None, metavar="PATH", help="also write the result")
+    add_output_flags(p, "comm")
     return p
 
 
@@ -156,7 +160,8 @@ def parse_args(argv: Sequence[str]) -> BenchConfig:
         iters=_positive("--iters", iters),
         warmup=_positive("--warmup", warmup, 0),
         dtype=ns.dtype,
-        json_path=ns.json_path,
+        json_path=ns.json,
+        out=ns.out,
     )
 
 
@@ -306,8 +311,11 @@ def _rotated(n: int, shift: int) -> list[int]:
     return [(k + shift) % n for k in range(n)]
 
 
-def rank_main(config: BenchConfig) -> list[dict[str, Any]] | None:
-    """Measure on every rank (started by :func:`main`); rank 0 returns the records."""
+def rank_main(config: BenchConfig, output: Output | None = None) -> list[dict[str, Any]] | None:
+    """Measure on every rank (started by :func:`main`); rank 0 returns the records.
+
+    With ``output``, rank 0 records each size's rows as soon as they are measured.
+    """
     import torch
     import torch.distributed as dist
 
@@ -318,9 +326,13 @@ def rank_main(config: BenchConfig) -> list[dict[str, Any]] | None:
             actual, impls = _impls(op, nbytes, world, getattr(torch, config.dtype))
             times = torch.tensor(_measure(impls, config.iters, config.warmup), dtype=torch.float64)
             dist.all_reduce(times, dist.ReduceOp.MAX)  # an iteration lasts as its slowest rank
-            for k, name in enumerate(impls):
-                rec = {"op": op, "bytes": actual, "impl": name, "times": times[:, k].tolist()}
-                records.append(rec)
+            size = [
+                {"op": op, "bytes": actual, "impl": name, "times": times[:, k].tolist()}
+                for k, name in enumerate(impls)
+            ]
+            records += size
+            if output is not None:
+                output.rows(asdict(row) for row in summarize(size, world))
     return records if dist.get_rank() == 0 else None
 
 
@@ -333,8 +345,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BenchArgsError as exc:
         print(f"phalanx bench comm: error: {exc}", file=sys.stderr)
         return 2
+    output = Output.create("comm", config.out, config.json_path)
     ranks = run_distributed(
-        rank_main, config, world_size=config.world_size, timeout=3600, collective_timeout=600
+        rank_main,
+        config,
+        output,
+        world_size=config.world_size,
+        timeout=3600,
+        collective_timeout=600,
     )
     rows = summarize(ranks[0], config.world_size)
     result = {"benchmark": "comm", "config": asdict(config), "rows": [asdict(r) for r in rows]}
@@ -343,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"p50/p90 over {config.iters} iterations of the slowest rank"
     )
     print(format_table(rows))
-    emit(result, config.json_path)
+    output.result(result)
     return 0
 
 

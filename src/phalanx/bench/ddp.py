@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from phalanx.bench.common import emit, timed
+from phalanx.bench.common import Output, add_output_flags, timed
 
 __all__ = ["main"]
 
@@ -131,13 +131,13 @@ def _hook_bytes(model_name: str) -> dict[str, float]:
     return out
 
 
-def _rank_job(cfg: dict[str, Any]) -> dict[str, Any]:
+def _rank_job(cfg: dict[str, Any], output: Output) -> dict[str, Any]:
     results: dict[str, Any] = {"steps": {}, "bytes": {}}
     for model_name in cfg["models"]:
         for cap in cfg["caps"]:
-            results["steps"][f"{model_name}/{cap:g}"] = _measure(
-                model_name, cap, cfg["iters"], cfg["warmup"]
-            )
+            key = f"{model_name}/{cap:g}"
+            results["steps"][key] = _measure(model_name, cap, cfg["iters"], cfg["warmup"])
+            output.rows(summarize({key: results["steps"][key]}))
         if cfg["hooks"]:
             results["bytes"][model_name] = _hook_bytes(model_name)
     return results
@@ -191,7 +191,7 @@ def _print_table(rows: list[dict[str, Any]], hook_bytes: dict[str, dict[str, flo
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``phalanx bench ddp [--quick] [--iters N] [--models mlp,cnn] [--json PATH]``."""
+    """``phalanx bench ddp [--quick] [--iters N] [--models mlp,cnn] [--out DIR]``."""
     from phalanx.testing import run_distributed
 
     parser = argparse.ArgumentParser(prog="phalanx bench ddp", description=__doc__)
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first")
     parser.add_argument("--models", default="mlp,cnn", help="comma list of: mlp, cnn")
     parser.add_argument("--no-hooks", action="store_true", help="skip the compression bytes")
-    parser.add_argument("--json", default=None, help="also write the result to this file")
+    add_output_flags(parser, "ddp")
     args = parser.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     bad = [m for m in models if m not in MODELS]
@@ -217,7 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.quick:
         cfg.update(models=["mlp"], caps=(25.0,), iters=6, warmup=2)
-    result = run_distributed(_rank_job, cfg, world_size=2, timeout=1800, collective_timeout=300)[0]
+    output = Output.create("ddp", args.out, args.json)
+    result = run_distributed(
+        _rank_job, cfg, output, world_size=2, timeout=1800, collective_timeout=300
+    )[0]
     rows = summarize(result["steps"])
     _print_table(rows, result["bytes"])
     payload = {
@@ -225,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "hook_bytes": result["bytes"],
     }
-    emit(payload, args.json)
+    output.result(payload)
     return 0
 
 

@@ -21,9 +21,12 @@ step (a persistently slower machine); ``4x-random`` slows a randomly drawn worke
 Measured per run: training wall time, updates/s (gradients applied per second), the time at
 which test accuracy first reaches ``--target`` (snapshots of the parameters are cloned during
 training with their time stamps and evaluated after it, so evaluation costs no training time),
-final test accuracy, the staleness histogram (server-recorded; DDP has none). Tables per
-straggler setting; ``benchmarks/results/param_server.json`` and ``param_server.png``
-(accuracy against time); last line ``RESULT {json}``.
+final test accuracy, the staleness histogram (server-recorded; DDP has none). Each run's row is
+printed as it finishes, then a table per straggler setting; ``param_server.json`` and
+``param_server.png`` (accuracy against time, unless ``--no-plot``) go to ``--out`` (default: a
+new ``runs/bench-param_server-<timestamp>/``; the README's figures were made with
+``--out benchmarks/results``); last line ``RESULT {json}``. Needs ``pip install 'phalanx[bench]'``
+(scikit-learn's digits, matplotlib for the plot), checked before anything runs.
 
 Note the arithmetic of a *persistent* straggler: SSP lets a fast worker run at most ``s``
 clocks ahead of the slowest, so over a long run every worker advances at the straggler's pace,
@@ -34,7 +37,6 @@ stragglers). Async has no such bound.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -42,7 +44,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from phalanx.bench.common import emit
+from phalanx._optional import require
+from phalanx.bench.common import Output, add_output_flags
 
 __all__ = ["main"]
 
@@ -265,8 +268,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--updates", type=int, default=1200, help="gradients per run")
     parser.add_argument("--step-ms", type=float, default=5.0, help="padded worker step time")
     parser.add_argument("--target", type=float, default=0.95)
-    parser.add_argument("--out", default="benchmarks/results", help="where JSON and PNG go")
+    parser.add_argument("--no-plot", action="store_true", help="no PNG (no matplotlib needed)")
+    add_output_flags(parser, "param_server")
     args = parser.parse_args(argv)
+    require("bench", "phalanx bench param_server", ["sklearn"])
+    if not args.no_plot:
+        require("bench", "phalanx bench param_server's plot (--no-plot skips it)", ["matplotlib"])
+    output = Output.create("param_server", args.out, args.json)
     updates = 60 if args.quick else args.updates
     settings = ("4x",) if args.quick else tuple(STRAGGLERS)
     results: dict[str, dict[str, dict[str, Any]]] = {}
@@ -286,11 +294,9 @@ def main(argv: list[str] | None = None) -> int:
                 _rank_job, cfg, world_size=world, timeout=900, collective_timeout=300
             )
             rows[mode] = _summarise(ranks[0], args.target)
+            output.rows([{"straggler": setting, "mode": mode, **rows[mode]}])
         results[setting] = rows
         _table(setting, rows, args.target)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    _plot(results, args.target, out / "param_server.png")
     verdicts = {s: _verdict(rows) for s, rows in results.items() if s != "none"}
     payload = {
         "updates": updates,
@@ -300,14 +306,9 @@ def main(argv: list[str] | None = None) -> int:
         "verdicts": verdicts,
         "runs": results,
     }
-    (out / "param_server.json").write_text(json.dumps(payload, indent=1))
-    emit(
-        {
-            "bench": "param_server",
-            "updates": updates,
-            "target": args.target,
-            **{f"{s}": v for s, v in verdicts.items()},
-        },
-        None,
-    )
+    output.write(payload)  # the numbers first: nothing after this can lose them
+    if not args.no_plot:
+        _plot(results, args.target, output.path("param_server.png"))
+    line = {"bench": "param_server", "updates": updates, "target": args.target, **verdicts}
+    output.result(payload, line)
     return 0

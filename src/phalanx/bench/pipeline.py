@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from phalanx.bench.common import emit, timed
+from phalanx.bench.common import Output, add_output_flags, timed
 
 __all__ = ["SleepLayer", "main"]
 
@@ -251,7 +251,7 @@ def _targets(rows: list[dict[str, Any]]) -> dict[str, bool]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``phalanx bench pipeline [--quick] [--iters N] [--t-f S] [--t-b S] [--json PATH]``."""
+    """``phalanx bench pipeline [--quick] [--iters N] [--t-f S] [--t-b S] [--out DIR]``."""
     from phalanx.testing import run_distributed
 
     parser = argparse.ArgumentParser(prog="phalanx bench pipeline", description=__doc__)
@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--microbatches", default="4,8,16", help="comma list of m")
     parser.add_argument("--schedules", default=",".join(SCHEDULES), help="comma list")
     parser.add_argument("--no-torch", action="store_true", help="skip torch's schedules")
-    parser.add_argument("--json", default=None, help="also write the result to this file")
+    add_output_flags(parser, "pipeline")
     args = parser.parse_args(argv)
     ranks = [int(v) for v in args.ranks.split(",") if v]
     cfg: dict[str, Any] = {
@@ -284,19 +284,21 @@ def main(argv: list[str] | None = None) -> int:
     bad = [s for s in cfg["schedules"] if s not in SCHEDULES]
     if bad:
         parser.error(f"--schedules has unknown {bad}; choose from {', '.join(SCHEDULES)}")
+    output = Output.create("pipeline", args.out, args.json)
     rows: list[dict[str, Any]] = []
     for p in ranks:
         result = run_distributed(_rank_job, cfg, world_size=p, timeout=3600, collective_timeout=300)
         for m, times in result[0]["times"].items():
-            rows += summarize(p, m, times, cfg, result[0]["unit"])
+            measured = summarize(p, m, times, cfg, result[0]["unit"])
+            output.rows(measured)
+            rows += measured
     _print(rows)
-    emit(
+    output.result(
         {
             "config": {**cfg, "ranks": ranks, "chunks": CHUNKS},
             "rows": rows,
             "targets": _targets(rows),
-        },
-        args.json,
+        }
     )
     return 0
 

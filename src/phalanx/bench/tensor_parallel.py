@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from phalanx.bench.common import emit, timed
+from phalanx.bench.common import Output, add_output_flags, timed
 
 __all__ = ["main"]
 
@@ -203,7 +203,7 @@ def _print(rows: list[dict[str, Any]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``phalanx bench tensor_parallel [--quick] [--iters N] [--hidden 512,1024] [--json PATH]``."""
+    """``phalanx bench tensor_parallel [--quick] [--iters N] [--hidden 512,1024] [--out DIR]``."""
     from phalanx.testing import run_distributed
 
     parser = argparse.ArgumentParser(prog="phalanx bench tensor_parallel", description=__doc__)
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=8, help="sequences per step")
     parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"from {WORKLOADS}")
-    parser.add_argument("--json", default=None, help="also write the result to this file")
+    add_output_flags(parser, "tensor_parallel")
     args = parser.parse_args(argv)
     workloads = [w for w in args.workloads.split(",") if w]
     bad = [w for w in workloads if w not in WORKLOADS]
@@ -238,10 +238,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.quick:
         cfg.update(iters=6, warmup=2, hidden=hidden[:1])
+    output = Output.create("tensor_parallel", args.out, args.json)
     result = run_distributed(_rank_job, cfg, world_size=2, timeout=1800, collective_timeout=300)
-    rows = summarize(result[0])
+    rows = summarize(result[0])  # interleaved: every workload's row completes at the end
+    output.rows(rows)
     _print(rows)
-    emit({"config": {**cfg, "world_size": 2, "tp": 2}, "rows": rows}, args.json)
+    output.result({"config": {**cfg, "world_size": 2, "tp": 2}, "rows": rows})
     return 0
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from phalanx.bench.common import emit, timed
+from phalanx.bench.common import Output, add_output_flags, timed
 
 __all__ = ["main"]
 
@@ -193,7 +193,7 @@ def _print(rows: list[dict[str, Any]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``phalanx bench zero [--quick] [--iters N] [--batch B] [--impls ...] [--json PATH]``."""
+    """``phalanx bench zero [--quick] [--iters N] [--batch B] [--impls ...] [--out DIR]``."""
     from phalanx.testing import run_distributed
 
     parser = argparse.ArgumentParser(prog="phalanx bench zero", description=__doc__)
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first")
     parser.add_argument("--batch", type=int, default=16, help="windows per rank per step")
     parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma list of {IMPLS}")
-    parser.add_argument("--json", default=None, help="also write the result to this file")
+    add_output_flags(parser, "zero")
     args = parser.parse_args(argv)
     impls = [i for i in args.impls.split(",") if i]
     bad = [i for i in impls if i not in IMPLS]
@@ -214,11 +214,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg = {"impls": impls, "iters": args.iters, "warmup": args.warmup, "batch": args.batch}
     if args.quick:
         cfg.update(iters=4, warmup=1)
+    output = Output.create("zero", args.out, args.json)
     result = run_distributed(_rank_job, cfg, world_size=2, timeout=1800, collective_timeout=300)
-    rows = summarize(result[0])
+    rows = summarize(result[0])  # interleaved: every implementation's row completes at the end
+    output.rows(rows)
     _print(rows)
-    payload = {"config": {**cfg, "world_size": 2, "model": "char_gpt"}, "rows": rows}
-    emit(payload, args.json)
+    output.result({"config": {**cfg, "world_size": 2, "model": "char_gpt"}, "rows": rows})
     return 0
 
 

@@ -44,7 +44,7 @@ __all__ = [
     "write_latest",
 ]
 
-log = logging.getLogger("phalanx.checkpoint")
+log = logging.getLogger(__name__)
 
 FAULT_ENV = "PHALANX_CHECKPOINT_FAULT"
 FAULT_POINTS = ("mid-tensor-file", "before-manifest", "before-rename", "before-latest")

@@ -27,7 +27,7 @@ from phalanx.checkpoint.manifest import MANIFEST, CheckpointError, read_manifest
 
 __all__ = ["commit", "committed", "latest", "make_temp_dir", "prune"]
 
-log = logging.getLogger("phalanx.checkpoint")
+log = logging.getLogger(__name__)
 TMP_PREFIX = ".tmp-"
 
 

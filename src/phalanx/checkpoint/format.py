@@ -8,7 +8,8 @@ here open with the ``safetensors`` library and vice versa; phalanx does not need
 Writing: :func:`encode` returns the header and one zero-copy ``memoryview`` per tensor, so the
 writer can hash and write the bytes straight from the tensors' memory. Reading: :func:`decode`
 validates every offset, dtype and shape in the header, then makes tensors that share the buffer
-the file was read into (``torch.frombuffer``): one read, no copy.
+the file was read into (``torch.frombuffer``): one read, no copy. :func:`open_mapped` decodes a
+memory map of the file instead, so a reader touching a slice of a tensor reads just its pages.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import mmap
+import os
 import sys
 from typing import Any
 
 import torch
 
-__all__ = ["FormatError", "decode", "encode"]
+__all__ = ["FormatError", "decode", "encode", "open_mapped"]
 
 _DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -180,3 +183,21 @@ def decode(
         if begin_b < end_a:
             raise FormatError(f"{where}: tensors {a!r} and {b!r} overlap")
     return tensors, {str(k): str(v) for k, v in metadata.items()}
+
+
+def open_mapped(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Tensors of the safetensors file ``path`` as views of a private memory map of it.
+
+    Pages are read when a tensor's elements are first touched. The map is copy-on-write, so
+    the tensors are writable without ever changing the file.
+
+    Raises:
+        FormatError: naming the file and the entry when the header is inconsistent.
+    """
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 8:  # mmap refuses an empty file; decode names the problem
+            return decode(bytearray(f.read()), str(path))[0]
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    # the tensor (and every view decode makes of it) holds a reference to the map
+    return decode(torch.frombuffer(mapped, dtype=torch.uint8), str(path))[0]

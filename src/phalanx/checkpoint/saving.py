@@ -33,7 +33,7 @@ from phalanx.checkpoint.sync import Session, open_session
 
 __all__ = ["rank_section_name", "save"]
 
-log = logging.getLogger("phalanx.checkpoint")
+log = logging.getLogger(__name__)
 
 
 def rank_section_name(rank: int) -> str:

@@ -15,10 +15,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from safetensors import safe_open
 from torch import nn
 
 from phalanx.checkpoint import structure
+from phalanx.checkpoint.format import open_mapped
 from phalanx.checkpoint.manifest import CheckpointError, Manifest, safe_path, verify_files
 from phalanx.checkpoint.state import Section, _json
 from phalanx.sharding.shard_optim import optimizer_view
@@ -88,8 +88,7 @@ def read_sharded(ckpt: Path, manifest: Manifest, what: str) -> tuple[dict[str, A
             verify_files(ckpt, Manifest(manifest.step, manifest.world_size, files, []))
             slices: dict[str, Any] = {}
             for f in files:
-                handle = safe_open(str(safe_path(ckpt, f)), framework="pt")
-                slices.update({k: handle.get_slice(k) for k in handle.keys()})  # noqa: SIM118
+                slices.update(open_mapped(safe_path(ckpt, f)))
             tensors = doc["state"]["tensors"]
             opened[source] = {name: slices[ref["__tensor__"]] for name, ref in tensors.items()}
         return opened[source]

@@ -46,7 +46,7 @@ from phalanx.train.strategies import get_optimizer_hook, get_strategy
 
 __all__ = ["Job"]
 
-log = logging.getLogger("phalanx.train")
+log = logging.getLogger(__name__)
 
 
 class Job(CheckpointMixin, PSMixin):

@@ -10,7 +10,7 @@ from phalanx.sharding.state import Sharded
 
 __all__ = ["CheckpointMixin"]
 
-log = logging.getLogger("phalanx.train")
+log = logging.getLogger(__name__)
 
 
 class CheckpointMixin:

@@ -22,7 +22,7 @@ from phalanx.train.stragglers import StragglerFinding
 
 __all__ = ["PSMixin"]
 
-log = logging.getLogger("phalanx.train")
+log = logging.getLogger(__name__)
 
 
 class PSMixin:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import random
+import sys
 import time
 from collections.abc import Iterable, Sized
 from typing import Any, cast
@@ -23,8 +24,6 @@ __all__ = [
     "seed_everything",
     "to_device",
 ]
-
-log = logging.getLogger("phalanx.train")
 
 
 class Timer:
@@ -76,14 +75,45 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
 
 
+class _JobOutput(logging.Handler):
+    """The handler :func:`configure_logging` adds: "%(message)s" lines to ``sys.stderr`` as it is
+    at each record (pytest and redirections replace it); silent once the program configures the
+    root logger, whose handlers then show phalanx's records."""
+
+    def __init__(self, level: int) -> None:
+        super().__init__(level)
+        self.setFormatter(logging.Formatter("%(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if logging.getLogger().handlers:
+            return
+        try:
+            sys.stderr.write(self.format(record) + "\n")
+            sys.stderr.flush()
+        except Exception:
+            self.handleError(record)
+
+
 def configure_logging(rank: int) -> None:
-    if log.handlers:
+    """Show the job's log lines (INFO on rank 0, WARNING on every rank) unless the program
+    configured logging itself.
+
+    phalanx's modules only log (``logging.getLogger(__name__)``); the one handler phalanx may
+    add is this one, on "phalanx.train", and only when neither it nor a parent logger ("phalanx",
+    the root) has a handler: no ``basicConfig``, ``dictConfig`` or handler of the program. A
+    plain script, or one under ``phalanx run``, then shows "epoch 1 step 40: loss=..." as
+    ``print`` would. The "phalanx" logger's level is set to INFO only where the program left it
+    unset, so ``logging.getLogger("phalanx").setLevel(logging.ERROR)`` before or after ``Job()``
+    silences the info lines. Records propagate as usual (other phalanx loggers keep Python's
+    default: warnings to stderr when nothing is configured).
+    """
+    train = logging.getLogger("phalanx.train")
+    if train.hasHandlers():
         return
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    log.addHandler(handler)
-    log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    log.propagate = False
+    train.addHandler(_JobOutput(logging.INFO if rank == 0 else logging.WARNING))
+    top = logging.getLogger("phalanx")
+    if top.level == logging.NOTSET:
+        top.setLevel(logging.INFO)
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

@@ -17,7 +17,6 @@ at once, gathers the key sets (a second collective that all ranks take) and rais
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import logging
 import math
@@ -30,6 +29,7 @@ from typing import IO, Any
 import torch
 import torch.distributed as dist
 
+from phalanx._optional import require
 from phalanx.comm.collectives import all_reduce
 
 __all__ = ["MetricsLogger"]
@@ -40,7 +40,6 @@ PACKET = 64
 """float64 values per all-reduce (512 bytes: latency-bound, so as cheap as one value)."""
 _N_HASHES = 3
 _HEADER = 2 + 2 * _N_HASHES
-TENSORBOARD_HINT = "pip install 'phalanx[tensorboard]'"
 
 
 def _key_hashes(keys: list[str]) -> list[int]:
@@ -70,10 +69,6 @@ def _as_float(value: Any) -> float | None:
 
 def _json_value(v: float) -> float | None:
     return v if math.isfinite(v) else None  # strict JSON has no NaN/Infinity
-
-
-def _tensorboard_missing(logdir: str | os.PathLike[str]) -> str:
-    return f"MetricsLogger(tensorboard_dir={str(logdir)!r}) needs tensorboard: {TENSORBOARD_HINT}"
 
 
 def _raise_not_numbers(ranks: int, local_bad: list[str]) -> None:
@@ -127,14 +122,10 @@ class MetricsLogger:
 
     def _tensorboard(self, logdir: str | os.PathLike[str]) -> Any:
         # Checked on every rank so that all of them fail alike; only rank 0 imports and writes.
-        if importlib.util.find_spec("tensorboard") is None:
-            raise ImportError(_tensorboard_missing(logdir))
+        require("tensorboard", f"tensorboard_dir={str(logdir)!r}")
         if self._rank() != 0:
             return None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as exc:
-            raise ImportError(f"{_tensorboard_missing(logdir)} ({exc})") from exc
+        from torch.utils.tensorboard import SummaryWriter
 
         return SummaryWriter(log_dir=str(logdir))
 
