@@ -13,6 +13,7 @@ with many options lists its rules in one table (see ``train/job_args.py``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
@@ -20,7 +21,7 @@ import numbers
 import operator
 import os
 import sys
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from datetime import timedelta
 from typing import Any, ParamSpec, TypeVar
 
@@ -32,12 +33,14 @@ __all__ = [
     "check_float",
     "check_instance",
     "check_int",
+    "check_ints",
     "check_path",
     "check_str",
     "check_timeout",
     "checked",
     "fail",
     "optional",
+    "part_of",
     "rule",
     "shown",
 ]
@@ -81,12 +84,16 @@ def _is_bool(value: object) -> bool:
 
 def _bounds(kind: str, low: float | None, high: float | None, above: float | None) -> str:
     if above is not None:
-        return f"{kind} > {above:g}" + (f" and <= {high:g}" if high is not None else "")
+        return f"{kind} > {_num(above)}" + (f" and <= {_num(high)}" if high is not None else "")
     if low is not None and high is not None:
-        return f"{kind} in {low:g}..{high:g}"
+        return f"{kind} in {_num(low)}..{_num(high)}"
     if low is not None:
-        return f"{kind} >= {low:g}"
-    return f"{kind} <= {high:g}" if high is not None else kind
+        return f"{kind} >= {_num(low)}"
+    return f"{kind} <= {_num(high)}" if high is not None else kind
+
+
+def _num(x: float | None) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
 
 
 def check_int(
@@ -109,6 +116,37 @@ def check_int(
     if (min is not None and number < min) or (max is not None and number > max):
         raise fail(name, value, what, where=where, fix=fix)
     return number
+
+
+def check_ints(
+    name: str,
+    value: object,
+    *,
+    min: int | None = None,
+    max: int | None = None,
+    where: str = "",
+    fix: str = "",
+) -> list[int]:
+    """A list or tuple of ints, each in ``min..max`` (an element's error names its index)."""
+    if not isinstance(value, list | tuple):
+        what = "a list of " + _bounds("ints", min, max, None)
+        raise fail(name, value, what, where=where, fix=fix, error=TypeError)
+    with part_of(name, value, where):
+        return [
+            check_int(f"{name}[{i}]", v, min=min, max=max, fix=fix) for i, v in enumerate(value)
+        ]
+
+
+@contextlib.contextmanager
+def part_of(name: str, value: object, where: str) -> Iterator[None]:
+    """Prefix the errors of checks on parts of argument ``name`` (its elements, the halves of a
+    pair) with the whole argument: ``Job(balance=[2, 'a']): balance[1] must be an int...``."""
+    try:
+        yield
+    except (TypeError, ValueError) as exc:
+        if not where:
+            raise
+        raise type(exc)(f"{where}({name}={shown(value)}): {exc}") from None
 
 
 def check_float(
@@ -167,8 +205,8 @@ def check_choice(
     return key
 
 
-def check_path(name: str, value: object, *, where: str = "", fix: str = "") -> str:
-    """A filesystem path (``str`` or ``os.PathLike``), not empty; returned as a ``str``."""
+def check_path(name: str, value: object, *, where: str = "", fix: str = "") -> Any:
+    """A filesystem path (``str`` or ``os.PathLike``), not empty; returned as given."""
     what = "a path (str or os.PathLike)"
     if not isinstance(value, str | os.PathLike):
         raise fail(name, value, what, where=where, fix=fix, error=TypeError)
@@ -177,7 +215,7 @@ def check_path(name: str, value: object, *, where: str = "", fix: str = "") -> s
         raise fail(name, value, what, where=where, fix=fix, error=TypeError)
     if not path:
         raise fail(name, value, "a non-empty path", where=where, fix=fix)
-    return path
+    return value
 
 
 def check_instance(
@@ -239,8 +277,9 @@ def optional(inner: Rule) -> Rule:
 def checked(**rules: Rule) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """Check the arguments a caller passed against ``rules`` (by parameter name) before the call.
 
-    Arguments left at their defaults are not checked. The call is named in the message by the
-    function's qualified name (a class for ``__init__``).
+    The function receives what each rule returns (a numpy integer as an ``int``...). Arguments
+    left at their defaults are not checked. The message names the call by the function's
+    qualified name (the class, for ``__init__``).
     """
 
     def decorate(fn: Callable[P, R]) -> Callable[P, R]:
@@ -258,8 +297,8 @@ def checked(**rules: Rule) -> Callable[[Callable[P, R]], Callable[P, R]]:
             for name, value in bound.arguments.items():
                 check = rules.get(name)
                 if check is not None:
-                    check(name, value, where)
-            return fn(*args, **kwargs)
+                    bound.arguments[name] = check(name, value, where)
+            return fn(*bound.args, **bound.kwargs)
 
         return call
 
