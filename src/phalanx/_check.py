@@ -23,7 +23,8 @@ import os
 import sys
 from collections.abc import Callable, Collection, Iterator
 from datetime import timedelta
-from typing import Any, ParamSpec, TypeVar
+from types import UnionType
+from typing import Any, ParamSpec, TypeVar, get_args
 
 __all__ = [
     "Rule",
@@ -31,9 +32,11 @@ __all__ = [
     "check_callable",
     "check_choice",
     "check_float",
+    "check_group",
     "check_instance",
     "check_int",
     "check_ints",
+    "check_module",
     "check_path",
     "check_str",
     "check_timeout",
@@ -221,20 +224,37 @@ def check_path(name: str, value: object, *, where: str = "", fix: str = "") -> A
 def check_instance(
     name: str,
     value: object,
-    types: type | tuple[type, ...],
+    types: type | UnionType | tuple[type, ...],
     what: str,
     *,
     where: str = "",
     fix: str = "",
 ) -> Any:
-    """``value`` itself when it is an instance of ``types`` (described to the user as ``what``)."""
-    if not isinstance(value, types) or (_is_bool(value) and bool not in _as_tuple(types)):
+    """``value`` itself when it is an instance of ``types`` (described to the user as ``what``).
+
+    A bool is refused unless ``bool`` itself is one of ``types`` (``int`` is not enough).
+    """
+    members = types if isinstance(types, tuple) else get_args(types) or (types,)
+    if not isinstance(value, types) or (_is_bool(value) and bool not in members):
         raise fail(name, value, what, where=where, fix=fix, error=TypeError)
     return value
 
 
-def _as_tuple(types: type | tuple[type, ...]) -> tuple[type, ...]:
-    return types if isinstance(types, tuple) else (types,)
+def check_module(name: str, value: object, *, where: str = "", fix: str = "") -> Any:
+    """A ``torch.nn.Module``."""
+    from torch import nn
+
+    return check_instance(name, value, nn.Module, "an nn.Module", where=where, fix=fix)
+
+
+def check_group(name: str, value: object, *, where: str = "", fix: str = "") -> Any:
+    """A ``torch.distributed.ProcessGroup`` or None (the default group)."""
+    import torch.distributed as dist
+
+    if value is None:
+        return None
+    what = "a torch.distributed.ProcessGroup or None (the default group)"
+    return check_instance(name, value, dist.ProcessGroup, what, where=where, fix=fix)
 
 
 def check_callable(name: str, value: object, *, where: str = "", fix: str = "") -> Any:
@@ -279,7 +299,8 @@ def checked(**rules: Rule) -> Callable[[Callable[P, R]], Callable[P, R]]:
 
     The function receives what each rule returns (a numpy integer as an ``int``...). Arguments
     left at their defaults are not checked. The message names the call by the function's
-    qualified name (the class, for ``__init__``).
+    qualified name (the class, for ``__init__``). The wrapper is one more frame between the
+    caller and the body: a warning issued in the body needs one more ``stacklevel``.
     """
 
     def decorate(fn: Callable[P, R]) -> Callable[P, R]:

@@ -208,7 +208,7 @@ def test_replica_exception_is_reraised_naming_the_device() -> None:
     ],
 )
 def test_bad_arguments_are_named(kwargs: dict[str, Any], match: str) -> None:
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((TypeError, ValueError), match=match):
         DataParallel(_mlp(), **kwargs)
 
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from phalanx._check import check_int, check_module, checked, rule
 from phalanx.data_parallel.scatter_gather import gather, num_chunks, scatter
 
 __all__ = ["DataParallel"]
@@ -226,6 +227,10 @@ class DataParallel(nn.Module):
             not an int (or, at forward time, out of range for an input or output).
     """
 
+    @checked(
+        module=rule(check_module),
+        dim=rule(check_int, fix="the batch dimension"),
+    )
     def __init__(
         self,
         module: nn.Module,
@@ -234,8 +239,6 @@ class DataParallel(nn.Module):
         dim: int = 0,
     ) -> None:
         super().__init__()
-        if isinstance(dim, bool) or not isinstance(dim, int):
-            raise ValueError(f"dim must be an int (the batch dimension), got {dim!r}")
         self.module = module
         self.dim = dim
         self.device_ids = _resolve_device_ids(device_ids)
@@ -244,7 +247,7 @@ class DataParallel(nn.Module):
             warnings.warn(
                 "DataParallel(device_ids=None) found no CUDA device: running the module directly "
                 "on one device (pass device_ids=['cpu', 'cpu'] to split batches on the CPU)",
-                stacklevel=2,
+                stacklevel=3,  # the user's call: __init__, its argument check
             )
         elif output_device is None:
             self.output_device = self.device_ids[0]

@@ -25,6 +25,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from phalanx._check import (
+    check_bool,
+    check_float,
+    check_group,
+    check_int,
+    check_module,
+    checked,
+    optional,
+    rule,
+)
 from phalanx.comm.collectives import all_reduce
 
 __all__ = ["SyncBatchNorm"]
@@ -194,6 +204,9 @@ def _input_grad(
     return grad.addcmul_(dy, a.view(1, -1, *([1] * (x.dim() - 2))))
 
 
+_flag = rule(check_bool)
+
+
 class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
     """Batch normalisation with statistics over the whole process group; any device.
 
@@ -214,6 +227,15 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         bias: With ``affine``, also learn the bias (torch >= 2.13 spelling).
     """
 
+    @checked(
+        num_features=rule(check_int, min=1),
+        eps=rule(check_float, above=0),
+        momentum=optional(rule(check_float, min=0, max=1, fix="or None (cumulative average)")),
+        affine=_flag,
+        track_running_stats=_flag,
+        process_group=rule(check_group),
+        bias=_flag,
+    )
     def __init__(
         self,
         num_features: int,
@@ -276,6 +298,7 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         return factor
 
     @classmethod
+    @checked(module=rule(check_module), process_group=rule(check_group))
     def convert_sync_batchnorm(
         cls, module: nn.Module, process_group: dist.ProcessGroup | None = None
     ) -> nn.Module:
