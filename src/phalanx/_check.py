@@ -20,8 +20,9 @@ import math
 import numbers
 import operator
 import os
+import pickle
 import sys
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sized
 from datetime import timedelta
 from types import UnionType
 from typing import Any, ParamSpec, TypeVar, get_args
@@ -31,6 +32,7 @@ __all__ = [
     "check_bool",
     "check_callable",
     "check_choice",
+    "check_dataset",
     "check_float",
     "check_group",
     "check_instance",
@@ -38,6 +40,7 @@ __all__ = [
     "check_ints",
     "check_module",
     "check_path",
+    "check_picklable",
     "check_str",
     "check_timeout",
     "checked",
@@ -264,6 +267,38 @@ def check_callable(name: str, value: object, *, where: str = "", fix: str = "") 
     return value
 
 
+def check_picklable(name: str, value: object, *, where: str = "", fix: str = "") -> Any:
+    """A callable that a ``spawn`` / ``forkserver`` process can receive: pickled by name.
+
+    Checked here rather than in ``Process.start()``, where the error names no argument.
+    """
+    check_callable(name, value, where=where, fix=fix)
+    qualname = getattr(value, "__qualname__", repr(value))
+    why = ""
+    if "<lambda>" in qualname or "<locals>" in qualname:
+        why = "a lambda or a function defined inside another function cannot be pickled"
+    else:
+        try:
+            pickle.dumps(value)
+        except Exception as exc:  # pickle raises PicklingError, AttributeError or TypeError
+            why = f"pickling it failed: {exc}"
+    if why:
+        what = "a module-level function (new processes import it by name)"
+        fix = f"{why}; define it at module level, in an importable module or in the script " + (
+            "guarded by `if __name__ == '__main__':`"
+        )
+        raise fail(name, value, what, where=where, fix=fix, error=TypeError)
+    return value
+
+
+def check_dataset(name: str, value: object, *, where: str = "", fix: str = "") -> Any:
+    """A map-style dataset: one with a length (``__len__``)."""
+    fix = fix or "iterable datasets (without __len__) shard themselves"
+    return check_instance(
+        name, value, Sized, "a map-style dataset (with __len__)", where=where, fix=fix
+    )
+
+
 def check_timeout(name: str, value: object, *, where: str = "", fix: str = "") -> timedelta:
     """Seconds (an int or a float) or a ``timedelta``, positive and finite."""
     raw = value.total_seconds() if isinstance(value, timedelta) else value
@@ -294,20 +329,22 @@ def optional(inner: Rule) -> Rule:
     return apply
 
 
-def checked(**rules: Rule) -> Callable[[Callable[P, R]], Callable[P, R]]:
+def checked(
+    where: str | None = None, /, **rules: Rule
+) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """Check the arguments a caller passed against ``rules`` (by parameter name) before the call.
 
     The function receives what each rule returns (a numpy integer as an ``int``...). Arguments
-    left at their defaults are not checked. The message names the call by the function's
-    qualified name (the class, for ``__init__``). The wrapper is one more frame between the
-    caller and the body: a warning issued in the body needs one more ``stacklevel``.
+    left at their defaults are not checked. The message names the call ``where``, by default
+    the function's qualified name (the class, for ``__init__``). The wrapper is one more frame
+    between the caller and the body: a warning issued in the body needs one more ``stacklevel``.
     """
 
     def decorate(fn: Callable[P, R]) -> Callable[P, R]:
         signature = inspect.signature(fn)
         unknown = set(rules) - set(signature.parameters)
         assert not unknown, f"rules for parameters {fn.__qualname__} does not have: {unknown}"
-        where = fn.__qualname__.removesuffix(".__init__")
+        name = where or fn.__qualname__.removesuffix(".__init__")
 
         @functools.wraps(fn)
         def call(*args: P.args, **kwargs: P.kwargs) -> R:
@@ -315,10 +352,10 @@ def checked(**rules: Rule) -> Callable[[Callable[P, R]], Callable[P, R]]:
                 bound = signature.bind(*args, **kwargs)
             except TypeError:
                 return fn(*args, **kwargs)  # Python's own message for a wrong call
-            for name, value in bound.arguments.items():
-                check = rules.get(name)
+            for arg, value in bound.arguments.items():
+                check = rules.get(arg)
                 if check is not None:
-                    bound.arguments[name] = check(name, value, where)
+                    bound.arguments[arg] = check(arg, value, name)
             return fn(*bound.args, **bound.kwargs)
 
         return call

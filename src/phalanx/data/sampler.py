@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from phalanx._check import check_bool, check_instance, check_int, checked, optional, rule
+from phalanx._check import check_bool, check_dataset, check_int, checked, optional, rule
 
 __all__ = ["DistributedSampler"]
 
@@ -68,11 +68,6 @@ def _default(name: str, value: int | None, of_group: str) -> int:
             f"phalanx.init_process_group() first, or pass num_replicas= and rank="
         )
     return dist.get_world_size() if name == "num_replicas" else dist.get_rank()
-
-
-def _sized(name: str, value: Any, where: str) -> object:
-    fix = "a map-style dataset (with __len__); iterable datasets shard themselves"
-    return check_instance(name, value, Sized, "a dataset with a length", where=where, fix=fix)
 
 
 _flag = rule(check_bool)
@@ -112,7 +107,7 @@ class DistributedSampler(Sampler[int]):
     """
 
     @checked(
-        dataset=_sized,
+        dataset=rule(check_dataset),
         num_replicas=optional(rule(check_int)),
         rank=optional(rule(check_int)),
         shuffle=_flag,
