@@ -15,7 +15,6 @@ from phalanx._check import (
     check_choice,
     check_float,
     check_int,
-    check_ints,
     check_path,
     check_str,
     checked,
@@ -25,28 +24,19 @@ from phalanx._check import (
     rule,
 )
 from phalanx.comm.group import BACKENDS
+from phalanx.pipeline.balance import balance_arg
 from phalanx.pipeline.schedules import SCHEDULES
 from phalanx.train.precision import PRECISIONS
 
 __all__ = ["check_job_args"]
 
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed accepts
-BALANCE_NAMES = ("params", "time")
 
 
 def _strategy(name: str, value: Any, where: str) -> str:
     from phalanx.train.strategies import strategy_names  # registered ones, users' included
 
     return check_choice(name, value, strategy_names(), where=where)
-
-
-def _balance(name: str, value: Any, where: str) -> object:
-    if isinstance(value, str):
-        return check_choice(name, value, BALANCE_NAMES, where=where)
-    if not isinstance(value, list | tuple):
-        what = "'params', 'time' or a list of layers per stage (ints >= 1)"
-        raise fail(name, value, what, where=where, error=TypeError)
-    return check_ints(name, value, min=1, where=where)
 
 
 def _tp_plan(name: str, value: Any, where: str) -> object:
@@ -94,7 +84,7 @@ check_job_args = checked(
     micro_batches=rule(check_int, min=1),
     schedule=rule(check_choice, choices=SCHEDULES),
     chunks=rule(check_int, min=1),
-    balance=optional(_balance),
+    balance=optional(balance_arg),
     tp_plan=optional(_tp_plan),
     servers=_degree,
     staleness=optional(rule(check_int, min=0)),
