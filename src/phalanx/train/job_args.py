@@ -7,7 +7,6 @@ size (degrees that must divide it, servers that must leave workers) is checked l
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from phalanx._check import (
@@ -16,7 +15,6 @@ from phalanx._check import (
     check_float,
     check_int,
     check_path,
-    check_str,
     checked,
     fail,
     optional,
@@ -40,16 +38,9 @@ def _strategy(name: str, value: Any, where: str) -> str:
 
 
 def _tp_plan(name: str, value: Any, where: str) -> object:
-    from phalanx.tensor_parallel.plan import STYLES
+    from phalanx.tensor_parallel.plan import plan_arg  # tensor parallelism, only if asked for
 
-    if not isinstance(value, Mapping):
-        what = "a dict of module name -> style, e.g. {'fc1': 'colwise', 'fc2': 'rowwise'}"
-        raise fail(name, value, what, where=where, error=TypeError)
-    with part_of(name, value, where):
-        for module, style in value.items():
-            check_str("a module name", module)
-            check_choice(f"{name}[{module!r}]", style, STYLES)
-    return value
+    return plan_arg(name, value, where)
 
 
 def _straggler(name: str, value: Any, where: str) -> object:
