@@ -42,6 +42,7 @@ __all__ = [
     "check_path",
     "check_picklable",
     "check_str",
+    "check_tensor",
     "check_timeout",
     "checked",
     "fail",
@@ -248,6 +249,13 @@ def check_module(name: str, value: object, *, where: str = "", fix: str = "") ->
     from torch import nn
 
     return check_instance(name, value, nn.Module, "an nn.Module", where=where, fix=fix)
+
+
+def check_tensor(name: str, value: object, *, where: str = "", fix: str = "") -> Any:
+    """A ``torch.Tensor``."""
+    import torch
+
+    return check_instance(name, value, torch.Tensor, "a torch.Tensor", where=where, fix=fix)
 
 
 def check_group(name: str, value: object, *, where: str = "", fix: str = "") -> Any:
