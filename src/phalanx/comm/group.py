@@ -40,7 +40,6 @@ __all__ = [
 DEFAULT_TIMEOUT = timedelta(seconds=300)
 BACKENDS = ("auto", "gloo", "nccl", "mpi")
 WHERE = "init_process_group"
-UNSET_ENV = "the environment variable overrides backend=None; unset it or set a valid name"
 
 
 @dataclass(frozen=True)
@@ -76,7 +75,12 @@ def resolve_backend(backend: str | None, local_rank: int) -> str:
     """Map ``None``/"auto" to nccl when ``cuda:local_rank`` exists, else gloo; validate names."""
     from_env = os.environ.get("PHALANX_BACKEND") if backend is None else None
     if from_env:
-        name = check_choice("PHALANX_BACKEND", from_env, BACKENDS, fold_case=True, fix=UNSET_ENV)
+        name = from_env.lower()
+        if name not in BACKENDS:
+            raise ValueError(
+                f"environment variable PHALANX_BACKEND={from_env!r} is not one of "
+                f"{', '.join(BACKENDS)}; it overrides backend=None: unset it or set a valid name"
+            )
     else:
         given = "auto" if backend is None else backend
         name = check_choice("backend", given, BACKENDS, where=WHERE, fold_case=True)

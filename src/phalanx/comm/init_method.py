@@ -58,8 +58,8 @@ def _query_int(init_method: str, query: dict[str, list[str]], key: str, low: int
 
 
 def _port(init_method: str, netloc: str) -> int:
-    host, sep, raw = netloc.rpartition(":")
-    if not sep or not host or host.endswith(":"):  # no port, or a bare IPv6 address
+    _, sep, raw = netloc.rpartition(":")
+    if not sep or netloc.endswith("]"):  # no colon, or a bare IPv6 address "[::1]"
         raise _error(init_method, "no port given")
     if not raw.isdigit() or not 1 <= int(raw) <= 65535:
         raise _error(init_method, f"port {raw!r} must be an int in 1..65535")

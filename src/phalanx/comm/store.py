@@ -112,6 +112,6 @@ def _unreachable(
     why = f" (last error: {str(cause).strip()[:200]})" if cause is not None else ""
     return ConnectionError(
         f"could not connect to the rendezvous store at {addr}:{port} within "
-        f"{timeout.total_seconds():g} s{why}; check that rank 0 / node 0 is running and that "
-        f"MASTER_ADDR / MASTER_PORT (or the init_method) point at it, or raise timeout="
+        f"timeout={timeout.total_seconds():g} s{why}; check that rank 0 / node 0 is running "
+        f"and that MASTER_ADDR / MASTER_PORT (or the init_method) point at it, or raise timeout="
     )

@@ -73,11 +73,9 @@ def check_params(params: Any) -> list[Any]:
         )
     try:
         items = list(params)
-    except TypeError as exc:
-        raise TypeError(
-            f"params must be an iterable of Tensors or dicts (parameter groups), got "
-            f"{_describe(params)}"
-        ) from exc
+    except TypeError:
+        what = "an iterable of Tensors or dicts (parameter groups)"
+        raise fail("params", params, what, where=WHERE, error=TypeError) from None
     if not items:
         raise ValueError("params is empty: ZeroRedundancyOptimizer needs at least one parameter")
     if not all(isinstance(g, dict) for g in items):
