@@ -354,6 +354,21 @@ CASES = [
     row(bad(phalanx.all_gather, [T, 3], T), TypeError, "tensor_list[1] | int 3", group=True),
     row(bad(phalanx.reduce_scatter_tensor, T, input=[1]), TypeError, "torch.Tensor", group=True),
     row(bad(phalanx.batch_isend_irecv, [3]), TypeError, "p2p_op_list[0]=3 | P2POp", group=True),
+    row(bad(phalanx.all_gather_object, obj=1, object_list=3), TypeError, "a list", group=True),
+    row(
+        bad(phalanx.all_gather_object, obj=1, object_list=[]),
+        ValueError,
+        "one entry per rank",
+        group=True,
+    ),
+    row(bad(phalanx.broadcast_object_list, [1], src=2), ValueError, "0..0", group=True),
+    row(bad(phalanx.gather_object, 1, [None], dst="0"), TypeError, "str '0'", group=True),
+    row(
+        bad(phalanx.scatter_object_list, scatter_object_output_list=[]),
+        ValueError,
+        "room for one object",
+        group=True,
+    ),
     # ---- FSDP, tensor parallel, horovod (in a one-process group) ----------------------------
     row(bad(FSDP, module=3), TypeError, "nn.Module", group=True),
     row(bad(FSDP, MLP, prefetch="yes"), TypeError, "True or False", group=True),
