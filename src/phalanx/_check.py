@@ -369,3 +369,11 @@ def checked(
         return call
 
     return decorate
+
+
+FLAG = rule(check_bool)
+"""The rule of a bool argument (``find_unused_parameters``, ``shuffle``...)."""
+GROUP = rule(check_group)
+"""The rule of a ``process_group`` / ``group`` argument."""
+MODULE = rule(check_module)
+"""The rule of a ``module`` / ``model`` argument."""

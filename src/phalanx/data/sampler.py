@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from phalanx._check import check_bool, check_dataset, check_int, checked, optional, rule
+from phalanx._check import FLAG, check_dataset, check_int, checked, optional, rule
 
 __all__ = ["DistributedSampler"]
 
@@ -68,9 +68,6 @@ def _default(name: str, value: int | None, of_group: str) -> int:
             f"phalanx.init_process_group() first, or pass num_replicas= and rank="
         )
     return dist.get_world_size() if name == "num_replicas" else dist.get_rank()
-
-
-_flag = rule(check_bool)
 
 
 def _per_rank(n: int, replicas: int, batch_size: int | None, drop_last: bool) -> int:
@@ -110,10 +107,10 @@ class DistributedSampler(Sampler[int]):
         dataset=rule(check_dataset),
         num_replicas=optional(rule(check_int)),
         rank=optional(rule(check_int)),
-        shuffle=_flag,
+        shuffle=FLAG,
         seed=rule(check_int),
-        drop_last=_flag,
-        even_batches=_flag,
+        drop_last=FLAG,
+        even_batches=FLAG,
         batch_size=optional(rule(check_int, min=1)),
     )
     def __init__(

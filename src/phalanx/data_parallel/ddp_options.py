@@ -17,12 +17,12 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx._check import (
-    check_bool,
+    FLAG,
+    GROUP,
+    MODULE,
     check_float,
-    check_group,
     check_instance,
     check_int,
-    check_module,
     checked,
     optional,
     part_of,
@@ -102,25 +102,23 @@ def _device_ids(name: str, value: Any, where: str) -> list[Any]:
         return [_device(f"{name}[{i}]", d, "") for i, d in enumerate(value)]
 
 
-_flag = rule(check_bool)
-
 check_ddp_args = checked(
-    module=rule(check_module),
+    module=MODULE,
     device_ids=optional(_device_ids),
     output_device=optional(_device),
     dim=rule(check_int),
-    broadcast_buffers=optional(_flag),
-    init_sync=_flag,
-    process_group=rule(check_group),
+    broadcast_buffers=optional(FLAG),
+    init_sync=FLAG,
+    process_group=GROUP,
     bucket_cap_mb=optional(_mib),
-    find_unused_parameters=_flag,
-    check_reduction=_flag,
-    gradient_as_bucket_view=_flag,
-    static_graph=_flag,
-    skip_all_reduce_unused_params=_flag,
+    find_unused_parameters=FLAG,
+    check_reduction=FLAG,
+    gradient_as_bucket_view=FLAG,
+    static_graph=FLAG,
+    skip_all_reduce_unused_params=FLAG,
     bucket_cap_mb_list=optional(_mib_list),
-    batched_grad_copy=_flag,
-    forward_sync_buffers=optional(_flag),
+    batched_grad_copy=FLAG,
+    forward_sync_buffers=optional(FLAG),
 )
 """Decorates ``DistributedDataParallel.__init__``: the type and range of every argument."""
 

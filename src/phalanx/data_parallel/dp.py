@@ -28,7 +28,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from phalanx._check import check_instance, check_int, check_module, checked, fail, part_of, rule
+from phalanx._check import (
+    MODULE,
+    check_instance,
+    check_int,
+    checked,
+    fail,
+    part_of,
+    rule,
+)
 from phalanx.data_parallel.scatter_gather import gather, num_chunks, scatter
 
 __all__ = ["DataParallel"]
@@ -232,7 +240,7 @@ class DataParallel(nn.Module):
     """
 
     @checked(
-        module=rule(check_module),
+        module=MODULE,
         dim=rule(check_int, fix="the batch dimension"),
     )
     def __init__(

@@ -26,11 +26,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from phalanx._check import (
-    check_bool,
+    FLAG,
+    GROUP,
+    MODULE,
     check_float,
-    check_group,
     check_int,
-    check_module,
     checked,
     optional,
     rule,
@@ -204,9 +204,6 @@ def _input_grad(
     return grad.addcmul_(dy, a.view(1, -1, *([1] * (x.dim() - 2))))
 
 
-_flag = rule(check_bool)
-
-
 class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
     """Batch normalisation with statistics over the whole process group; any device.
 
@@ -231,10 +228,10 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         num_features=rule(check_int, min=1),
         eps=rule(check_float, above=0),
         momentum=optional(rule(check_float, min=0, max=1, fix="or None (cumulative average)")),
-        affine=_flag,
-        track_running_stats=_flag,
-        process_group=rule(check_group),
-        bias=_flag,
+        affine=FLAG,
+        track_running_stats=FLAG,
+        process_group=GROUP,
+        bias=FLAG,
     )
     def __init__(
         self,
@@ -298,7 +295,7 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         return factor
 
     @classmethod
-    @checked(module=rule(check_module), process_group=rule(check_group))
+    @checked(module=MODULE, process_group=GROUP)
     def convert_sync_batchnorm(
         cls, module: nn.Module, process_group: dist.ProcessGroup | None = None
     ) -> nn.Module:

@@ -8,12 +8,12 @@ from __future__ import annotations
 from typing import Any
 
 from phalanx._check import (
+    MODULE,
     check_choice,
     check_dataset,
     check_float,
     check_instance,
     check_int,
-    check_module,
     check_picklable,
     checked,
     optional,
@@ -64,7 +64,7 @@ _count = rule(check_int, min=1)
 
 check_train_args = checked(
     "hogwild.train",
-    model=rule(check_module),
+    model=MODULE,
     train_fn=rule(check_picklable),
     num_processes=_count,
     dataset=optional(rule(check_dataset)),

@@ -13,13 +13,13 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx._check import (
-    check_bool,
+    FLAG,
+    GROUP,
+    MODULE,
     check_callable,
     check_choice,
     check_float,
-    check_group,
     check_int,
-    check_module,
     checked,
     optional,
     rule,
@@ -74,13 +74,13 @@ class ParameterServer:
     """
 
     @checked(
-        model=rule(check_module),
+        model=MODULE,
         make_optimizer=rule(check_callable, fix="e.g. lambda ps: torch.optim.SGD(ps.values())"),
-        group=rule(check_group),
+        group=GROUP,
         num_servers=rule(check_int, min=1),
         mode=rule(check_choice, choices=MODES),
         bound=optional(rule(check_int, min=0)),
-        staleness_lr=rule(check_bool),
+        staleness_lr=FLAG,
         max_updates=optional(rule(check_int, min=1)),
         heartbeat=_seconds,
         dead_after=_seconds,

@@ -19,10 +19,10 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx._check import (
-    check_bool,
+    FLAG,
+    GROUP,
     check_callable,
     check_choice,
-    check_group,
     check_instance,
     check_int,
     check_module,
@@ -114,13 +114,13 @@ class Pipeline(nn.Module):
 
     @checked(
         layers=_layers,
-        group=rule(check_group),
+        group=GROUP,
         schedule=rule(check_choice, choices=SCHEDULES),
         micro_batches=rule(check_int, min=1),
         loss_fn=rule(check_callable, fix="loss_fn(output, target) -> a scalar tensor"),
         chunks=rule(check_int, min=1),
         balance=optional(balance_arg),
-        broadcast_loss=rule(check_bool),
+        broadcast_loss=FLAG,
         device=optional(rule(check_instance, types=str | torch.device, what="a device")),
         p2p=optional(rule(check_choice, choices=("eager", "grouped"))),
     )

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from phalanx._check import check_bool, check_float, check_group, checked, fail, rule
+from phalanx._check import FLAG, GROUP, check_float, checked, fail, rule
 
 __all__ = [
     "NOT_ELEMENTWISE",
@@ -145,12 +145,10 @@ def check_flags(overlap_with_ddp: bool) -> None:
         )
 
 
-_flag = rule(check_bool)
-
 check_zero_args = checked(
-    process_group=rule(check_group),
-    parameters_as_bucket_view=_flag,
-    overlap_with_ddp=_flag,
+    process_group=GROUP,
+    parameters_as_bucket_view=FLAG,
+    overlap_with_ddp=FLAG,
     bucket_cap_mb=rule(check_float, above=0, fix="a size in MiB, e.g. 25"),
 )
 """Decorates ``ZeroRedundancyOptimizer.__init__``: the types and ranges of its arguments."""

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from phalanx._check import (
-    check_bool,
-    check_group,
+    FLAG,
+    GROUP,
     check_instance,
     check_int,
     checked,
@@ -49,10 +49,9 @@ __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"
 Group = dist.ProcessGroup | None
 
 _size = rule(check_int, min=1)
-_flag = rule(check_bool)
 _dtype = optional(rule(check_instance, types=torch.dtype, what="a torch.dtype, e.g. torch.float32"))
 _device = optional(rule(check_instance, types=str | int | torch.device, what="a device"))
-_common = {"group": rule(check_group), "device": _device, "dtype": _dtype}
+_common = {"group": GROUP, "device": _device, "dtype": _dtype}
 
 
 def _dense_linear(
@@ -101,10 +100,10 @@ class ColumnParallelLinear(nn.Module):
     @checked(
         in_features=_size,
         out_features=_size,
-        bias=_flag,
-        gather_output=_flag,
-        sync_input_grad=_flag,
-        allow_uneven=_flag,
+        bias=FLAG,
+        gather_output=FLAG,
+        sync_input_grad=FLAG,
+        allow_uneven=FLAG,
         **_common,
     )
     def __init__(
@@ -210,7 +209,7 @@ class RowParallelLinear(nn.Module):
         dtype: Parameter dtype.
     """
 
-    @checked(in_features=_size, out_features=_size, bias=_flag, **_common)
+    @checked(in_features=_size, out_features=_size, bias=FLAG, **_common)
     def __init__(
         self,
         in_features: int,

@@ -31,14 +31,13 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx._check import (
+    GROUP,
+    MODULE,
     check_choice,
-    check_group,
     check_instance,
-    check_module,
     check_str,
     checked,
     part_of,
-    rule,
 )
 from phalanx.tensor_parallel.functional import copy_to_tp
 from phalanx.tensor_parallel.layers import (
@@ -147,7 +146,7 @@ def _apply_f_once(parent: nn.Module, group: Group) -> None:
     parent.register_forward_pre_hook(hook, with_kwargs=True)
 
 
-@checked(model=rule(check_module), plan=plan_arg, group=rule(check_group))
+@checked(model=MODULE, plan=plan_arg, group=GROUP)
 def parallelize_module(model: nn.Module, plan: Mapping[str, str], group: Group) -> nn.Module:
     """Replace, in place, each submodule the plan names with its tensor-parallel version.
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from phalanx._check import (
-    check_bool,
+    FLAG,
     check_choice,
     check_float,
     check_int,
@@ -79,7 +79,7 @@ check_job_args = checked(
     tp_plan=optional(_tp_plan),
     servers=_degree,
     staleness=optional(rule(check_int, min=0)),
-    staleness_lr=rule(check_bool),
+    staleness_lr=FLAG,
     max_updates=_degree,
     straggler=optional(_straggler),
     straggler_check_every=rule(check_int, min=0),
