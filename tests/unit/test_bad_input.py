@@ -43,6 +43,7 @@ from phalanx.tensor_parallel import (
     VocabParallelEmbedding,
     parallelize_module,
 )
+from phalanx.train import register_strategy
 
 DEADLINE_S = 10.0
 """Per API row: far above the slowest row (the 1 s connect timeout), far below a hang."""
@@ -139,6 +140,16 @@ def _mlp() -> nn.Module:
 
 def _sgd() -> torch.optim.Optimizer:
     return torch.optim.SGD(_mlp().parameters(), lr=0.1)
+
+
+def _epochs(n: Any) -> object:
+    with Job("single") as job:
+        return list(job.epochs(n))
+
+
+def _main_first(group: Any) -> None:
+    with phalanx.main_first(group):
+        pass
 
 
 def _train(rank: int, model: nn.Module, shard: object) -> None:
@@ -243,6 +254,9 @@ CASES = [
     row(bad(Job, "ps-sync", max_updates=0), ValueError, "int >= 1"),
     row(bad(Job, "single", straggler_check_every=-1), ValueError, "int >= 0"),
     row(bad(Job, backend="tpu"), ValueError, "'gloo'"),
+    row(bad(_epochs, n="3"), TypeError, "Job.epochs | str '3'"),
+    row(bad(register_strategy, "mine", wrap=3), TypeError, "callable"),
+    row(bad(register_strategy, wrap=print, name=None), TypeError, "a non-empty str"),
     # ---- DistributedDataParallel (checked before it even looks for a process group) --------
     row(bad(DDP, MLP, bucket_cap_mb="25"), TypeError, "str '25' | MiB"),
     row(bad(DDP, MLP, bucket_cap_mb=0), ValueError, "> 0 | MiB"),
@@ -337,6 +351,7 @@ CASES = [
     row(bad(checkpoint.latest, directory=3), TypeError, "a path"),
     # ---- collectives (in a one-process group, but for the first row) -----------------------
     row(bad(phalanx.all_reduce, T), ValueError, "all_reduce | init_process_group()"),
+    row(bad(_main_first, group="world"), TypeError, "main_first | ProcessGroup"),
     row(bad(phalanx.all_reduce, tensor=3), TypeError, "torch.Tensor", group=True),
     row(bad(phalanx.all_reduce, T, op="sum"), TypeError, "ReduceOp", group=True),
     row(bad(phalanx.all_reduce, T, algorithm="fast"), ValueError, "'ring'", group=True),

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx._check import check_bool, check_choice, check_int, check_timeout
+from phalanx._check import check_bool, check_choice, check_group, check_int, check_timeout
 from phalanx.comm import tracking
 from phalanx.comm.env import LaunchEnv, discover_env
 from phalanx.comm.init_method import InitMethod, parse_init_method
@@ -280,6 +280,7 @@ def main_first(group: dist.ProcessGroup | None = None) -> Iterator[None]:
     Typical use: download or preprocess a data set once, then let every rank read the cache.
     Without an initialised group the block simply runs.
     """
+    check_group("group", group, where="main_first")
     if not dist.is_initialized():
         yield
         return

@@ -28,7 +28,7 @@ from torch import nn
 
 from phalanx.comm import group as pg
 from phalanx.mesh.groups import ParallelGroups
-from phalanx.train.job_args import check_job_args
+from phalanx.train.job_args import check_epochs, check_job_args
 from phalanx.train.job_checkpoint import CheckpointMixin
 from phalanx.train.job_ps import PSMixin
 from phalanx.train.loop_helpers import (
@@ -278,6 +278,7 @@ class Job(CheckpointMixin, PSMixin):
     # ---- the loop ------------------------------------------------------------------------------
     def epochs(self, n: int) -> Iterator[int]:
         """Yield epoch numbers ``start..n-1``, resuming from the newest checkpoint if any."""
+        n = check_epochs(n)
         if self._serving():
             return
         start = self.resume() if not self._resumed else self.epoch

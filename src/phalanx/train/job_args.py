@@ -26,7 +26,7 @@ from phalanx.pipeline.balance import balance_arg
 from phalanx.pipeline.schedules import SCHEDULES
 from phalanx.train.precision import PRECISIONS
 
-__all__ = ["check_job_args"]
+__all__ = ["check_epochs", "check_job_args"]
 
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed accepts
 
@@ -85,3 +85,8 @@ check_job_args = checked(
     straggler_check_every=rule(check_int, min=0),
 )
 """Decorates ``Job.__init__``: every argument the caller passed, checked by its row."""
+
+
+def check_epochs(n: object) -> int:
+    """``Job.epochs(n)``'s argument: the number of epochs, an int >= 0."""
+    return check_int("n", n, min=0, where="Job.epochs")
