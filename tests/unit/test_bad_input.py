@@ -340,7 +340,7 @@ CASES = [
     row(bad(checkpoint.save, NOWHERE, step="1"), TypeError, "str '1'"),
     row(bad(checkpoint.save, NOWHERE, 1, keep_last=0), ValueError, "None to keep all"),
     row(bad(checkpoint.save, step=1, directory=3), TypeError, "a path"),
-    row(bad(checkpoint.save, NOWHERE, 1, model=3), TypeError, "nn.Module"),
+    row(bad(checkpoint.save, NOWHERE, 1, model=3), TypeError, "nn.Module or an object with"),
     row(bad(checkpoint.save, NOWHERE, 1, optimizer="adam"), TypeError, "state_dict()"),
     row(bad(checkpoint.save, NOWHERE, 1, extra=[1]), TypeError, "a dict"),
     row(bad(checkpoint.save, NOWHERE, 1, group=3), TypeError, "ProcessGroup"),
