@@ -169,6 +169,6 @@ def test_bad_arguments_are_refused_before_any_process_starts() -> None:
 
     with pytest.raises(TypeError, match=r"train_fn=.*local"):
         hogwild.train(model, local, 2)
-    with pytest.raises(ValueError, match="dataset must be map-style"):
+    with pytest.raises(TypeError, match="dataset must be a map-style dataset"):
         hogwild.train(model, _sleep, 2, dataset=iter([1, 2]))  # type: ignore[arg-type]
     assert multiprocessing.active_children() == []

@@ -114,7 +114,7 @@ def _bad(strategy: str, kwargs: dict) -> None:
         ("ps-sync", {"servers": 2}, r"servers=2 needs more ranks than servers.*world_size=2"),
         ("ps-sync", {"checkpoint_dir": "/tmp/x"}, r"checkpoint_dir='/tmp/x'"),
         ("ddp", {"straggler": (5, 2.0)}, r"who=5 must be 'random' or a participant index"),
-        ("ddp", {"straggler": 4.0}, r"straggler must be \(who, factor\)"),
+        ("ddp", {"straggler": 4.0}, r"straggler must be a \(who, factor\) pair"),
     ],
 )
 def test_bad_ps_options(strategy: str, kwargs: dict, match: str) -> None:

@@ -311,7 +311,7 @@ def test_convert_replaces_types_and_carries_state() -> None:
         model.stem[1].running_mean.fill_(0.25)
     model.stem[1].num_batches_tracked.fill_(7)
     before = {k: v for k, v in model.state_dict(keep_vars=True).items()}
-    group: Any = object()  # stands in for a process group; conversion only stores it
+    group = dist.ProcessGroup(0, 1)  # a group with no backend: conversion only stores it
     converted = SyncBatchNorm.convert_sync_batchnorm(model, process_group=group)
     assert converted is model
     bns = [model.stem[1], model.block[1], model.head[1]]

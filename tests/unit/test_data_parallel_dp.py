@@ -201,14 +201,14 @@ def test_replica_exception_is_reraised_naming_the_device() -> None:
     [
         ({"device_ids": []}, r"device_ids=\[\]"),
         ({"device_ids": "cpu"}, "device_ids must be a list"),
-        ({"device_ids": ["cpu", "gpu7"]}, r"device_ids\[1\]='gpu7'"),
+        ({"device_ids": ["cpu", "gpu7"]}, r"device_ids=\['cpu', 'gpu7'\].* device_ids\[1\] must"),
         ({"device_ids": CPU2, "output_device": "nowhere"}, "output_device='nowhere'"),
         ({"device_ids": CPU2, "output_device": 1.5}, "output_device must be"),
         ({"device_ids": CPU2, "dim": "0"}, "dim must be an int"),
     ],
 )
 def test_bad_arguments_are_named(kwargs: dict[str, Any], match: str) -> None:
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((TypeError, ValueError), match=match):
         DataParallel(_mlp(), **kwargs)
 
 

@@ -44,11 +44,11 @@ def test_single_process_group_and_context_manager(monkeypatch: pytest.MonkeyPatc
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"init_method": "udp://x:1"}, "scheme must be"),
+        ({"init_method": "udp://x:1"}, "unknown scheme 'udp'"),
         ({"init_method": "tcp://nohostport"}, "tcp://HOST:PORT"),
         ({"rank": 3, "world_size": 2}, "rank=3 is outside 0..1"),
-        ({"world_size": 0}, "world_size must be >= 1"),
-        ({"timeout": -1}, "timeout must be positive"),
+        ({"world_size": 0}, "world_size must be an int >= 1"),
+        ({"timeout": -1}, "timeout must be a positive number"),
         ({"backend": "carrier-pigeon"}, "carrier-pigeon"),
         ({"init_method": "env://", "world_size": 2, "rank": 0}, "MASTER_ADDR"),
     ],

@@ -40,9 +40,9 @@ def test_fp16_on_cpu_is_refused_with_the_fix() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"strategy": "zero9"}, "strategy='zero9' is not one of"),
-        ({"grad_accum": 0}, "grad_accum must be >= 1, got 0"),
-        ({"precision": "fp8"}, "precision='fp8' is not one of"),
+        ({"strategy": "zero9"}, "Job.strategy='zero9'.: strategy must be one of"),
+        ({"grad_accum": 0}, "grad_accum must be an int >= 1, got int 0"),
+        ({"precision": "fp8"}, "Job.precision='fp8'.: precision must be one of"),
     ],
 )
 def test_bad_job_arguments_name_the_value(kwargs: dict[str, object], match: str) -> None:

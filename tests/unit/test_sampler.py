@@ -147,7 +147,7 @@ def test_errors_name_values() -> None:
         DistributedSampler(range(4), 2.0, 0)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"rank must be an int, got str '1'"):
         DistributedSampler(range(4), 2, "1")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1, got int 0"):
         DistributedSampler(range(3), 1, 0, batch_size=0)
     s = DistributedSampler(range(4), 2, 0)
     with pytest.raises(ValueError, match=r"n_samples=3.*\[0, 2\]"):

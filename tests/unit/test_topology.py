@@ -37,7 +37,7 @@ def test_for_world_infers_dp_and_names_every_degree_when_they_do_not_fit() -> No
         Topology.for_world(4, dp=3, pp=2)
     with pytest.raises(ValueError, match=r"world_size=6 is not divisible by pp=4 x tp=1"):
         Topology.for_world(6, pp=4)
-    with pytest.raises(ValueError, match=r"tp must be a positive int, got 0"):
+    with pytest.raises(ValueError, match=r"tp must be an int >= 1, got int 0"):
         Topology.for_world(4, tp=0)
     with pytest.raises(ValueError, match=r"rank 8 is out of range for dp=2 x pp=2 x tp=2"):
         Topology(2, 2, 2).coords(8)
@@ -46,6 +46,6 @@ def test_for_world_infers_dp_and_names_every_degree_when_they_do_not_fit() -> No
 def test_parallel_config_rejects_pipeline_options_without_a_pipeline() -> None:
     with pytest.raises(ValueError, match=r"micro_batches=4 .* pp=1"):
         ParallelConfig(micro_batches=4)
-    with pytest.raises(ValueError, match=r"micro_batches must be a positive int, got 0"):
+    with pytest.raises(ValueError, match=r"micro_batches must be an int >= 1, got int 0"):
         ParallelConfig(pp=2, micro_batches=0)
     assert ParallelConfig(pp=2, tp=2).topology(8) == Topology(2, 2, 2)

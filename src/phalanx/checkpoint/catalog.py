@@ -13,6 +13,7 @@ import os
 import warnings
 from pathlib import Path
 
+from phalanx._check import check_path
 from phalanx.checkpoint.atomic import (
     LATEST,
     fault,
@@ -74,7 +75,7 @@ def latest(directory: str | os.PathLike[str]) -> Path | None:
     ``directory/latest`` decides; without a usable one, the newest ``step-*`` directory whose
     files match its manifest (sha256) is taken, with a warning.
     """
-    d = Path(directory)
+    d = Path(check_path("directory", directory, where="latest"))
     if not d.is_dir():
         return None
     candidates = committed(d, warn=True)

@@ -18,7 +18,9 @@ from typing import Any
 
 from torch import nn
 
+from phalanx._check import check_bool, check_path
 from phalanx.checkpoint import catalog, structure
+from phalanx.checkpoint.args import check_targets
 from phalanx.checkpoint.manifest import (
     CheckpointError,
     Manifest,
@@ -222,6 +224,18 @@ def load(
         CheckpointError: for incomplete or unsafe checkpoints, and on every rank when any
             rank failed.
     """
+    check_targets(
+        "load",
+        directory,
+        group,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        sampler=sampler,
+    )
+    strict, rng = check_bool("strict", strict, where="load"), check_bool("rng", rng, where="load")
+    if path is not None:
+        check_path("path", path, where="load")
     targets = _Targets(model, optimizer, scheduler, sampler, rng, strict)
     session = open_session(group)
     try:

@@ -25,7 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from phalanx._check import check_instance, check_int
 from phalanx.checkpoint import atomic, catalog, rng, structure
+from phalanx.checkpoint.args import check_targets
 from phalanx.checkpoint.manifest import MANIFEST, CheckpointError, FileEntry, Manifest
 from phalanx.checkpoint.sharded import as_sharded, shard_section
 from phalanx.checkpoint.state import Section, parallel, unwrap
@@ -54,14 +56,11 @@ class _Request:
 
 
 def _check(step: int, keep_last: int | None, extra: Any) -> Any:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"save(step=...) must be an int >= 0, got {step!r}")
-    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
-        raise ValueError(
-            f"save(keep_last=...) must be an int >= 1 or None (keep all), got {keep_last!r}"
-        )
-    if extra is not None and not isinstance(extra, dict):
-        raise TypeError(f"save(extra=...) must be a dict, got {type(extra).__name__}")
+    step = check_int("step", step, min=0, where="save")
+    if keep_last is not None:
+        check_int("keep_last", keep_last, min=1, where="save", fix="or None to keep all")
+    if extra is not None:
+        check_instance("extra", extra, dict, "a dict of JSON-able values", where="save")
     tree, _ = structure.flatten(extra or {}, "save(extra=...)", allow_tensors=False)
     return tree
 
@@ -196,6 +195,15 @@ def save(
         TypeError: naming the key of a value that cannot be stored without pickle.
         CheckpointError: on every rank when any rank failed to write.
     """
+    check_targets(
+        "save",
+        directory,
+        group,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        sampler=sampler,
+    )
     extra_tree = _check(step, keep_last, extra)
     rng_state = rng.capture()
     start = time.perf_counter()

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
+from phalanx._check import check_bool, check_choice, check_group, check_instance, check_int
 from phalanx.comm import tracking
 from phalanx.comm.errors import CollectiveError
 
@@ -67,6 +68,39 @@ class TrackedWork:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)
+
+
+def check_args(where: str, group: Any, async_op: Any = False, **named: Any) -> None:
+    """The types (and ranks' ranges) of a collective's arguments, before anything runs.
+
+    By name: ``op`` a ReduceOp, ``src`` / ``dst`` a global rank, ``tag`` an int, ``*object*`` a
+    list, ``*_list`` a list of tensors (None allowed where torch ignores it), the rest a tensor.
+    """
+    check_group("group", group, where=where)
+    check_bool("async_op", async_op, where=where)
+    if not dist.is_initialized():
+        raise ValueError(
+            f"{where}: the default process group has not been initialized; call "
+            f"phalanx.init_process_group() first (launch with `phalanx run`)"
+        )
+    for name, value in named.items():
+        if name == "op":
+            what = "a torch.distributed.ReduceOp, e.g. ReduceOp.SUM"
+            check_instance(name, value, (ReduceOp, ReduceOp.RedOpType), what, where=where)
+        elif name in ("src", "dst"):
+            check_int(name, value, min=0, max=dist.get_world_size() - 1, where=where)
+        elif name == "tag":
+            check_int(name, value, where=where)
+        elif "object" in name:
+            if value is not None:
+                check_instance(name, value, list, "a list", where=where)
+        elif name.endswith("_list"):
+            if value is not None:
+                check_instance(name, value, list, "a list of tensors", where=where)
+                for i, t in enumerate(value):
+                    check_instance(f"{name}[{i}]", t, torch.Tensor, "a tensor", where=where)
+        else:
+            check_instance(name, value, torch.Tensor, "a torch.Tensor", where=where)
 
 
 def _run(
@@ -127,8 +161,8 @@ def all_reduce(
     ``algorithm``: "native" (the backend's), "ring" (reduce-scatter then all-gather over P2P)
     or "tree" (binomial-tree reduce then broadcast). All give the same result.
     """
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm={algorithm!r} is not one of {', '.join(ALGORITHMS)}")
+    check_args("all_reduce", group, async_op, tensor=tensor, op=op)
+    check_choice("algorithm", algorithm, ALGORITHMS, where="all_reduce")
     if algorithm != "native":
         if async_op:
             raise ValueError(f"async_op=True needs algorithm='native', got {algorithm!r}")
@@ -158,6 +192,7 @@ def reduce(
     async_op: bool = False,
 ) -> Any:
     """Reduce ``tensor`` across the group onto global rank ``dst``."""
+    check_args("reduce", group, async_op, tensor=tensor, dst=dst, op=op)
     post, call_op = None, op
     if _avg_on_gloo(op, group):
         call_op = ReduceOp.SUM
@@ -176,6 +211,7 @@ def reduce(
 
 def broadcast(tensor: torch.Tensor, src: int, group: Group = None, async_op: bool = False) -> Any:
     """Copy ``tensor`` from global rank ``src`` to every rank of the group."""
+    check_args("broadcast", group, async_op, tensor=tensor, src=src)
     return _run(
         "broadcast", group, lambda: dist.broadcast(tensor, src, group, async_op), tensor, root=src
     )
@@ -188,6 +224,7 @@ def all_gather(
     async_op: bool = False,
 ) -> Any:
     """Gather every rank's ``tensor`` into ``tensor_list`` on every rank."""
+    check_args("all_gather", group, async_op, tensor_list=tensor_list, tensor=tensor)
     return _run(
         "all_gather",
         group,
@@ -200,6 +237,7 @@ def all_gather_into_tensor(
     output: torch.Tensor, input: torch.Tensor, group: Group = None, async_op: bool = False
 ) -> Any:
     """Gather every rank's ``input`` into the concatenated ``output`` on every rank."""
+    check_args("all_gather_into_tensor", group, async_op, output=output, input=input)
     return _run(
         "all_gather_into_tensor",
         group,
@@ -216,6 +254,7 @@ def gather(
     async_op: bool = False,
 ) -> Any:
     """Gather every rank's ``tensor`` into ``gather_list`` on global rank ``dst``."""
+    check_args("gather", group, async_op, tensor=tensor, gather_list=gather_list, dst=dst)
     return _run(
         "gather",
         group,
@@ -233,6 +272,7 @@ def scatter(
     async_op: bool = False,
 ) -> Any:
     """Send ``scatter_list[i]`` from global rank ``src`` to rank i's ``tensor``."""
+    check_args("scatter", group, async_op, tensor=tensor, scatter_list=scatter_list, src=src)
     return _run(
         "scatter",
         group,
@@ -250,6 +290,7 @@ def reduce_scatter(
     async_op: bool = False,
 ) -> Any:
     """Reduce ``input_list`` elementwise across ranks; rank i receives entry i in ``output``."""
+    check_args("reduce_scatter", group, async_op, output=output, input_list=input_list, op=op)
     post, call_op = None, op
     if _avg_on_gloo(op, group):
         post, call_op = _divide_by_size([output], group), ReduceOp.SUM
@@ -271,6 +312,7 @@ def reduce_scatter_tensor(
     async_op: bool = False,
 ) -> Any:
     """Reduce ``input`` across ranks; rank i receives the i-th equal slice in ``output``."""
+    check_args("reduce_scatter_tensor", group, async_op, output=output, input=input, op=op)
     post, call_op = None, op
     if _avg_on_gloo(op, group):
         post, call_op = _divide_by_size([output], group), ReduceOp.SUM
@@ -291,6 +333,13 @@ def all_to_all(
     async_op: bool = False,
 ) -> Any:
     """Rank i sends ``input_tensor_list[j]`` to rank j, receiving into ``output_tensor_list``."""
+    check_args(
+        "all_to_all",
+        group,
+        async_op,
+        output_tensor_list=output_tensor_list,
+        input_tensor_list=input_tensor_list,
+    )
     return _run(
         "all_to_all",
         group,
@@ -309,6 +358,7 @@ def all_to_all_single(
     async_op: bool = False,
 ) -> Any:
     """Split ``input`` along dim 0, send piece j to rank j, concatenate what arrives."""
+    check_args("all_to_all_single", group, async_op, output=output, input=input)
     even = output_split_sizes is None and input_split_sizes is None
     return _run(
         "all_to_all_single",
@@ -323,6 +373,7 @@ def all_to_all_single(
 
 def barrier(group: Group = None, async_op: bool = False) -> Any:
     """Block until every rank of the group has reached the barrier."""
+    check_args("barrier", group, async_op)
     return _run("barrier", group, lambda: dist.barrier(group, async_op))
 
 
@@ -340,26 +391,36 @@ def _p2p(name: str, peer: int, group: Group, call: Callable[[], Any]) -> Any:
 
 def send(tensor: torch.Tensor, dst: int, group: Group = None, tag: int = 0) -> None:
     """Send ``tensor`` to global rank ``dst`` (blocking)."""
+    check_args("send", group, tensor=tensor, dst=dst, tag=tag)
     _p2p("send", dst, group, lambda: dist.send(tensor, dst, group, tag))
 
 
 def recv(tensor: torch.Tensor, src: int | None = None, group: Group = None, tag: int = 0) -> int:
     """Receive into ``tensor`` from global rank ``src`` (any rank when None); return the sender."""
+    check_args("recv", group, tensor=tensor, tag=tag, **({} if src is None else {"src": src}))
     peer = -1 if src is None else src
     return int(_p2p("recv", peer, group, lambda: dist.recv(tensor, src, group, tag)))
 
 
 def isend(tensor: torch.Tensor, dst: int, group: Group = None, tag: int = 0) -> Any:
     """Start sending ``tensor`` to ``dst``; returns a work handle with ``wait()``."""
+    check_args("isend", group, tensor=tensor, dst=dst, tag=tag)
     return _p2p("isend", dst, group, lambda: dist.isend(tensor, dst, group, tag))
 
 
 def irecv(tensor: torch.Tensor, src: int | None = None, group: Group = None, tag: int = 0) -> Any:
     """Start receiving into ``tensor`` from ``src``; returns a work handle with ``wait()``."""
+    check_args("irecv", group, tensor=tensor, tag=tag, **({} if src is None else {"src": src}))
     peer = -1 if src is None else src
     return _p2p("irecv", peer, group, lambda: dist.irecv(tensor, src, group, tag))
 
 
 def batch_isend_irecv(p2p_op_list: list[dist.P2POp]) -> list[Any]:
     """Start a batch of ``torch.distributed.P2POp`` sends and receives; returns their works."""
+    where = "batch_isend_irecv"
+    check_instance("p2p_op_list", p2p_op_list, list, "a list of P2POp", where=where)
+    for i, op in enumerate(p2p_op_list):
+        check_instance(
+            f"p2p_op_list[{i}]", op, dist.P2POp, "a torch.distributed.P2POp", where=where
+        )
     return list(_p2p("batch_isend_irecv", -1, None, lambda: dist.batch_isend_irecv(p2p_op_list)))

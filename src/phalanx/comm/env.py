@@ -48,16 +48,23 @@ class LaunchEnv:
     """Which convention was found: phalanx, torchrun, kubeflow, slurm, openmpi or none."""
 
 
-def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+def _int(
+    env: Mapping[str, str], name: str, default: int | None = None, low: int = 0, high: int = -1
+) -> int:
+    """The integer environment variable ``name``, in ``low..high`` (no upper bound for -1)."""
     raw = env.get(name)
     if raw is None or raw == "":
         if default is None:
             raise ValueError(f"environment variable {name} is not set")
         return default
     try:
-        return int(raw)
+        value = int(raw)
     except ValueError:
         raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+    if value < low or (high >= 0 and value > high):
+        bounds = f"{low}..{high}" if high >= 0 else f">= {low}"
+        raise ValueError(f"environment variable {name}={raw!r} must be {bounds}")
+    return value
 
 
 def first_slurm_host(nodelist: str) -> str:
@@ -75,7 +82,7 @@ def first_slurm_host(nodelist: str) -> str:
 def _common(env: Mapping[str, str]) -> dict[str, object]:
     return {
         "master_addr": env.get("MASTER_ADDR") or None,
-        "master_port": _int(env, "MASTER_PORT", DEFAULT_MASTER_PORT),
+        "master_port": _int(env, "MASTER_PORT", DEFAULT_MASTER_PORT, 1, 65535),
         "restart_count": _int(
             env, "PHALANX_RESTART_COUNT", _int(env, "TORCHELASTIC_RESTART_COUNT", 0)
         ),
@@ -84,9 +91,9 @@ def _common(env: Mapping[str, str]) -> dict[str, object]:
 
 
 def _from_torchrun(env: Mapping[str, str]) -> LaunchEnv:
-    rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+    rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE", low=1)
     local_rank = _int(env, "LOCAL_RANK", 0)
-    local_world = _int(env, "LOCAL_WORLD_SIZE", 1 if "LOCAL_RANK" not in env else world)
+    local_world = _int(env, "LOCAL_WORLD_SIZE", 1 if "LOCAL_RANK" not in env else world, 1)
     if "PHALANX_RUN_ID" in env:
         source = "phalanx"
     elif "TORCHELASTIC_RUN_ID" in env:
@@ -119,7 +126,7 @@ def _slurm_local_world(env: Mapping[str, str], world: int) -> int:
 
 
 def _from_slurm(env: Mapping[str, str]) -> LaunchEnv:
-    world = _int(env, "SLURM_NTASKS")
+    world = _int(env, "SLURM_NTASKS", low=1)
     common = _common(env)
     if common["master_addr"] is None and env.get("SLURM_NODELIST"):
         common["master_addr"] = first_slurm_host(env["SLURM_NODELIST"])
@@ -142,7 +149,7 @@ def _from_openmpi(env: Mapping[str, str]) -> LaunchEnv:
     local_world = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", 1)
     return LaunchEnv(
         rank=rank,
-        world_size=_int(env, "OMPI_COMM_WORLD_SIZE"),
+        world_size=_int(env, "OMPI_COMM_WORLD_SIZE", low=1),
         local_rank=_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0),
         local_world_size=local_world,
         node_rank=rank // max(local_world, 1),

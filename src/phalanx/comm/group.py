@@ -14,13 +14,15 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from urllib.parse import parse_qs, urlparse
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from phalanx._check import check_bool, check_choice, check_group, check_int, check_timeout
 from phalanx.comm import tracking
 from phalanx.comm.env import LaunchEnv, discover_env
+from phalanx.comm.init_method import InitMethod, parse_init_method
 from phalanx.comm.store import connect_store, host_store
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
 
 DEFAULT_TIMEOUT = timedelta(seconds=300)
 BACKENDS = ("auto", "gloo", "nccl", "mpi")
+WHERE = "init_process_group"
 
 
 @dataclass(frozen=True)
@@ -70,9 +73,17 @@ _GENERATION = 0  # process groups this process has initialised so far
 
 def resolve_backend(backend: str | None, local_rank: int) -> str:
     """Map ``None``/"auto" to nccl when ``cuda:local_rank`` exists, else gloo; validate names."""
-    name = (backend or os.environ.get("PHALANX_BACKEND") or "auto").lower()
-    if name not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not one of {', '.join(BACKENDS)}")
+    from_env = os.environ.get("PHALANX_BACKEND") if backend is None else None
+    if from_env:
+        name = from_env.lower()
+        if name not in BACKENDS:
+            raise ValueError(
+                f"environment variable PHALANX_BACKEND={from_env!r} is not one of "
+                f"{', '.join(BACKENDS)}; it overrides backend=None: unset it or set a valid name"
+            )
+    else:
+        given = "auto" if backend is None else backend
+        name = check_choice("backend", given, BACKENDS, where=WHERE, fold_case=True)
     if name != "auto":
         if name == "nccl" and not torch.cuda.is_available():
             raise ValueError("backend='nccl' needs a CUDA device and none is visible; use 'gloo'")
@@ -80,16 +91,6 @@ def resolve_backend(backend: str | None, local_rank: int) -> str:
     if torch.cuda.is_available() and local_rank < torch.cuda.device_count():
         return "nccl"
     return "gloo"
-
-
-def _as_timedelta(timeout: timedelta | float | None) -> timedelta:
-    if timeout is None:
-        return DEFAULT_TIMEOUT
-    if isinstance(timeout, timedelta):
-        return timeout
-    if timeout <= 0:
-        raise ValueError(f"timeout must be positive seconds, got {timeout}")
-    return timedelta(seconds=float(timeout))
 
 
 def _tcp_store(
@@ -102,10 +103,9 @@ def _tcp_store(
 
 
 def _make_store(
-    init_method: str, env: LaunchEnv, rank: int, world_size: int, timeout: timedelta
+    method: InitMethod, env: LaunchEnv, rank: int, world_size: int, timeout: timedelta
 ) -> dist.Store:
-    url = urlparse(init_method)
-    if url.scheme == "env":
+    if method.scheme == "env":
         if env.master_addr is None:
             raise ValueError(
                 "init_method='env://' needs MASTER_ADDR (and MASTER_PORT) in the environment; "
@@ -114,33 +114,52 @@ def _make_store(
         # Under `phalanx run` the launcher hosts a fresh store per restart generation (so no
         # stale keys survive a restart) and every rank connects as a client.
         return _tcp_store(env.master_addr, env.master_port, rank, env.agent_store, timeout)
-    if url.scheme == "tcp":
-        if url.hostname is None or url.port is None:
-            raise ValueError(f"init_method={init_method!r} must look like tcp://HOST:PORT")
-        return _tcp_store(url.hostname, url.port, rank, False, timeout)
-    if url.scheme == "file":
-        path = url.path or url.netloc
-        if not path:
-            raise ValueError(f"init_method={init_method!r} must look like file:///path/to/file")
-        return dist.FileStore(path, world_size)
-    raise ValueError(f"init_method={init_method!r}: scheme must be env://, tcp:// or file://")
+    if method.scheme == "tcp":
+        assert method.host is not None and method.port is not None
+        return _tcp_store(method.host, method.port, rank, False, timeout)
+    assert method.path is not None
+    return dist.FileStore(method.path, world_size)
 
 
 def _rank_and_size(
-    init_method: str | None, env: LaunchEnv, rank: int | None, world_size: int | None
+    method: InitMethod | None, env: LaunchEnv, rank: object, world_size: object
 ) -> tuple[int, int]:
-    if init_method is not None:
-        query = parse_qs(urlparse(init_method).query)
-        rank = int(query["rank"][0]) if rank is None and "rank" in query else rank
-        if world_size is None and "world_size" in query:
-            world_size = int(query["world_size"][0])
-    rank = env.rank if rank is None else rank
-    world_size = env.world_size if world_size is None else world_size
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank={rank} is outside 0..{world_size - 1} (world_size={world_size})")
-    return rank, world_size
+    """Arguments first, then the init_method's query, then the launcher's environment."""
+    given_rank = None if rank is None else check_int("rank", rank, min=0, where=WHERE)
+    given_size = None
+    if world_size is not None:
+        given_size = check_int("world_size", world_size, min=1, where=WHERE)
+    query_rank, query_size = (method.rank, method.world_size) if method else (None, None)
+    chosen_rank, chosen_size = _first(given_rank, query_rank), _first(given_size, query_size)
+    r = env.rank if chosen_rank is None else chosen_rank
+    n = env.world_size if chosen_size is None else chosen_size
+    if not 0 <= r < n:
+        from_env = chosen_rank is None or chosen_size is None
+        origin = f", read from the {env.source} environment" if from_env else ""
+        raise ValueError(
+            f"init_process_group: rank={r} is outside 0..{n - 1} (world_size={n}{origin})"
+        )
+    return r, n
+
+
+def _first(*values: int | None) -> int | None:
+    return next((v for v in values if v is not None), None)
+
+
+def _join(
+    name: str, store: dist.Store, rank: int, world_size: int, limit: timedelta, device: Any
+) -> None:
+    """torch's rendezvous over ``store``; its bare "wait timeout ... keys" made readable."""
+    try:
+        dist.init_process_group(
+            name, store=store, rank=rank, world_size=world_size, timeout=limit, device_id=device
+        )
+    except dist.DistStoreError as exc:
+        raise TimeoutError(
+            f"init_process_group: rank {rank} waited {limit.total_seconds():g} s for the other "
+            f"ranks of world_size={world_size} to join, but not all did ({exc}); start every "
+            f"rank (e.g. `phalanx run --nproc-per-node {world_size} script.py`) or raise timeout="
+        ) from exc
 
 
 def init_process_group(
@@ -173,10 +192,14 @@ def init_process_group(
         raise RuntimeError(
             "init_process_group() was called twice; call destroy_process_group() first"
         )
+    # Every argument is checked before a socket opens or a thread starts.
+    method = None if init_method is None else parse_init_method(init_method)
+    limit = DEFAULT_TIMEOUT if timeout is None else check_timeout("timeout", timeout, where=WHERE)
+    if validate is not None:
+        check_bool("validate", validate, where=WHERE)
     env = discover_env()
-    rank, world_size = _rank_and_size(init_method, env, rank, world_size)
+    rank, world_size = _rank_and_size(method, env, rank, world_size)
     name = resolve_backend(backend, env.local_rank)
-    limit = _as_timedelta(timeout)
     device = torch.device("cpu")
     if name == "nccl":
         device = torch.device("cuda", env.local_rank)
@@ -185,24 +208,18 @@ def init_process_group(
     if name == "mpi":
         dist.init_process_group("mpi", timeout=limit)
     else:
-        if init_method is None:
-            init_method = "env://" if env.master_addr or world_size > 1 else None
-        store = dist.HashStore() if init_method is None else None
-        if store is None:
-            store = _make_store(init_method, env, rank, world_size, limit)  # type: ignore[arg-type]
+        if method is None and (env.master_addr or world_size > 1):
+            method = InitMethod("env")
+        if method is None:
+            store = dist.HashStore()
+        else:
+            store = _make_store(method, env, rank, world_size, limit)
         if _GENERATION:
             # A process that initialises again (destroy, then init, as hvd.shutdown / hvd.init do)
             # meets the same store: namespace every key by the generation, which every rank
             # counts alike, so that no key of the previous group is read as this one's.
             store = dist.PrefixStore(f"phalanx/generation{_GENERATION}/", store)
-        dist.init_process_group(
-            name,
-            store=store,
-            rank=rank,
-            world_size=world_size,
-            timeout=limit,
-            device_id=device if name == "nccl" else None,
-        )
+        _join(name, store, rank, world_size, limit, device if name == "nccl" else None)
     _GENERATION += 1
     _WORLD = World(
         rank=rank,
@@ -263,6 +280,7 @@ def main_first(group: dist.ProcessGroup | None = None) -> Iterator[None]:
     Typical use: download or preprocess a data set once, then let every rank read the cache.
     Without an initialised group the block simply runs.
     """
+    check_group("group", group, where="main_first")
     if not dist.is_initialized():
         yield
         return

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx._check import fail
 from phalanx.comm import collectives as c
 from phalanx.comm.codec import decode, encode
 
@@ -43,6 +44,11 @@ def _decode(t: torch.Tensor, n: int) -> Any:
 
 def all_gather_object(object_list: list[Any], obj: Any, group: c.Group = None) -> None:
     """Gather ``obj`` from every rank into ``object_list`` (length = group size)."""
+    c.check_args("all_gather_object", group, object_list=object_list)
+    world = dist.get_world_size(group)
+    if len(object_list) != world:
+        what = f"a list of one entry per rank ({world})"
+        raise fail("object_list", object_list, what, where="all_gather_object")
     device = _device(group)
     data = _to_bytes_tensor(obj, device)
     sizes = _sizes(data.numel(), group, device)
@@ -55,6 +61,7 @@ def all_gather_object(object_list: list[Any], obj: Any, group: c.Group = None) -
 
 def broadcast_object_list(object_list: list[Any], src: int = 0, group: c.Group = None) -> None:
     """Replace ``object_list``'s entries on every rank by those of global rank ``src``."""
+    c.check_args("broadcast_object_list", group, object_list=object_list, src=src)
     device = _device(group)
     if dist.get_rank() == src:
         parts = [_to_bytes_tensor(o, device) for o in object_list]
@@ -79,6 +86,7 @@ def gather_object(
     obj: Any, object_gather_list: list[Any] | None = None, dst: int = 0, group: c.Group = None
 ) -> None:
     """Gather ``obj`` from every rank into ``object_gather_list`` on global rank ``dst``."""
+    c.check_args("gather_object", group, object_gather_list=object_gather_list, dst=dst)
     device = _device(group)
     data = _to_bytes_tensor(obj, device)
     sizes = _sizes(data.numel(), group, device)
@@ -101,6 +109,17 @@ def scatter_object_list(
     group: c.Group = None,
 ) -> None:
     """Send ``scatter_object_input_list[i]`` from ``src`` to rank i's output list entry 0."""
+    c.check_args(
+        "scatter_object_list",
+        group,
+        scatter_object_output_list=scatter_object_output_list,
+        scatter_object_input_list=scatter_object_input_list,
+        src=src,
+    )
+    if not scatter_object_output_list:
+        what = "a list with room for one object, e.g. [None]"
+        where = "scatter_object_list"
+        raise fail("scatter_object_output_list", scatter_object_output_list, what, where=where)
     device = _device(group)
     world = dist.get_world_size(group)
     is_src = dist.get_rank() == src

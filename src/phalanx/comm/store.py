@@ -10,11 +10,15 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
 
 __all__ = ["bind_listener", "connect_store", "host_store"]
+
+POLL_S = 0.1
+"""Pause between two connection attempts while nothing listens yet."""
 
 
 def bind_listener(addr: str, port: int) -> socket.socket:
@@ -75,12 +79,39 @@ def host_store(addr: str, port: int, timeout: timedelta) -> tuple[dist.TCPStore,
 
 
 def connect_store(addr: str, port: int, timeout: timedelta) -> dist.TCPStore:
-    """Connect a TCPStore client to ``addr:port``, naming both on failure."""
+    """Connect a TCPStore client to ``addr:port`` within ``timeout``, naming both on failure.
+
+    torch's client alone overruns its timeout: its first connect attempt already waits the whole
+    timeout, and its retry loop then sleeps a randomised backoff and tries again, so
+    ``timeout=5`` gave up after 7 to 12 s. Here a plain socket polls until the deadline, and the
+    store connects only once something listens (at once, then).
+    """
+    deadline = time.monotonic() + timeout.total_seconds()
+    _wait_for_listener(addr, port, timeout, deadline)
     try:
         return dist.TCPStore(addr, port, None, False, timeout)
     except (RuntimeError, OSError) as exc:
-        raise ConnectionError(
-            f"could not connect to the rendezvous store at {addr}:{port} within "
-            f"{timeout.total_seconds():.0f} s ({exc}); check that rank 0 / node 0 is running "
-            f"and that MASTER_ADDR / MASTER_PORT point at it"
-        ) from exc
+        raise _unreachable(addr, port, timeout, exc) from exc
+
+
+def _wait_for_listener(addr: str, port: int, timeout: timedelta, deadline: float) -> None:
+    last: OSError | None = None
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            with socket.create_connection((addr, port), timeout=min(left, 1.0)):
+                return
+        except OSError as exc:  # refused, unreachable, a name that does not resolve (yet)
+            last = exc
+        time.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
+    raise _unreachable(addr, port, timeout, last)
+
+
+def _unreachable(
+    addr: str, port: int, timeout: timedelta, cause: BaseException | None
+) -> ConnectionError:
+    why = f" (last error: {str(cause).strip()[:200]})" if cause is not None else ""
+    return ConnectionError(
+        f"could not connect to the rendezvous store at {addr}:{port} within "
+        f"timeout={timeout.total_seconds():g} s{why}; check that rank 0 / node 0 is running "
+        f"and that MASTER_ADDR / MASTER_PORT (or the init_method) point at it, or raise timeout="
+    )

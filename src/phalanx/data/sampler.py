@@ -44,7 +44,6 @@ already consumed in the epoch.
 from __future__ import annotations
 
 import math
-import operator
 import warnings
 from collections.abc import Iterator, Sized
 from typing import Any
@@ -53,25 +52,22 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
+from phalanx._check import FLAG, check_dataset, check_int, checked, optional, rule
+
 __all__ = ["DistributedSampler"]
 
 
 def _default(name: str, value: int | None, of_group: str) -> int:
-    """``value`` as an int, or the default process group's world size / rank (as torch)."""
-    if value is None:
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ValueError(
-                f"DistributedSampler: {name}=None takes the default process group's {of_group}, "
-                f"but the default process group has not been initialized; call "
-                f"phalanx.init_process_group() first, or pass num_replicas= and rank="
-            )
-        return dist.get_world_size() if name == "num_replicas" else dist.get_rank()
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(
-            f"DistributedSampler: {name} must be an int, got {type(value).__name__} {value!r}"
-        ) from None
+    """``value``, or the default process group's world size / rank (as torch)."""
+    if value is not None:
+        return value
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            f"DistributedSampler: {name}=None takes the default process group's {of_group}, "
+            f"but the default process group has not been initialized; call "
+            f"phalanx.init_process_group() first, or pass num_replicas= and rank="
+        )
+    return dist.get_world_size() if name == "num_replicas" else dist.get_rank()
 
 
 def _per_rank(n: int, replicas: int, batch_size: int | None, drop_last: bool) -> int:
@@ -103,9 +99,20 @@ class DistributedSampler(Sampler[int]):
         ValueError: for ``num_replicas < 1``, a rank outside ``[0, num_replicas)``,
             ``batch_size < 1``, or ``num_replicas`` / ``rank`` left at None without an
             initialised default process group (the exception types of torch's sampler).
-        TypeError: ``num_replicas`` or ``rank`` is not an int.
+        TypeError: an argument of the wrong type (``shuffle="no"``, ``seed="x"``, a dataset
+            without a length...).
     """
 
+    @checked(
+        dataset=rule(check_dataset),
+        num_replicas=optional(rule(check_int)),
+        rank=optional(rule(check_int)),
+        shuffle=FLAG,
+        seed=rule(check_int),
+        drop_last=FLAG,
+        even_batches=FLAG,
+        batch_size=optional(rule(check_int, min=1)),
+    )
     def __init__(
         self,
         dataset: Sized,
@@ -125,8 +132,6 @@ class DistributedSampler(Sampler[int]):
                 f"DistributedSampler: rank={rank} must be in [0, num_replicas) with "
                 f"num_replicas >= 1, got num_replicas={num_replicas}"
             )
-        if batch_size is not None and batch_size < 1:
-            raise ValueError(f"DistributedSampler: batch_size must be >= 1, got {batch_size}")
         self.dataset = dataset
         self.num_replicas, self.rank = num_replicas, rank
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
@@ -153,7 +158,7 @@ class DistributedSampler(Sampler[int]):
             warnings.warn(
                 f"DistributedSampler: drop_last=True drops all {n} samples (fewer than {need}): "
                 f"rank {self.rank} yields nothing; use drop_last=False (pads with duplicates)",
-                stacklevel=3,
+                stacklevel=4,  # the user's call: _count, __init__, the check wrapper
             )
         return count
 
@@ -177,6 +182,7 @@ class DistributedSampler(Sampler[int]):
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch's permutation; moving to another epoch resets :attr:`position`."""
+        epoch = check_int("epoch", epoch, min=0, where="DistributedSampler.set_epoch")
         if epoch != self.epoch:
             self.position = 0
         self.epoch = epoch
@@ -188,6 +194,7 @@ class DistributedSampler(Sampler[int]):
         resume. Reaching ``len(self)`` means the epoch is done; the next ``iter()`` of the same
         epoch then starts it over (as torch's sampler does) unless :meth:`set_epoch` moves on.
         """
+        n_samples = check_int("n_samples", n_samples, where="DistributedSampler.advance")
         if n_samples < 0 or self.position + n_samples > self.num_samples:
             raise ValueError(
                 f"DistributedSampler.advance: n_samples={n_samples} would move the position from "

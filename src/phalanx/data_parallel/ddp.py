@@ -45,6 +45,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     optimizer can read the gradients.
     """
 
+    @opts.check_ddp_args
     def __init__(
         self,
         module: nn.Module,

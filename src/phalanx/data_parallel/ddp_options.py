@@ -16,11 +16,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from phalanx._check import (
+    FLAG,
+    GROUP,
+    MODULE,
+    check_float,
+    check_instance,
+    check_int,
+    checked,
+    optional,
+    part_of,
+    rule,
+)
+
 __all__ = [
     "BucketCaps",
     "BufferSync",
     "bucket_caps",
     "buffer_sync",
+    "check_ddp_args",
     "check_flags",
     "refuse_uninitialized",
     "resolve_devices",
@@ -56,21 +70,57 @@ def bucket_caps(
     """torch's rule: 25 MiB buckets behind a 1 MiB first one, unless the user sets a cap.
 
     ``bucket_cap_mb_list`` gives each bucket its own cap (the last one repeats) and wins over
-    ``bucket_cap_mb``.
+    ``bucket_cap_mb``. Both are checked by :data:`check_ddp_args`.
     """
     if bucket_cap_mb_list:
-        for mb in bucket_cap_mb_list:
-            _check_positive("bucket_cap_mb_list", mb, list(bucket_cap_mb_list))
         return BucketCaps(tuple(int(mb * MIB) for mb in bucket_cap_mb_list))
     if bucket_cap_mb is None:
         return BucketCaps((FIRST_BUCKET_BYTES, DEFAULT_BUCKET_CAP_MB * MIB))
-    _check_positive("bucket_cap_mb", bucket_cap_mb, bucket_cap_mb)
     return BucketCaps((int(bucket_cap_mb * MIB),))
 
 
-def _check_positive(name: str, mb: Any, shown: Any) -> None:
-    if not isinstance(mb, (int, float)) or isinstance(mb, bool) or mb <= 0:
-        raise ValueError(f"DistributedDataParallel: {name} must be positive MiB, got {shown!r}")
+def _mib(name: str, value: Any, where: str) -> float:
+    return check_float(name, value, above=0, where=where, fix="a size in MiB, e.g. 25")
+
+
+def _mib_list(name: str, value: Any, where: str) -> list[float]:
+    check_instance(name, value, list | tuple, "a list of sizes in MiB", where=where)
+    with part_of(name, value, where):
+        return [_mib(f"{name}[{i}]", mb, "") for i, mb in enumerate(value)]
+
+
+def _device(name: str, value: Any, where: str) -> object:
+    what = "an int, a str or a torch.device"
+    return check_instance(name, value, int | str | torch.device, what, where=where)
+
+
+def _device_ids(name: str, value: Any, where: str) -> list[Any]:
+    check_instance(
+        name, value, list | tuple, "a list of one device, e.g. [local_rank]", where=where
+    )
+    with part_of(name, value, where):
+        return [_device(f"{name}[{i}]", d, "") for i, d in enumerate(value)]
+
+
+check_ddp_args = checked(
+    module=MODULE,
+    device_ids=optional(_device_ids),
+    output_device=optional(_device),
+    dim=rule(check_int),
+    broadcast_buffers=optional(FLAG),
+    init_sync=FLAG,
+    process_group=GROUP,
+    bucket_cap_mb=optional(_mib),
+    find_unused_parameters=FLAG,
+    check_reduction=FLAG,
+    gradient_as_bucket_view=FLAG,
+    static_graph=FLAG,
+    skip_all_reduce_unused_params=FLAG,
+    bucket_cap_mb_list=optional(_mib_list),
+    batched_grad_copy=FLAG,
+    forward_sync_buffers=optional(FLAG),
+)
+"""Decorates ``DistributedDataParallel.__init__``: the type and range of every argument."""
 
 
 @dataclass(frozen=True)
@@ -96,7 +146,7 @@ def buffer_sync(broadcast_buffers: bool | None, forward_sync_buffers: bool | Non
                 "`broadcast_buffers` is deprecated and its value is ignored when "
                 "`forward_sync_buffers` is provided.",
                 FutureWarning,
-                stacklevel=3,
+                stacklevel=4,  # the user: buffer_sync, __init__, its argument check
             )
         else:
             warnings.warn(
@@ -104,7 +154,7 @@ def buffer_sync(broadcast_buffers: bool | None, forward_sync_buffers: bool | Non
                 "`broadcast_buffers=False`, `forward_sync_buffers=False` still syncs buffers at "
                 "init.",
                 FutureWarning,
-                stacklevel=3,
+                stacklevel=4,  # the user: buffer_sync, __init__, its argument check
             )
     if forward_sync_buffers is not None:
         return BufferSync(at_init=True, in_forward=bool(forward_sync_buffers))
@@ -210,5 +260,5 @@ def check_flags(delay_named: Any, delay_trigger: Any, check_reduction: bool) -> 
             "The `check_reduction` argument in `DistributedDataParallel` module is deprecated "
             "and has no effect.",
             FutureWarning,
-            stacklevel=3,
+            stacklevel=4,  # the user: check_flags, __init__, its argument check
         )

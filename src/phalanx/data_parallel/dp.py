@@ -28,25 +28,35 @@ from typing import Any
 import torch
 from torch import nn
 
+from phalanx._check import (
+    MODULE,
+    check_instance,
+    check_int,
+    checked,
+    fail,
+    part_of,
+    rule,
+)
 from phalanx.data_parallel.scatter_gather import gather, num_chunks, scatter
 
 __all__ = ["DataParallel"]
 
 DeviceLike = int | str | torch.device
+WHERE = "DataParallel"
 
 
-def _as_device(value: Any, arg: str) -> torch.device:
+def _as_device(value: Any, arg: str, where: str = WHERE) -> torch.device:
     """``0`` -> cuda:0, ``-1`` -> cpu (torch's gather convention), ``"cpu"``, ``torch.device``."""
-    if isinstance(value, bool) or not isinstance(value, int | str | torch.device):
-        raise ValueError(f"{arg} must be an int, a str or a torch.device, got {value!r}")
+    what = "an int, a str or a torch.device"
+    check_instance(arg, value, int | str | torch.device, what, where=where)
     if isinstance(value, int):
         if value < -1:
-            raise ValueError(f"{arg} must be a CUDA index >= 0 (or -1 for CPU), got {value}")
+            raise fail(arg, value, "a CUDA index >= 0 (or -1 for CPU)", where=where)
         return torch.device("cpu") if value == -1 else torch.device("cuda", value)
     try:
         device = torch.device(value)
-    except RuntimeError as exc:
-        raise ValueError(f"{arg}={value!r} is not a device, e.g. 'cpu', 'cuda:1' or 1") from exc
+    except RuntimeError:
+        raise fail(arg, value, "a device, e.g. 'cpu', 'cuda:1' or 1", where=where) from None
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     return device
@@ -55,11 +65,14 @@ def _as_device(value: Any, arg: str) -> torch.device:
 def _resolve_device_ids(device_ids: Sequence[DeviceLike] | None) -> list[torch.device]:
     if device_ids is None:
         return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    what = "a list of devices, e.g. ['cpu', 'cpu'] or [0, 1]"
     if isinstance(device_ids, str | int | torch.device):
-        raise ValueError(f"device_ids must be a list of devices, got {device_ids!r}")
-    devices = [_as_device(d, f"device_ids[{i}]") for i, d in enumerate(device_ids)]
+        raise fail("device_ids", device_ids, what, where=WHERE, error=TypeError)
+    with part_of("device_ids", device_ids, WHERE):
+        devices = [_as_device(d, f"device_ids[{i}]", "") for i, d in enumerate(device_ids)]
     if not devices:
-        raise ValueError("device_ids=[] names no device; pass None for every visible GPU")
+        fix = "pass None for every visible GPU"
+        raise fail("device_ids", device_ids, "a non-empty list", where=WHERE, fix=fix)
     return devices
 
 
@@ -226,6 +239,10 @@ class DataParallel(nn.Module):
             not an int (or, at forward time, out of range for an input or output).
     """
 
+    @checked(
+        module=MODULE,
+        dim=rule(check_int, fix="the batch dimension"),
+    )
     def __init__(
         self,
         module: nn.Module,
@@ -234,8 +251,6 @@ class DataParallel(nn.Module):
         dim: int = 0,
     ) -> None:
         super().__init__()
-        if isinstance(dim, bool) or not isinstance(dim, int):
-            raise ValueError(f"dim must be an int (the batch dimension), got {dim!r}")
         self.module = module
         self.dim = dim
         self.device_ids = _resolve_device_ids(device_ids)
@@ -244,7 +259,7 @@ class DataParallel(nn.Module):
             warnings.warn(
                 "DataParallel(device_ids=None) found no CUDA device: running the module directly "
                 "on one device (pass device_ids=['cpu', 'cpu'] to split batches on the CPU)",
-                stacklevel=2,
+                stacklevel=3,  # the user's call: __init__, its argument check
             )
         elif output_device is None:
             self.output_device = self.device_ids[0]

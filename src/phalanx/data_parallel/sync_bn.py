@@ -25,6 +25,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from phalanx._check import (
+    FLAG,
+    GROUP,
+    MODULE,
+    check_float,
+    check_int,
+    checked,
+    optional,
+    rule,
+)
 from phalanx.comm.collectives import all_reduce
 
 __all__ = ["SyncBatchNorm"]
@@ -214,6 +224,15 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         bias: With ``affine``, also learn the bias (torch >= 2.13 spelling).
     """
 
+    @checked(
+        num_features=rule(check_int, min=1),
+        eps=rule(check_float, above=0),
+        momentum=optional(rule(check_float, min=0, max=1, fix="or None (cumulative average)")),
+        affine=FLAG,
+        track_running_stats=FLAG,
+        process_group=GROUP,
+        bias=FLAG,
+    )
     def __init__(
         self,
         num_features: int,
@@ -276,6 +295,7 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         return factor
 
     @classmethod
+    @checked(module=MODULE, process_group=GROUP)
     def convert_sync_batchnorm(
         cls, module: nn.Module, process_group: dist.ProcessGroup | None = None
     ) -> nn.Module:

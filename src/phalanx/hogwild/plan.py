@@ -5,9 +5,20 @@ No processes and no tensors here, so every rule is unit-testable in microseconds
 
 from __future__ import annotations
 
-import pickle
-from collections.abc import Callable
 from typing import Any
+
+from phalanx._check import (
+    MODULE,
+    check_choice,
+    check_dataset,
+    check_float,
+    check_instance,
+    check_int,
+    check_picklable,
+    checked,
+    optional,
+    rule,
+)
 
 __all__ = ["START_METHODS", "check_train_args", "shard_indices"]
 
@@ -43,46 +54,24 @@ def shard_indices(length: int, rank: int, num_processes: int) -> list[int]:
     return list(range(rank, length, num_processes))
 
 
-def check_train_args(
-    train_fn: Callable[..., Any],
-    num_processes: int,
-    start_method: str,
-    num_threads: int,
-    timeout: float | None,
-) -> None:
-    """Raise ``ValueError`` / ``TypeError`` naming the argument for a mistake in ``train()``'s."""
-    if start_method == "fork":
+def _start_method(name: str, value: Any, where: str) -> str:
+    if value == "fork":
         raise ValueError(_FORK_REFUSED)
-    if start_method not in START_METHODS:
-        raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
-    for name, value in (("num_processes", num_processes), ("num_threads", num_threads)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {name}={value}")
-    if timeout is not None and not timeout > 0:
-        raise ValueError(f"timeout must be > 0 seconds or None, got timeout={timeout}")
-    _check_picklable(train_fn)
+    return check_choice(name, value, START_METHODS, where=where)
 
 
-def _check_picklable(train_fn: Callable[..., Any]) -> None:
-    """Fail here, not in ``Process.start()``: spawn / forkserver pickle ``train_fn`` by name."""
-    if not callable(train_fn):
-        raise TypeError(f"train_fn must be callable, got {type(train_fn).__name__}")
-    name = getattr(train_fn, "__qualname__", repr(train_fn))
-    if "<lambda>" in name or "<locals>" in name:
-        raise TypeError(
-            _not_picklable(name, "it is a lambda or a function defined inside another function")
-        )
-    try:
-        pickle.dumps(train_fn)
-    except Exception as exc:  # pickle raises PicklingError, AttributeError or TypeError
-        raise TypeError(_not_picklable(name, f"pickling it failed: {exc}")) from exc
+_count = rule(check_int, min=1)
 
-
-def _not_picklable(name: str, why: str) -> str:
-    return (
-        f"train_fn={name} cannot be sent to a spawn / forkserver process: {why}. Define it "
-        "at module level (def train_fn(rank, model, shard, *args): ...) in an importable module "
-        "or in the script guarded by `if __name__ == '__main__':`."
-    )
+check_train_args = checked(
+    "hogwild.train",
+    model=MODULE,
+    train_fn=rule(check_picklable),
+    num_processes=_count,
+    dataset=optional(rule(check_dataset)),
+    args=rule(check_instance, types=tuple, what="a tuple of further arguments of train_fn"),
+    start_method=_start_method,
+    timeout=optional(rule(check_float, above=0, fix="or None to wait indefinitely")),
+    seed=rule(check_int),
+    num_threads=_count,
+)
+"""Decorates ``hogwild.train``: every argument checked before any process starts."""

@@ -33,6 +33,7 @@ __all__ = ["train"]
 _PRELOAD = ["torch", "phalanx"]  # the forkserver imports torch once; each child then starts fast
 
 
+@check_train_args
 def train(
     model: nn.Module,
     train_fn: Callable[..., Any],
@@ -73,16 +74,14 @@ def train(
         ``model`` itself, whose shared parameters now hold every process's updates.
 
     Raises:
-        ValueError: ``num_processes`` or ``num_threads`` < 1, ``timeout`` <= 0, bad
-            ``start_method``, or ``dataset`` without ``__len__``.
-        TypeError: ``train_fn`` is not callable or cannot be pickled (lambda, local function).
+        ValueError: ``num_processes`` or ``num_threads`` < 1, ``timeout`` <= 0 or a bad
+            ``start_method``.
+        TypeError: an argument of the wrong type: ``train_fn`` not callable or not picklable
+            (lambda, local function), ``dataset`` without ``__len__``...
         phalanx.launch.SpawnError: a process raised (``rank N failed: ...`` and its traceback),
             exited non-zero or was killed by a signal, or the deadline passed; all processes
             are stopped before it is raised.
     """
-    check_train_args(train_fn, num_processes, start_method, num_threads, timeout)
-    if dataset is not None and not hasattr(dataset, "__len__"):
-        raise ValueError(f"dataset must be map-style (have __len__), got {type(dataset).__name__}")
     model.zero_grad(set_to_none=True)  # a shared .grad would be summed into by every process
     model.share_memory()
     context = _start(

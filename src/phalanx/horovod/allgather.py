@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx._check import check_tensor
 from phalanx.comm import collectives as c
 from phalanx.horovod import dtypes
 from phalanx.horovod.grouped import check_tensors, submit_grouped
@@ -134,6 +135,7 @@ def allgather(
     Returns:
         A new tensor whose first dimension is the sum of every rank's first dimension.
     """
+    check_tensor("tensor", tensor, where="hvd.allgather")
     ps = resolve(process_set)
     if tensor.requires_grad and torch.is_grad_enabled():
         return _Allgather.apply(tensor, ps, name)

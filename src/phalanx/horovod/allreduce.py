@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx._check import check_bool, check_tensor
 from phalanx.comm import collectives as c
 from phalanx.horovod import dtypes
 from phalanx.horovod.compression import Compression, check_compression
@@ -56,6 +57,7 @@ def resolve_op(op: Any, average: bool | None = None) -> ReduceOp:
             f"average={average!r}); op supersedes average"
         )
     if average is not None:
+        check_bool("average", average, where="hvd", fix="or None; better op=hvd.Average")
         warnings.warn(
             "average= is deprecated; use op=hvd.Average or op=hvd.Sum",
             DeprecationWarning,
@@ -259,6 +261,7 @@ def allreduce(
     Same arguments as :func:`allreduce_async`, plus ``compression`` (e.g.
     ``hvd.Compression.fp16``) applied on the wire. Differentiable.
     """
+    check_tensor("tensor", tensor, where="hvd.allreduce")
     op, ps = resolve_op(op, average), resolve(process_set)
     check_compression(compression)
     wire, ctx = compression.compress(tensor)

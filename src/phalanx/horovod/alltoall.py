@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from phalanx._check import check_tensor
 from phalanx.comm import collectives as c
 from phalanx.horovod import dtypes
 from phalanx.horovod.handle import Handle
@@ -124,6 +125,7 @@ def alltoall(
         The received tensor; when ``splits`` is given, ``(tensor, received_splits)`` with the
         rows received from each rank (int32), as Horovod returns.
     """
+    check_tensor("tensor", tensor, where="hvd.alltoall")
     ps = resolve(process_set)
     if tensor.requires_grad and torch.is_grad_enabled():
         out, received = _Alltoall.apply(tensor, splits, ps, name)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx._check import check_tensor
 from phalanx.comm import collectives as c
 from phalanx.horovod import dtypes
 from phalanx.horovod.allreduce import submit_allreduce
@@ -104,6 +105,7 @@ def broadcast(
         name: Matches this operation across ranks (unnamed ones match by call order).
         process_set: An ``hvd.ProcessSet`` containing ``root_rank``; None for all ranks.
     """
+    check_tensor("tensor", tensor, where="hvd.broadcast")
     ps = resolve(process_set, root_rank)
     if tensor.requires_grad and torch.is_grad_enabled():
         return _Broadcast.apply(tensor, root_rank, ps, name)

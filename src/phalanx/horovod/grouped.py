@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from phalanx._check import check_instance, check_tensor, part_of
 from phalanx.horovod import dtypes
 from phalanx.horovod.allreduce import allreduce, launch, neutral_tensor, resolve_op
 from phalanx.horovod.compression import Compression, check_compression
@@ -114,10 +115,11 @@ def submit_grouped(
 
 def check_tensors(tensors: Any, what: str = "tensors") -> list[torch.Tensor]:
     """``tensors`` as a non-empty list of tensors (a TypeError / ValueError names the problem)."""
+    check_instance(what, tensors, list | tuple, "a list of tensors", where="hvd")
     tensors = list(tensors)
-    bad = [i for i, t in enumerate(tensors) if not isinstance(t, torch.Tensor)]
-    if bad:
-        raise TypeError(f"{what} must be a list of tensors; entries {bad} are not tensors")
+    with part_of(what, tensors, "hvd"):
+        for i, t in enumerate(tensors):
+            check_tensor(f"{what}[{i}]", t)
     if not tensors:
         raise ValueError(f"{what} must hold at least one tensor, got an empty list")
     return tensors

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from phalanx._check import check_int
 from phalanx.horovod.allreduce import ReduceOp, resolve_op
 from phalanx.horovod.compression import Compression, check_compression
 from phalanx.horovod.grad_sync import GradientSync, bucket_cap_bytes, check_same_parameters
@@ -116,8 +117,7 @@ def _wrapped_class(base: type) -> type[_DistributedOptimizer]:
 
 
 def _check_passes(passes: Any) -> None:
-    if not isinstance(passes, int) or isinstance(passes, bool) or passes < 1:
-        raise ValueError(f"backward_passes_per_step must be a positive integer, got {passes!r}")
+    check_int("backward_passes_per_step", passes, min=1, where="hvd.DistributedOptimizer")
 
 
 def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[tuple[str, nn.Parameter]]:

@@ -16,6 +16,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
+from phalanx._check import check_int, check_ints
 from phalanx.horovod.controller import Controller
 
 __all__ = [
@@ -38,11 +39,7 @@ class ProcessSet:
     """
 
     def __init__(self, ranks: Sequence[int]) -> None:
-        if isinstance(ranks, (str, bytes)) or not all(
-            isinstance(r, int) and not isinstance(r, bool) for r in ranks
-        ):
-            raise ValueError(f"ProcessSet takes a list of integer ranks, got {ranks!r}")
-        self.ranks: list[int] = sorted(ranks)
+        self.ranks: list[int] = sorted(check_ints("ranks", ranks, min=0, where="ProcessSet"))
         self.process_set_id: int | None = None
         """The same on every rank once added; None before ``add_process_set`` / after removal."""
         self.group: Any = None
@@ -207,6 +204,8 @@ def resolve(process_set: Any, root_rank: int | None = None, member: bool = True)
             f"[rank {dist.get_rank()}] this rank is not in {_label(ps)}; only its "
             f"members may call operations on it"
         )
+    if root_rank is not None:
+        check_int("root_rank", root_rank, min=0, where="hvd")
     if root_rank is not None and root_rank not in ps.ranks:
         raise ValueError(
             f"root_rank={root_rank} is not a rank of the process set (ranks {ps.ranks})"

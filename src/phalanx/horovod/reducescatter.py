@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx._check import check_tensor
 from phalanx.comm import collectives as c
 from phalanx.horovod import dtypes
 from phalanx.horovod.allreduce import _TORCH_OP, finish_scale, resolve_op, scale_
@@ -198,6 +199,7 @@ def reducescatter(
     Returns:
         Rows ``[start_r, start_r + rows_r)`` of the reduced tensor (see :func:`rows_of`).
     """
+    check_tensor("tensor", tensor, where="hvd.reducescatter")
     op, ps = resolve_op(op), resolve(process_set)
     check_compression(compression)
     wire, ctx = compression.compress(tensor)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from phalanx._check import check_str, check_tensor
 from phalanx.horovod.protocol import Kind, ReduceOp, stable_hash
 
 __all__ = ["Agreement", "Request", "Start", "describe", "mismatch", "signature"]
@@ -64,6 +65,13 @@ class Request:
     """``<kind>.<name>`` or ``<kind>.noname.<k>``: what ranks match on (set by the controller)."""
     key_hash: int = 0
     """``stable_hash(key)``, as rows carry it."""
+
+    def __post_init__(self) -> None:
+        where = f"hvd.{self.kind.name.lower()}"
+        if self.name is not None:
+            check_str("name", self.name, where=where)
+        for i, t in enumerate(self.tensors):
+            check_tensor("tensor" if len(self.tensors) == 1 else f"tensors[{i}]", t, where=where)
 
 
 def _tensor_meta(t: torch.Tensor) -> list[Any]:

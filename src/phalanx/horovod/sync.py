@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from phalanx._check import check_int
 from phalanx.horovod.controller import NEUTRAL
 from phalanx.horovod.process_sets import controller, global_process_set, resolve
 from phalanx.horovod.protocol import Kind
@@ -44,5 +45,6 @@ def join(device: int = -1) -> int:
     Returns:
         The global rank that called ``join()`` last (the same on every rank).
     """
+    check_int("device", device, min=-1, where="hvd.join")
     resolve(None)
     return controller(global_process_set).join()

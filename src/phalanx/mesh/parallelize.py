@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from phalanx._check import check_int
 from phalanx.mesh.checkpoint import ParallelModelState, ParallelOptimizerState, plan_segments
 from phalanx.mesh.grad_sync import average_gradients
 from phalanx.mesh.groups import ParallelGroups
@@ -56,10 +57,8 @@ class ParallelConfig:
     """Module name -> tensor-parallel style; None uses the model's default plan (GPT has one)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.micro_batches, int) or self.micro_batches < 1:
-            raise ValueError(f"micro_batches must be a positive int, got {self.micro_batches!r}")
-        if not isinstance(self.chunks, int) or self.chunks < 1:
-            raise ValueError(f"chunks must be a positive int, got {self.chunks!r}")
+        check_int("micro_batches", self.micro_batches, min=1, where="ParallelConfig")
+        check_int("chunks", self.chunks, min=1, where="ParallelConfig")
         if self.pp == 1 and (self.micro_batches > 1 or self.chunks > 1):
             raise ValueError(
                 f"micro_batches={self.micro_batches} and chunks={self.chunks} apply to a pipeline, "

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from phalanx._check import check_int
+
 __all__ = ["DIMS", "Topology"]
 
 DIMS = ("pp", "dp", "tp")
@@ -36,9 +38,7 @@ class Topology:
 
     def __post_init__(self) -> None:
         for dim in DIMS:
-            value = getattr(self, dim)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"Topology: {dim} must be a positive int, got {value!r}")
+            check_int(dim, getattr(self, dim), min=1, where="Topology")
 
     @classmethod
     def for_world(
@@ -50,8 +50,7 @@ class Topology:
             ValueError: naming every degree when they do not multiply to ``world_size``.
         """
         for name, value in (("pp", pp), ("tp", tp)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"Topology: {name} must be a positive int, got {value!r}")
+            check_int(name, value, min=1, where="Topology")
         if dp is None:
             if world_size % (pp * tp):
                 raise ValueError(

@@ -12,7 +12,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from phalanx.parameter_server.core import check_mode
+from phalanx._check import (
+    FLAG,
+    GROUP,
+    MODULE,
+    check_callable,
+    check_choice,
+    check_float,
+    check_int,
+    checked,
+    optional,
+    rule,
+)
+from phalanx.parameter_server.core import MODES, check_mode
 from phalanx.parameter_server.server import MakeOptimizer, Server, ServerReport
 from phalanx.parameter_server.shards import plan_shards
 from phalanx.parameter_server.worker import Worker, WorkerHistory
@@ -21,18 +33,20 @@ __all__ = ["ParameterServer"]
 
 
 def _check(world: int, num_servers: int, heartbeat: float, dead_after: float) -> None:
-    if not 1 <= num_servers < world:
+    """What depends on the group size and on two arguments at once."""
+    if not num_servers < world:
         raise ValueError(
             f"num_servers={num_servers} with a group of {world} ranks: need 1 <= num_servers "
             f"< {world} so that at least one rank is a worker"
         )
-    if heartbeat <= 0:
-        raise ValueError(f"heartbeat must be > 0 seconds, got {heartbeat}")
     if dead_after <= heartbeat:
         raise ValueError(
             f"dead_after={dead_after} must exceed heartbeat={heartbeat}: a worker is lost "
             f"only after missing heartbeats"
         )
+
+
+_seconds = rule(check_float, above=0)
 
 
 class ParameterServer:
@@ -59,6 +73,19 @@ class ParameterServer:
         on_version: Server ranks: called as ``on_version(version, flat_shard)`` per update.
     """
 
+    @checked(
+        model=MODULE,
+        make_optimizer=rule(check_callable, fix="e.g. lambda ps: torch.optim.SGD(ps.values())"),
+        group=GROUP,
+        num_servers=rule(check_int, min=1),
+        mode=rule(check_choice, choices=MODES),
+        bound=optional(rule(check_int, min=0)),
+        staleness_lr=FLAG,
+        max_updates=optional(rule(check_int, min=1)),
+        heartbeat=_seconds,
+        dead_after=_seconds,
+        on_version=optional(rule(check_callable)),
+    )
     def __init__(
         self,
         model: nn.Module,

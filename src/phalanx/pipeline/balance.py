@@ -17,7 +17,24 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["balance_stages", "check_balance", "parameter_costs", "time_costs"]
+from phalanx._check import check_choice, check_ints, fail
+
+__all__ = ["balance_arg", "balance_stages", "check_balance", "parameter_costs", "time_costs"]
+
+BALANCE_NAMES = ("params", "time")
+
+
+def balance_arg(name: str, value: Any, where: str) -> object:
+    """Argument rule of ``balance``: "params", "time" or a list of layers per stage (>= 1).
+
+    Whether the list fits the model and the pipeline is :func:`check_balance`'s to say, later.
+    """
+    if isinstance(value, str):
+        return check_choice(name, value, BALANCE_NAMES, where=where)
+    if not isinstance(value, list | tuple):
+        what = "'params', 'time' or a list of layers per stage (ints >= 1)"
+        raise fail(name, value, what, where=where, error=TypeError)
+    return check_ints(name, value, min=1, where=where)
 
 
 def _check_costs(costs: Sequence[float], num_stages: int) -> list[float]:

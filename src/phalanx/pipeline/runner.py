@@ -18,8 +18,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from phalanx._check import (
+    FLAG,
+    GROUP,
+    check_callable,
+    check_choice,
+    check_instance,
+    check_int,
+    check_module,
+    checked,
+    optional,
+    part_of,
+    rule,
+)
 from phalanx.comm.collectives import broadcast
-from phalanx.pipeline.balance import balance_stages, time_costs
+from phalanx.pipeline.balance import balance_arg, balance_stages, time_costs
 from phalanx.pipeline.p2p import DTYPES, Comm
 from phalanx.pipeline.ports import build_ports
 from phalanx.pipeline.schedules import SCHEDULES, Action
@@ -53,21 +66,23 @@ def _p2p_mode(group: dist.ProcessGroup | None, p2p: str | None, schedule: str, p
         )
     if p2p is None:
         return "eager" if backend == "gloo" else "grouped"
-    if p2p not in ("eager", "grouped"):
-        raise ValueError(f"p2p={p2p!r} is not 'eager', 'grouped' or None")
-    return p2p
+    return p2p  # "eager" or "grouped", by Pipeline's argument check
 
 
-def _check_config(schedule_name: str, micro_batches: int, chunks: int) -> None:
-    if schedule_name not in SCHEDULES:
-        raise ValueError(f"schedule={schedule_name!r} is not one of {', '.join(SCHEDULES)}")
-    for name, value in (("micro_batches", micro_batches), ("chunks", chunks)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+def _check_config(schedule_name: str, chunks: int) -> None:
     if chunks > 1 and schedule_name != "interleaved":
         raise ValueError(
             f"chunks={chunks} needs schedule='interleaved', got schedule={schedule_name!r}"
         )
+
+
+def _layers(name: str, value: Any, where: str) -> object:
+    what = "an nn.Sequential or a list of modules"
+    check_instance(name, value, nn.Sequential | list | tuple, what, where=where)
+    with part_of(name, value, where):
+        for i, layer in enumerate(value):
+            check_module(f"{name}[{i}]", layer)
+    return value
 
 
 class Pipeline(nn.Module):
@@ -97,6 +112,18 @@ class Pipeline(nn.Module):
     micro-batches' activations this rank held at once; ``comm`` is the P2P transport.
     """
 
+    @checked(
+        layers=_layers,
+        group=GROUP,
+        schedule=rule(check_choice, choices=SCHEDULES),
+        micro_batches=rule(check_int, min=1),
+        loss_fn=rule(check_callable, fix="loss_fn(output, target) -> a scalar tensor"),
+        chunks=rule(check_int, min=1),
+        balance=optional(balance_arg),
+        broadcast_loss=FLAG,
+        device=optional(rule(check_instance, types=str | torch.device, what="a device")),
+        p2p=optional(rule(check_choice, choices=("eager", "grouped"))),
+    )
     def __init__(
         self,
         layers: Sequence[nn.Module] | nn.Sequential,
@@ -113,7 +140,7 @@ class Pipeline(nn.Module):
         p2p: str | None = None,
     ) -> None:
         super().__init__()
-        _check_config(schedule, micro_batches, chunks)
+        _check_config(schedule, chunks)
         self.group = group
         self.num_ranks, self.rank = _group_info(group)
         self.schedule, self.num_microbatches, self.num_chunks = schedule, micro_batches, chunks

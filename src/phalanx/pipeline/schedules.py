@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from phalanx._check import check_choice, check_int
+
 __all__ = [
     "SCHEDULES",
     "Action",
@@ -48,16 +50,10 @@ class Action:
         return f"{self.kind}{self.microbatch}" + (f"c{self.chunk}" if self.chunk else "")
 
 
-def _check(name: str, value: int, low: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-
-
 def _check_rank(num_ranks: int, num_microbatches: int, rank: int) -> None:
-    _check("num_stages", num_ranks)
-    _check("num_microbatches", num_microbatches)
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_ranks:
-        raise ValueError(f"stage must be in [0, {num_ranks}), got {rank!r}")
+    check_int("num_stages", num_ranks, min=1)
+    check_int("num_microbatches", num_microbatches, min=1)
+    check_int("stage", rank, min=0, max=num_ranks - 1)
 
 
 def gpipe(num_stages: int, num_microbatches: int, stage: int) -> list[Action]:
@@ -150,7 +146,7 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, rank: int, chunks: i
     warm-up uses the largest one (see :func:`interleaved_warmup`).
     """
     _check_rank(num_ranks, num_microbatches, rank)
-    _check("chunks", chunks)
+    check_int("chunks", chunks, min=1)
     if chunks == 1:
         return one_f_one_b(num_ranks, num_microbatches, rank)
     fwd = _interleaved_order(num_ranks, num_microbatches, chunks)
@@ -171,9 +167,8 @@ def schedule(
         ValueError: unknown ``name``, or ``chunks > 1`` with a schedule other than
             ``"interleaved"``.
     """
-    if name not in SCHEDULES:
-        raise ValueError(f"schedule={name!r} is not one of {', '.join(SCHEDULES)}")
-    _check("chunks", chunks)
+    check_choice("schedule", name, SCHEDULES, where="schedule")
+    check_int("chunks", chunks, min=1, where="schedule")
     if name == "interleaved":
         return interleaved_1f1b(num_ranks, num_microbatches, rank, chunks)
     if chunks != 1:

@@ -44,9 +44,11 @@ from phalanx.sharding.state import PieceReader, ShardedState
 from phalanx.sharding.zero_join import JoinableZero
 from phalanx.sharding.zero_params import (
     check_elementwise,
+    check_flags,
     check_options,
     check_params,
     check_same_dense_type,
+    check_zero_args,
     sync_options,
 )
 
@@ -80,6 +82,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, JoinableZero):
     element's own gradient and state (SGD, Adam, AdamW, Adagrad, RMSprop, ...).
     """
 
+    @check_zero_args
     def __init__(
         self,
         params: Any,
@@ -92,7 +95,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, JoinableZero):
         bucket_cap_mb: float = 25.0,
         **defaults: Any,
     ) -> None:
-        check_options(optimizer_class, overlap_with_ddp, stage, bucket_cap_mb)
+        check_options(optimizer_class, stage, defaults)
+        check_flags(overlap_with_ddp)
         groups = check_params(params)
         check_same_dense_type(
             [p for g in groups for p in g["params"]] if isinstance(groups[0], dict) else groups

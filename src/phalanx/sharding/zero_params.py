@@ -13,12 +13,16 @@ from typing import Any
 
 import torch
 
+from phalanx._check import FLAG, GROUP, check_float, checked, fail, rule
+
 __all__ = [
     "NOT_ELEMENTWISE",
     "check_elementwise",
+    "check_flags",
     "check_options",
     "check_params",
     "check_same_dense_type",
+    "check_zero_args",
     "sync_options",
 ]
 
@@ -28,6 +32,7 @@ NOT_ELEMENTWISE = {
     "Muon": "it orthogonalises each weight matrix",
     "SparseAdam": "it steps sparse gradients",
 }
+WHERE = "ZeroRedundancyOptimizer"
 
 
 def check_elementwise(cls: type) -> None:
@@ -68,11 +73,9 @@ def check_params(params: Any) -> list[Any]:
         )
     try:
         items = list(params)
-    except TypeError as exc:
-        raise TypeError(
-            f"params must be an iterable of Tensors or dicts (parameter groups), got "
-            f"{_describe(params)}"
-        ) from exc
+    except TypeError:
+        what = "an iterable of Tensors or dicts (parameter groups)"
+        raise fail("params", params, what, where=WHERE, error=TypeError) from None
     if not items:
         raise ValueError("params is empty: ZeroRedundancyOptimizer needs at least one parameter")
     if not all(isinstance(g, dict) for g in items):
@@ -111,30 +114,44 @@ def check_same_dense_type(params: list[torch.Tensor], where: str = "params") -> 
             )
 
 
-def check_options(
-    optimizer_class: Any, overlap_with_ddp: bool, stage: int | None, bucket_cap_mb: float
-) -> None:
-    """The constructor's other arguments (``params`` aside)."""
-    if stage not in (None, 1, 2):
-        raise ValueError(
-            f"stage must be None (gradients averaged by DDP), 1 or 2 (stage 3 is "
-            f"FullyShardedDataParallel), got {stage!r}"
-        )
-    if not bucket_cap_mb > 0:
-        raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
+NUMERIC_OPTIONS = ("lr", "momentum", "dampening", "weight_decay", "eps", "alpha", "lr_decay")
+"""Options of torch's optimizers that are numbers >= 0; checked here so that ``lr="0.1"`` is
+named by the wrapper rather than failing inside ``torch.optim`` with a bare comparison error."""
+
+
+def check_options(optimizer_class: Any, stage: int | None, defaults: dict[str, Any]) -> None:
+    """The constructor's other arguments (``params`` aside; flags by the argument rules)."""
+    if stage not in (None, 1, 2) or isinstance(stage, bool):
+        what = "None (gradients averaged by DDP), 1 or 2 (stage 3 is FullyShardedDataParallel)"
+        raise fail("stage", stage, what, where=WHERE)
     if not (
         isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)
     ):
-        raise TypeError(
-            f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}"
-        )
+        what = "a torch.optim.Optimizer subclass, e.g. torch.optim.AdamW"
+        raise fail("optimizer_class", optimizer_class, what, where=WHERE, error=TypeError)
     check_elementwise(optimizer_class)
+    for key in NUMERIC_OPTIONS:
+        if key in defaults and not isinstance(defaults[key], torch.Tensor):
+            check_float(key, defaults[key], min=0, where=WHERE)
+
+
+def check_flags(overlap_with_ddp: bool) -> None:
+    """``overlap_with_ddp`` (a bool, by the argument rules) is refused when True."""
     if overlap_with_ddp:
         raise NotImplementedError(
             "overlap_with_ddp=True is not supported: torch runs that step inside DDP "
             "communication hooks (ddp_zero_hook) that drive its own class's private state. To "
             "overlap gradient communication with backward, drop DDP and pass stage=2"
         )
+
+
+check_zero_args = checked(
+    process_group=GROUP,
+    parameters_as_bucket_view=FLAG,
+    overlap_with_ddp=FLAG,
+    bucket_cap_mb=rule(check_float, above=0, fix="a size in MiB, e.g. 25"),
+)
+"""Decorates ``ZeroRedundancyOptimizer.__init__``: the types and ranges of its arguments."""
 
 
 def sync_options(src: list[dict[str, Any]], dst: list[dict[str, Any]]) -> None:

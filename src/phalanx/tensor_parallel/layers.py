@@ -26,6 +26,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from phalanx._check import (
+    FLAG,
+    GROUP,
+    check_instance,
+    check_int,
+    checked,
+    optional,
+    rule,
+)
 from phalanx.tensor_parallel.functional import (
     copy_to_tp_linear,
     gather_from_tp,
@@ -38,6 +47,11 @@ from phalanx.tensor_parallel.ranges import shard_range, shard_sizes
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"]
 
 Group = dist.ProcessGroup | None
+
+_size = rule(check_int, min=1)
+_dtype = optional(rule(check_instance, types=torch.dtype, what="a torch.dtype, e.g. torch.float32"))
+_device = optional(rule(check_instance, types=str | int | torch.device, what="a device"))
+_common = {"group": GROUP, "device": _device, "dtype": _dtype}
 
 
 def _dense_linear(
@@ -83,6 +97,15 @@ class ColumnParallelLinear(nn.Module):
         dtype: Parameter dtype.
     """
 
+    @checked(
+        in_features=_size,
+        out_features=_size,
+        bias=FLAG,
+        gather_output=FLAG,
+        sync_input_grad=FLAG,
+        allow_uneven=FLAG,
+        **_common,
+    )
     def __init__(
         self,
         in_features: int,
@@ -186,6 +209,7 @@ class RowParallelLinear(nn.Module):
         dtype: Parameter dtype.
     """
 
+    @checked(in_features=_size, out_features=_size, bias=FLAG, **_common)
     def __init__(
         self,
         in_features: int,
@@ -266,6 +290,7 @@ class VocabParallelEmbedding(nn.Module):
         dtype: Parameter dtype.
     """
 
+    @checked(num_embeddings=_size, embedding_dim=_size, **_common)
     def __init__(
         self,
         num_embeddings: int,

@@ -30,6 +30,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from phalanx._check import (
+    GROUP,
+    MODULE,
+    check_choice,
+    check_instance,
+    check_str,
+    checked,
+    part_of,
+)
 from phalanx.tensor_parallel.functional import copy_to_tp
 from phalanx.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -37,7 +46,7 @@ from phalanx.tensor_parallel.layers import (
     VocabParallelEmbedding,
 )
 
-__all__ = ["STYLES", "match_plan", "parallelize_module"]
+__all__ = ["STYLES", "match_plan", "parallelize_module", "plan_arg"]
 
 Group = dist.ProcessGroup | None
 STYLES = ("colwise", "colwise_gather", "vocab_head", "rowwise", "embedding", "parallel_input")
@@ -49,18 +58,24 @@ def _matches(pattern: str, name: str) -> bool:
     return len(want) == len(have) and all(w in ("*", h) for w, h in zip(want, have))
 
 
+def plan_arg(name: str, value: Any, where: str) -> Mapping[str, str]:
+    """Argument rule of a plan: a mapping of module name (or pattern) -> one of :data:`STYLES`."""
+    what = "a dict of module name -> style, e.g. {'fc1': 'colwise', 'fc2': 'rowwise'}"
+    check_instance(name, value, Mapping, what, where=where)
+    with part_of(name, value, where):
+        for pattern, style in value.items():
+            check_str("a module name", pattern)
+            check_choice(f"{name}[{pattern!r}]", style, STYLES)
+    return value
+
+
 def match_plan(names: Iterable[str], plan: Mapping[str, str]) -> dict[str, tuple[str, str]]:
     """Resolve a plan against module names: ``{name: (plan entry, style)}``, in ``names`` order.
 
     Pure: needs only the names. Raises ``ValueError`` naming the entry for an unknown style,
     an entry that matches no module, or a module that two entries claim.
     """
-    for pattern, style in plan.items():
-        if style not in STYLES:
-            raise ValueError(
-                f"tensor-parallel plan entry {pattern!r}: unknown style {style!r}; "
-                f"choose from {', '.join(STYLES)}"
-            )
+    plan_arg("plan", plan, "match_plan")
     resolved: dict[str, tuple[str, str]] = {}
     used: set[str] = set()
     for name in names:
@@ -131,6 +146,7 @@ def _apply_f_once(parent: nn.Module, group: Group) -> None:
     parent.register_forward_pre_hook(hook, with_kwargs=True)
 
 
+@checked(model=MODULE, plan=plan_arg, group=GROUP)
 def parallelize_module(model: nn.Module, plan: Mapping[str, str], group: Group) -> nn.Module:
     """Replace, in place, each submodule the plan names with its tensor-parallel version.
 

@@ -28,6 +28,7 @@ from torch import nn
 
 from phalanx.comm import group as pg
 from phalanx.mesh.groups import ParallelGroups
+from phalanx.train.job_args import check_epochs, check_job_args
 from phalanx.train.job_checkpoint import CheckpointMixin
 from phalanx.train.job_ps import PSMixin
 from phalanx.train.loop_helpers import (
@@ -80,6 +81,7 @@ class Job(CheckpointMixin, PSMixin):
             the metrics, and as :attr:`straggler_finding`; 0 disables.
     """
 
+    @check_job_args
     def __init__(
         self,
         strategy: str = "ddp",
@@ -108,10 +110,6 @@ class Job(CheckpointMixin, PSMixin):
         straggler: tuple[int | str, float] | None = None,
         straggler_check_every: int = 10,
     ) -> None:
-        if grad_accum < 1:
-            raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
-        if keep_last < 1:
-            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
         self._wrap = get_strategy(strategy)
         self.strategy = strategy
         self.owns_group = not pg.is_initialized()
@@ -280,6 +278,7 @@ class Job(CheckpointMixin, PSMixin):
     # ---- the loop ------------------------------------------------------------------------------
     def epochs(self, n: int) -> Iterator[int]:
         """Yield epoch numbers ``start..n-1``, resuming from the newest checkpoint if any."""
+        n = check_epochs(n)
         if self._serving():
             return
         start = self.resume() if not self._resumed else self.epoch

@@ -44,19 +44,12 @@ class PSMixin:
         self.ps = None
         self.straggler = None
         self._monitor: StragglerMonitor | None = None
-        if check_every < 0:
-            raise ValueError(f"straggler_check_every must be >= 0 (0 disables), got {check_every}")
         # Parameter-server workers are not in step: a collective among them would re-couple
         # them, so they are not compared.
         if check_every and self.world.world_size > 1 and self.ps_config is None:
             self._monitor = StragglerMonitor(check_every)
         if straggler is None:
             return
-        if not isinstance(straggler, tuple) or len(straggler) != 2:
-            raise ValueError(
-                f"straggler must be (who, factor), e.g. (1, 4.0) or ('random', 4.0); "
-                f"got {straggler!r}"
-            )
         who, factor = straggler
         count, index = self.world.world_size, self.world.rank
         if self.ps_config is not None:  # workers only: servers do not compute steps

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from phalanx._check import FLAG, check_callable, check_str, checked, optional, rule
 from phalanx.comm.group import World
 
 __all__ = [
@@ -30,6 +31,12 @@ _REGISTRY: dict[str, Strategy] = {}
 _OPTIMIZERS: dict[str, OptimizerHook] = {}
 
 
+@checked(
+    name=rule(check_str),
+    wrap=rule(check_callable, fix="wrap(model, world) -> the wrapped model"),
+    optimizer=optional(rule(check_callable)),
+    replace=FLAG,
+)
 def register_strategy(
     name: str, wrap: Strategy, *, optimizer: OptimizerHook | None = None, replace: bool = False
 ) -> None:

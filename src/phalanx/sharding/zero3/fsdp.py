@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
+from phalanx._check import check_bool, check_group, check_instance, check_module, fail
 from phalanx.comm import collectives as c
 from phalanx.sharding.clip import clip_pieces_
 from phalanx.sharding.state import PieceReader, ShardedState
@@ -232,22 +233,19 @@ def _check_args(
             f"{who} needs a process group: call phalanx.init_process_group() first "
             f"(launch with `phalanx run`)"
         )
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"{who}: module must be an nn.Module, got {type(module).__name__}")
+    check_module("module", module, where=who)
     if isinstance(module, FullyShardedDataParallel) or any(
         FLAT_NAME in m._parameters for m in module.modules()
     ):
         raise ValueError(f"{who}: module is already wrapped; wrap the plain model once")
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"{who}: process_group must be a ProcessGroup or None, got {group!r}")
+    check_group("process_group", group, where=who)
     for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
-        if dtype is not None and not isinstance(dtype, torch.dtype):
-            raise TypeError(f"{who}: {name} must be a torch.dtype or None, got {dtype!r}")
-        if dtype is not None and not dtype.is_floating_point:
-            raise ValueError(f"{who}: {name}={dtype} is not a floating-point dtype")
-    for name, flag in (("prefetch", prefetch), ("sync_module_states", sync_module_states)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{who}: {name} must be a bool, got {flag!r}")
+        if dtype is not None:
+            check_instance(name, dtype, torch.dtype, "a torch.dtype or None", where=who)
+            if not dtype.is_floating_point:
+                raise fail(name, dtype, "a floating-point dtype", where=who)
+    check_bool("prefetch", prefetch, where=who)
+    check_bool("sync_module_states", sync_module_states, where=who)
     if not any(True for _ in module.parameters()):
         raise ValueError(f"{who}: module {type(module).__name__} has no parameters")
 
