@@ -22,6 +22,7 @@ from phalanx.comm.auth import SECRET_ENV, new_secret
 from phalanx.comm.store import host_store
 from phalanx.launch.attempt import worker_specs
 from phalanx.launch.config import LaunchConfig
+from phalanx.launch.events import Events
 from phalanx.launch.logs import RunLogs
 from phalanx.launch.rendezvous import AgentStore, Rendezvous, RendezvousError, StoreLost
 from phalanx.launch.summary import (
@@ -62,6 +63,7 @@ class Agent:
         self.nproc = cfg.nproc_per_node
         self.generation = 0
         self.logs = RunLogs(cfg.logs, log)
+        self.events = Events(cfg)
         # One secret per job: the user's on several machines (each needs the same), else new.
         self.secret = os.environ.get(SECRET_ENV) or (new_secret() if cfg.nnodes == 1 else None)
 
@@ -137,6 +139,7 @@ class Agent:
         self.check_stop()
         try:
             self.workers = WorkerGroup(specs, logs)
+            self.events.started(rdzv, self.workers.workers)
         except OSError as exc:
             reason = f"cannot start the workers: {exc}"
             failure = Failure(-1, -1, self.node, os.getpid(), 1, reason=reason)
@@ -210,6 +213,7 @@ class Agent:
         self._leave(g)
         if self.workers is not None:
             self.workers.join_threads(timeout=2.0)
+        self.events.ended(None)
         return 0
 
     def _fail(self, g: int, failure: Failure, max_restarts: int) -> int:
@@ -218,6 +222,7 @@ class Agent:
         self._stop_workers()
         if self.node == 0:
             self._leave(g)
+        self.events.ended(failure)
         for line in format_summary(failure, g, max_restarts):
             self.log(line)
         return failure.exit_code
