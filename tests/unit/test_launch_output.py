@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -10,7 +11,8 @@ from collections import deque
 
 import pytest
 
-from phalanx.launch.output import Console, ConsoleSink, Prefixer, TailSink, pump, reading_stdin
+from phalanx.launch.output import Console, ConsoleSink, TailSink, pump, reading_stdin
+from phalanx.launch.prefix import Prefixer
 
 
 def _feed(prefixer: Prefixer, *chunks: bytes) -> bytes:
@@ -63,6 +65,24 @@ def test_console_ends_another_ranks_partial_line(capsys: pytest.CaptureFixture[s
     assert out == (
         "[rank 0] loading\n[rank 1] hi\n\r[rank 0]  50%\nphalanx run: note\n\r[rank 0]  60%"
     )
+
+
+class _Terminal(io.TextIOWrapper):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_on_a_terminal_a_broken_prompt_is_redrawn(monkeypatch: pytest.MonkeyPatch) -> None:
+    screen = _Terminal(io.BytesIO(), encoding="utf-8")
+    monkeypatch.setattr(sys, "stdout", screen)
+    console = Console()
+    zero, one = Prefixer(b"[rank 0] "), Prefixer(b"[rank 1] ")
+    console.write("stdout", zero, b"(Pdb) ")
+    console.write("stdout", one, b"done\n")
+    console.awaiting_input(zero)  # the terminal echoes the user's Enter: a new line follows
+    console.write("stdout", zero, b"41\n")
+    shown = screen.buffer.getvalue()  # type: ignore[attr-defined]
+    assert shown == b"[rank 0] (Pdb) \n[rank 1] done\n[rank 0] (Pdb) [rank 0] 41\n"
 
 
 def test_pump_copies_chunks_and_keeps_the_stderr_tail(capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from phalanx.launch.config import LaunchConfig
 from phalanx.launch.logs import AttemptLogs, RunLogs
 from phalanx.launch.netif import interface_for, interface_owning
-from phalanx.launch.output import line_prefix
+from phalanx.launch.prefix import line_prefix
 from phalanx.launch.rendezvous import Rendezvous
 from phalanx.launch.worker_env import JobContext, Placement, worker_env
 from phalanx.launch.workers import WorkerSpec, numa_bound, worker_command

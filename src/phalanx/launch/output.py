@@ -2,11 +2,11 @@
 
 A pump thread per worker stream reads its pipe with ``os.read`` (not line by line), so a
 progress bar's ``\\r`` updates and a prompt without a newline (pdb's ``(Pdb) ``) appear at once.
-The :class:`Prefixer` puts the rank prefix at each line start *and after each* ``\\r`` (else the
-bar's redraw would erase it) and drops torch's own ``[rankN]:`` prefix (``init_process_group``'s
-excepthook and c10d's C++ log lines add it), which would double ours. The :class:`Console`
-lets one writer at a time through and ends another rank's partial line before writing, so lines
-of two ranks never mix mid-line.
+A :class:`~phalanx.launch.prefix.Prefixer` per stream adds the rank prefix. The
+:class:`Console` lets one writer at a time through and ends another rank's partial line before
+writing, so lines of two ranks never mix mid-line; on a terminal it then redraws that partial
+line (a progress bar, a prompt). When rank 0 reads the launcher's terminal, a partial line it
+leaves while blocked reading stdin is a prompt: the user's Enter ends that line.
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
-import re
 import select
-import string
 import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import IO, Protocol
+
+from phalanx.launch.prefix import Prefixer
 
 __all__ = [
     "CONSOLE",
@@ -29,101 +29,15 @@ __all__ = [
     "ConsoleSink",
     "FileSink",
     "Lines",
-    "Prefixer",
     "Sink",
     "TailSink",
-    "line_prefix",
     "pump",
     "reading_stdin",
 ]
 
 CHUNK = 65536
-IDLE_S = 0.2
+IDLE_S = 0.05
 """How long a prompt must wait before the launcher checks whether it waits for input."""
-_SEPARATOR = re.compile(rb"([\r\n])")
-_LINE, _CR, _MID, _BROKEN = 0, 1, 2, 3
-"""Where the prefixer is: at a line start, just after a ``\\r``, inside a line, or at a line
-start because another writer ended its partial line (then its own newline is already out)."""
-
-
-class Prefixer:
-    """Insert ``prefix`` at line starts and after each ``\\r``; drop a redundant torch prefix."""
-
-    def __init__(self, prefix: bytes, torch_prefix: bytes | None = None) -> None:
-        self.prefix = prefix
-        self._blank = prefix.rstrip() + b"\n"
-        self._torch = torch_prefix
-        self._state = _LINE
-        self._held = b""
-
-    @property
-    def open(self) -> bool:
-        """True while a partial line (or a ``\\r`` redraw) of this stream is on the console."""
-        return self._state in (_CR, _MID)
-
-    def line_broken(self) -> None:
-        """Another writer ended our partial line: the next content starts a new, prefixed line."""
-        self._state = _BROKEN
-
-    def feed(self, data: bytes) -> bytes:
-        """The bytes to show for ``data`` (a start that may be torch's prefix is held back)."""
-        pieces = _SEPARATOR.split(self._held + data)  # content, separator, content, ...
-        self._held = b""
-        out = bytearray()
-        for i, piece in enumerate(pieces):
-            if i % 2:
-                out += self._separator(piece)
-            elif piece:
-                if self._state != _MID:
-                    kept = self._strip(piece, at_end=i == len(pieces) - 1)
-                    if kept is None:
-                        break
-                    out += self.prefix
-                    self._state = _MID
-                    piece = kept
-                out += piece
-        return bytes(out)
-
-    def flush(self) -> bytes:
-        """What is still held back, at end of file."""
-        held, self._held = self._held, b""
-        if not held:
-            return b""
-        self._state = _MID
-        return self.prefix + held
-
-    def _separator(self, sep: bytes) -> bytes:
-        if sep == b"\r":
-            self._state = _CR
-            return sep
-        out = {_LINE: self._blank, _BROKEN: b""}.get(self._state, sep)  # a blank line: prefixed
-        self._state = _LINE
-        return out
-
-    def _strip(self, piece: bytes, at_end: bool) -> bytes | None:
-        """``piece`` without torch's ``[rankN]:`` (and one space); None: held, may be one."""
-        mark = self._torch
-        if mark is None:
-            return piece
-        if piece.startswith(mark):
-            rest = piece[len(mark) :]
-            if not rest and at_end:  # a space may follow in the next chunk
-                self._held = piece
-                return None
-            return rest[1:] if rest.startswith(b" ") else rest
-        if at_end and mark.startswith(piece):
-            self._held = piece
-            return None
-        return piece
-
-
-def line_prefix(template: str | None, role: str, rank: int, local_rank: int) -> str:
-    """``[rank N] ``, or torchrun's TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE filled in."""
-    if template is None:
-        return f"[rank {rank}] "
-    return string.Template(template).safe_substitute(
-        role_name=role, rank=rank, local_rank=local_rank
-    )
 
 
 def _terminal(stream: IO[str]) -> object:
@@ -133,6 +47,13 @@ def _terminal(stream: IO[str]) -> object:
         return (st.st_dev, st.st_ino)
     except (OSError, ValueError, AttributeError):
         return id(stream)
+
+
+def _is_tty(stream: IO[str]) -> bool:
+    try:
+        return stream.isatty()
+    except (OSError, ValueError):
+        return False
 
 
 def _put(stream: IO[str], data: bytes) -> None:
@@ -157,6 +78,9 @@ class Console:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._open: dict[object, tuple[Prefixer, str]] = {}
+        """Per terminal: the writer whose partial line is on it, and its stream."""
+        self._ended: dict[object, tuple[Prefixer, str]] = {}
+        """Per terminal: the writer whose partial line another writer ended (to redraw)."""
 
     def write(self, name: str, source: Prefixer, data: bytes, final: bool = False) -> None:
         """Show ``data`` from ``source`` on stream ``name`` (``"stdout"`` or ``"stderr"``)."""
@@ -166,35 +90,44 @@ class Console:
                 return
             stream = _stream(name)
             key = _terminal(stream)
-            self._end_line_of_other(key, source)
+            self._break(key, source)
             _put(stream, out)
-            if source.open:
-                self._open[key] = (source, name)
-            else:
-                self._open.pop(key, None)
+            self._settle(key, (source, name) if source.open else None)
 
     def line(self, name: str, text: str) -> None:
         """Write one line of the launcher's own, after ending any worker's partial line."""
         with self._lock:
             stream = _stream(name)
-            self._end_line_of_other(_terminal(stream), None)
+            key = _terminal(stream)
+            self._break(key, None)
             _put(stream, text.encode("utf-8", "replace") + b"\n")
+            self._settle(key, None)
 
-    def answered(self, source: Prefixer) -> None:
-        """``source``'s open line is a prompt the user answers on the terminal, whose echo of
-        Enter ends the line: give up the line, and prefix what ``source`` writes next."""
+    def awaiting_input(self, source: Prefixer) -> None:
+        """``source``'s open line is a prompt answered on the terminal (see Prefixer)."""
         with self._lock:
-            for key, (owner, _) in list(self._open.items()):
-                if owner is source:
-                    source.line_broken()
-                    del self._open[key]
+            source.awaiting_input = True
 
-    def _end_line_of_other(self, key: object, source: Prefixer | None) -> None:
-        owner = self._open.get(key)
+    def _break(self, key: object, source: Prefixer | None) -> None:
+        """End another writer's partial line on terminal ``key`` before ``source`` writes."""
+        owner = self._open.pop(key, None)
         if owner is not None and owner[0] is not source:
             _put(_stream(owner[1]), b"\n")
             owner[0].line_broken()
-            del self._open[key]
+            self._ended[key] = owner
+
+    def _settle(self, key: object, now_open: tuple[Prefixer, str] | None) -> None:
+        """Record who has a partial line now; once the line is complete, redraw the partial
+        line it ended (on a terminal: a progress bar or prompt must stay visible)."""
+        if now_open is not None:
+            self._open[key] = now_open
+            return
+        ended = self._ended.pop(key, None)
+        if ended is not None and _is_tty(_stream(ended[1])):
+            redraw = ended[0].resume()
+            if redraw:
+                _put(_stream(ended[1]), redraw)
+                self._open[key] = ended
 
 
 CONSOLE = Console()
@@ -227,8 +160,9 @@ class ConsoleSink:
 
     def idle(self, pid: int) -> None:
         """No output for a while: if the worker now waits on the terminal, its line is a prompt."""
-        if self.prefixer.open and reading_stdin(pid):
-            self.console.answered(self.prefixer)
+        p = self.prefixer
+        if p.open and not p.awaiting_input and reading_stdin(pid):
+            self.console.awaiting_input(p)
 
 
 _READ_SYSCALLS = {"x86_64": (0, 19), "aarch64": (63, 65)}

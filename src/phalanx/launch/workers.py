@@ -25,7 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from phalanx.launch.logs import AttemptLogs, FilteredLogs, StreamLogs, WorkerLogs
-from phalanx.launch.output import ConsoleSink, FileSink, Prefixer, Sink, TailSink, pump
+from phalanx.launch.output import ConsoleSink, FileSink, Sink, TailSink, pump
+from phalanx.launch.prefix import Prefixer
 
 __all__ = [
     "Worker",
