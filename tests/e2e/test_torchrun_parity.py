@@ -34,11 +34,11 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _run(cmd: list[str], cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+def _run(cmd: list[str], **env: str) -> subprocess.CompletedProcess[str]:
     """Run a launcher in its own process group; on the deadline kill the group and fail."""
     proc = subprocess.Popen(
-        cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
+        cmd, cwd=ROOT, env={**_env(), **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,
     )  # fmt: skip
     try:
         out, err = proc.communicate(timeout=DEADLINE_S)
@@ -135,3 +135,25 @@ def test_module_run_path_and_no_python_start_the_script_as_torchrun(how: list[st
     theirs, ours = shown(_run([*TORCHRUN, *flags]).stdout), shown(_run([*PHALANX, *flags]).stdout)
     assert ours == theirs
     assert ours["argv"] == ["a", "--b"] and ours["name"] == "__main__"
+
+
+def test_redirects_tee_filters_prefix_template_and_restarts_as_torchrun(tmp_path: Path) -> None:
+    """stderr to files only, stdout tee'd, 'loss' lines duplicated, one restart: same files."""
+    flags = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--role", "w",
+             "--redirects", "2", "--tee", "1", "--duplicate-stdout-filters", "loss"]  # fmt: skip
+    script = str(SCRIPTS / "chatty.py")
+    template = {"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[${role_name}${local_rank}]:"}
+    theirs = _run([*TORCHRUN, *flags, "--log-dir", str(tmp_path / "t"), script], **template)
+    ours = _run([*PHALANX, *flags, "--log-dir", str(tmp_path / "p"), script], **template)
+    files = _files(tmp_path / "p")
+    assert files == _files(tmp_path / "t")
+    filtered = sorted(files["attempt_1/filtered_stdout.log"].splitlines())
+    assert filtered == [f"[w{r}]:loss 0.5 rank {r} attempt 1" for r in (0, 1)]
+    assert files["attempt_0/1/stderr.log"] == "warn rank 1\n"
+
+    def shown(text: str) -> list[str]:
+        return sorted(line for line in text.splitlines() if line.startswith("[w"))
+
+    assert shown(ours.stdout) == shown(theirs.stdout)
+    assert len(shown(ours.stdout)) == 8  # 2 lines x 2 ranks x 2 attempts
+    assert shown(ours.stderr) == shown(theirs.stderr) == []  # stderr went to the files only
