@@ -24,9 +24,9 @@ from phalanx.launch.config import (
     LogOptions,
 )
 from phalanx.launch.nproc import DeviceProbe, check_nproc, local_world_size, probe_devices
-from phalanx.launch.options import BACKENDS, build_parser, usage
+from phalanx.launch.options import BACKENDS, build_parser
 
-__all__ = ["BACKENDS", "ArgsError", "LaunchConfig", "notes", "parse_args", "usage"]
+__all__ = ["BACKENDS", "ArgsError", "LaunchConfig", "notes", "parse_args"]
 
 RDZV_BACKENDS = ("static", "c10d")
 C10D_DEFAULT_PORT = 29400

@@ -43,9 +43,11 @@ def probe_devices(kind: str) -> int | None:
     if kind == "xpu":
         xpu = getattr(torch, "xpu", None)
         return int(xpu.device_count()) if xpu is not None and xpu.is_available() else None
-    if kind == "accelerator":
-        available = torch.accelerator.is_available()
-        return int(torch.accelerator.device_count()) if available else None
+    if kind == "accelerator":  # torch.accelerator appeared in torch 2.6
+        accel = getattr(torch, "accelerator", None)
+        if accel is None:
+            return int(torch.cuda.device_count()) if torch.cuda.is_available() else None
+        return int(accel.device_count()) if accel.is_available() else None
     if kind == torch._C._get_privateuse1_backend_name():
         module = getattr(torch, kind, None)
         return int(module.device_count()) if module is not None else None

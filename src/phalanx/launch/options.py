@@ -12,9 +12,35 @@ from typing import Any, NoReturn
 
 from phalanx.launch.config import DEFAULT_MASTER_ADDR, DEFAULT_SIGNALS, ArgsError
 
-__all__ = ["BACKENDS", "build_parser", "usage"]
+__all__ = ["BACKENDS", "build_parser"]
 
 BACKENDS = ("auto", "gloo", "nccl", "mpi")
+METAVARS = {
+    "nnodes": "N|MIN:MAX",
+    "nproc_per_node": "N|cpu|gpu|auto",
+    "max_restarts": "N",
+    "monitor_interval": "SECONDS",
+    "start_method": "METHOD",
+    "signals_to_handle": "SIGNALS",
+    "shutdown_timeout": "SECONDS",
+    "numa_binding": "MODE",
+    "rdzv_endpoint": "HOST:PORT",
+    "rdzv_id": "ID",
+    "rdzv_conf": "KEY=VALUE,...",
+    "rdzv_timeout": "SECONDS",
+    "node_rank": "N",
+    "master_addr": "HOST",
+    "master_port": "PORT",
+    "local_addr": "HOST",
+    "backend": "|".join(BACKENDS),
+    "log_dir": "DIR",
+    "redirects": "0-3|R:V,...",
+    "tee": "0-3|R:V,...",
+    "local_ranks_filter": "R,...",
+    "duplicate_stdout_filters": "TEXT,...",
+    "duplicate_stderr_filters": "TEXT,...",
+}
+"""How each value is written in the usage text (default NAME)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -42,8 +68,14 @@ class _Options:
         self.environ = environ
 
     def value(self, *flags: str, default: str | None, help: str, pet: bool = True) -> None:
-        env = self.environ.get(f"PET_{_dest(flags).upper()}") if pet else None
-        self.group.add_argument(*flags, default=env if env is not None else default, help=help)
+        dest = _dest(flags)
+        env = self.environ.get(f"PET_{dest.upper()}") if pet else None
+        self.group.add_argument(
+            *flags,
+            default=env if env is not None else default,
+            help=help,
+            metavar=METAVARS.get(dest, "NAME"),
+        )
 
     def flag(self, *flags: str, help: str) -> None:
         name = f"PET_{_dest(flags).upper()}"
@@ -128,8 +160,10 @@ def build_parser(environ: Mapping[str, str]) -> _Parser:
         "--run_path",
         help="run the script with runpy.run_path (takes precedence over --no-python)",
     )
-    p.add_argument("script", metavar="script")
-    p.add_argument("script_args", nargs=argparse.REMAINDER)
+    p.add_argument(
+        "script", help="the training script (a module with -m, a program with --no-python)"
+    )
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     return p
 
 
@@ -214,8 +248,3 @@ def _add_logs(g: _Options) -> None:
         pet=False,
         help="name of a torchrun.logs_specs entry point that lays out the files instead",
     )
-
-
-def usage() -> str:
-    """The usage line of ``phalanx run``."""
-    return build_parser({}).format_usage()

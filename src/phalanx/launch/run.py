@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import sys
 from datetime import timedelta
 from typing import Any
 
-from phalanx.launch.args import ArgsError, LaunchConfig, notes, parse_args, usage
+from phalanx.launch.args import ArgsError, LaunchConfig, notes, parse_args
 from phalanx.launch.logs import load_logs_specs
 from phalanx.launch.netif import interface_owning
 from phalanx.launch.output import CONSOLE
@@ -87,8 +86,8 @@ def main(argv: list[str]) -> int:
         cfg = parse_args(argv)
         _check_local(cfg)
     except ArgsError as exc:
-        sys.stderr.write(usage())
         _log(f"error: {exc}")
+        _log("every option: phalanx run --help")
         return 2
     except PreflightError as exc:
         _log(f"error: {exc}")
