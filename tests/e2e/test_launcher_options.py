@@ -18,47 +18,24 @@ from pathlib import Path
 import pytest
 
 from phalanx.launch import main
+from tests.e2e.launching import (
+    DEADLINE_S,
+    SCRIPTS,
+    finish,
+    launcher_env,
+    run_ok,
+    start,
+    worker_envs,
+)
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = Path(__file__).resolve().parent / "scripts"
 LAUNCH = [sys.executable, "-m", "phalanx.launch", "--standalone", "--nproc-per-node", "2"]
-DEADLINE_S = 90
 
 pytestmark = pytest.mark.timeout(200)
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "PYTHONPATH")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), *extra.pop("path", "").split(":")])
-    return {**env, **extra}
-
-
-def _start(*args: str, **env: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [*LAUNCH, *args], cwd=ROOT, env=_env(**env), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
-
-
-def _finish(proc: subprocess.Popen[str]) -> tuple[str, str]:
-    try:
-        return proc.communicate(timeout=DEADLINE_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate(timeout=10)
-        pytest.fail(f"the launcher did not finish in {DEADLINE_S} s:\n{out}\n{err}")
-
-
-def _run(*args: str, **env: str) -> tuple[str, str]:
-    proc = _start(*args, **env)
-    out, err = _finish(proc)
-    assert proc.returncode == 0, f"exit {proc.returncode}:\n{out}\n{err}"
-    return out, err
-
-
 def test_signals_to_handle_are_forwarded_then_the_grace_ends(tmp_path: Path) -> None:
-    proc = _start("--signals-to-handle", "SIGUSR1,SIGTERM", "--shutdown-timeout", "1",
-                  str(SCRIPTS / "usr1_sleeper.py"), str(tmp_path))  # fmt: skip
+    flags = ["--signals-to-handle", "SIGUSR1,SIGTERM", "--shutdown-timeout", "1"]
+    proc = start([*LAUNCH, *flags, str(SCRIPTS / "usr1_sleeper.py"), str(tmp_path)], launcher_env())
     try:
         deadline = time.monotonic() + DEADLINE_S
         while not all((tmp_path / f"ready{r}").exists() for r in (0, 1)):
@@ -66,7 +43,7 @@ def test_signals_to_handle_are_forwarded_then_the_grace_ends(tmp_path: Path) -> 
             time.sleep(0.05)
         sent = time.monotonic()
         proc.send_signal(signal.SIGUSR1)
-        out, err = _finish(proc)
+        out, err = finish(proc)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -77,16 +54,11 @@ def test_signals_to_handle_are_forwarded_then_the_grace_ends(tmp_path: Path) -> 
     assert time.monotonic() - sent < 2.9
 
 
-def _envs(out: str) -> dict[str, dict[str, str]]:
-    found = [json.loads(line.split("ENV ", 1)[1]) for line in out.splitlines() if "ENV " in line]
-    return {env["RANK"]: env for env in found}
-
-
 def test_role_virtual_local_rank_local_addr_and_events() -> None:
-    out, err = _run("--role", "trainer", "--virtual-local-rank", "--local-addr", "127.0.0.1",
-                    "--event-log-handler", "console", str(SCRIPTS / "show_env.py"),
-                    CUDA_VISIBLE_DEVICES="5,7")  # fmt: skip
-    envs = _envs(out)
+    flags = ["--role", "trainer", "--virtual-local-rank", "--local-addr", "127.0.0.1",
+             "--event-log-handler", "console"]  # fmt: skip
+    out, err = run_ok([*LAUNCH, *flags, str(SCRIPTS / "show_env.py")], CUDA_VISIBLE_DEVICES="5,7")
+    envs = worker_envs(out)
     assert [envs[r]["LOCAL_RANK"] for r in ("0", "1")] == ["0", "0"]
     assert [envs[r]["CUDA_VISIBLE_DEVICES"] for r in ("0", "1")] == ["5", "7"]
     assert {envs[r]["ROLE_NAME"] for r in ("0", "1")} == {"trainer"}
@@ -108,7 +80,7 @@ def test_local_addr_of_another_machine_is_refused(capsys: pytest.CaptureFixture[
 
 
 def test_redirects_without_log_dir_keep_a_temporary_directory() -> None:
-    out, err = _run("--redirects", "3", "-m", "tests.e2e.scripts.echo_streams")
+    out, err = run_ok([*LAUNCH, "--redirects", "3", "-m", "tests.e2e.scripts.echo_streams"])
     assert "[rank" not in out and "[rank" not in err  # nothing on the console
     said = next(line for line in err.splitlines() if "worker logs of attempt 0 in " in line)
     attempt = Path(said.split(" in ", 1)[1])
@@ -135,8 +107,8 @@ def test_logs_specs_plugin_decides_the_files(tmp_path: Path) -> None:
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: my-specs\nVersion: 1.0\n")
     (info / "entry_points.txt").write_text("[torchrun.logs_specs]\nmarked = my_specs:Marked\n")
     logs = tmp_path / "logs"
-    _run("--logs-specs", "marked", "--log-dir", str(logs), "--redirects", "1",
-         "-m", "tests.e2e.scripts.echo_streams", path=str(tmp_path))  # fmt: skip
+    flags = ["--logs-specs", "marked", "--log-dir", str(logs), "--redirects", "1"]
+    run_ok([*LAUNCH, *flags, "-m", "tests.e2e.scripts.echo_streams"], path=str(tmp_path))
     assert (logs / "plugin-was-used").exists()
     (run_dir,) = (p for p in logs.iterdir() if p.is_dir())
     assert (run_dir / "attempt_0" / "0" / "stdout.log").read_text().startswith("out from 0")

@@ -20,25 +20,17 @@ import termios
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = Path(__file__).resolve().parent / "scripts"
+from tests.e2e.launching import DEADLINE_S, ROOT, SCRIPTS, finish, launcher_env, start
+
 LAUNCH = [sys.executable, "-m", "phalanx.launch", "--standalone", "--nproc-per-node", "2"]
-DEADLINE_S = 90
 HUMAN_S = 0.5
 """A person answers a prompt after this long at the earliest (the launcher notices a prompt
 waiting for input after 50 ms, and prefixes what follows the user's Enter)."""
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
-    return env
 
 
 def _take_terminal() -> None:
@@ -54,7 +46,7 @@ class Terminal:
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
         self.proc = subprocess.Popen(
             [*LAUNCH, str(SCRIPTS / script)], stdin=slave, stdout=slave, stderr=slave,
-            env=_env(), cwd=ROOT, start_new_session=True, preexec_fn=_take_terminal,
+            env=launcher_env(), cwd=ROOT, start_new_session=True, preexec_fn=_take_terminal,
         )  # fmt: skip
         os.close(slave)
         self.shown = b""
@@ -131,12 +123,10 @@ def test_breakpoint_and_input_in_rank_0() -> None:
 
 
 def test_torchs_rank_prefix_is_not_doubled() -> None:
-    proc = subprocess.run(
-        [*LAUNCH, str(SCRIPTS / "raise_after_init.py")], capture_output=True, text=True,
-        env=_env(), cwd=ROOT, timeout=DEADLINE_S,
-    )  # fmt: skip
-    assert proc.returncode == 1, proc.stderr
-    assert "[rank 1] Traceback (most recent call last):" in proc.stderr
-    assert "[rank 1] ValueError: boom after init" in proc.stderr
-    assert "[rank1]:" not in proc.stderr
-    assert "exception: ValueError: boom after init" in proc.stderr
+    proc = start([*LAUNCH, str(SCRIPTS / "raise_after_init.py")], launcher_env())
+    _, err = finish(proc)
+    assert proc.returncode == 1, err
+    assert "[rank 1] Traceback (most recent call last):" in err
+    assert "[rank 1] ValueError: boom after init" in err
+    assert "[rank1]:" not in err
+    assert "exception: ValueError: boom after init" in err

@@ -129,7 +129,6 @@ class Agent:
 
     def _start_workers(self, rdzv: Rendezvous) -> Failure | None:
         """Start this node's workers; a Failure (already published) if they cannot start."""
-        specs, logs = worker_specs(self.cfg, rdzv, self.secret, self.logs)
         first, last = rdzv.rank_offset, rdzv.rank_offset + self.nproc - 1
         self.log(
             f"starting ranks {first}..{last} of {rdzv.world_size} on node {self.node} "
@@ -138,6 +137,7 @@ class Agent:
         )
         self.check_stop()
         try:
+            specs, logs = worker_specs(self.cfg, rdzv, self.secret, self.logs)
             self.workers = WorkerGroup(specs, logs)
             self.events.started(rdzv, self.workers.workers)
         except OSError as exc:
@@ -234,6 +234,7 @@ class Agent:
         with contextlib.suppress(StoreLost):
             self.store.publish_failure(self.generation, failure)
         self._stop_workers(signum)
+        self.events.ended(failure)
         if self.cfg.nnodes > 1:
             self._leave(self.generation, timeout=STOP_GRACE_S)
         return 128 + signum

@@ -19,6 +19,8 @@ from phalanx.launch import checks
 from phalanx.launch.config import (
     DEFAULT_MASTER_ADDR,
     DEFAULT_MASTER_PORT,
+    DEFAULT_RDZV_TIMEOUT_S,
+    DEFAULT_SHUTDOWN_S,
     ArgsError,
     LaunchConfig,
     LogOptions,
@@ -34,9 +36,6 @@ C10D_DEFAULT_PORT = 29400
 START_METHODS = ("spawn", "fork", "forkserver")
 EVENT_HANDLERS = ("null", "console", "dynamic_rendezvous")
 NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
-DEFAULT_SHUTDOWN_S = 3.0
-"""phalanx's grace before SIGKILL (torchrun's is 30 s); --shutdown-timeout changes it."""
-DEFAULT_RDZV_TIMEOUT_S = 300.0
 
 
 def _one_of(flag: str, value: str | None, allowed: tuple[str, ...], why: str = "") -> None:

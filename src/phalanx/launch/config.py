@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 __all__ = [
     "DEFAULT_MASTER_ADDR",
     "DEFAULT_MASTER_PORT",
+    "DEFAULT_RDZV_TIMEOUT_S",
+    "DEFAULT_SHUTDOWN_S",
     "DEFAULT_SIGNALS",
     "ArgsError",
     "LaunchConfig",
@@ -25,6 +27,9 @@ DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 """torchrun's ``--signals-to-handle`` default."""
+DEFAULT_RDZV_TIMEOUT_S = 300.0
+DEFAULT_SHUTDOWN_S = 3.0
+"""phalanx's grace before SIGKILL (torchrun's is 30 s); --shutdown-timeout changes it."""
 
 
 class ArgsError(ValueError):
@@ -99,13 +104,13 @@ class LaunchConfig:
     """``static`` or ``c10d``: both mean phalanx's rendezvous over node 0's store."""
     rdzv_id: str | None = None
     """Run id shared by all nodes; node 0 generates one when not given."""
-    rdzv_timeout: float = 300.0
+    rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT_S
     """Seconds to wait for the other nodes at each rendezvous."""
     max_restarts: int = 0
     """How many times all workers are restarted after a failure."""
     monitor_interval: float = 0.1
     """Seconds between two checks of the workers' health."""
-    shutdown_timeout: float = 3.0
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_S
     """Seconds between the stop signal and SIGKILL when workers are stopped."""
     signals_to_handle: tuple[int, ...] = (
         signal.SIGTERM,

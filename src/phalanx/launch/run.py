@@ -56,7 +56,8 @@ def _warn_if_loopback(cfg: LaunchConfig, addrs: list[str]) -> None:
 
 
 def _check_local(cfg: LaunchConfig) -> None:
-    """What the flags need from this machine: --local-addr is ours, --logs-specs installed."""
+    """What the flags need from this machine: --local-addr is ours, --logs-specs installed,
+    --log-dir writable."""
     if cfg.local_addr is not None and interface_owning(cfg.local_addr) is None:
         raise PreflightError(
             f"--local-addr {cfg.local_addr} is not an address of this machine; pass one of its "
@@ -64,6 +65,14 @@ def _check_local(cfg: LaunchConfig) -> None:
         )
     if cfg.logs.logs_specs is not None:
         load_logs_specs(cfg.logs.logs_specs)
+    log_dir = cfg.logs.log_dir
+    if log_dir is not None and log_dir != os.devnull:
+        try:
+            os.makedirs(log_dir, exist_ok=True)
+        except OSError as exc:
+            raise PreflightError(f"--log-dir {log_dir} cannot be created: {exc.strerror}") from None
+        if not os.access(log_dir, os.W_OK | os.X_OK):
+            raise PreflightError(f"--log-dir {log_dir} is not writable by this user")
 
 
 def _say_defaults(cfg: LaunchConfig) -> None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from phalanx.launch.logs import AttemptLogs, FilteredLogs, StreamLogs, WorkerLogs
 from phalanx.launch.output import ConsoleSink, FileSink, Sink, TailSink, pump
-from phalanx.launch.prefix import Prefixer
+from phalanx.launch.prefix import Prefixer, line_prefix
 
 __all__ = [
     "Worker",
@@ -149,7 +149,7 @@ def _sinks(
     name: str, where: StreamLogs, spec: WorkerSpec, filtered: FilteredLogs | None
 ) -> list[Sink]:
     """The console, log file and filtered-lines copies of one stream of a worker."""
-    prefix = spec.prefix or f"[rank {spec.rank}] "
+    prefix = spec.prefix or line_prefix(None, "", spec.rank, spec.local_rank)
     sinks: list[Sink] = []
     if where.file is not None:
         sinks.append(FileSink(where.file))
@@ -176,15 +176,20 @@ def _start(spec: WorkerSpec, filtered: FilteredLogs | None) -> Worker:
     tail: deque[str] = deque(maxlen=STDERR_TAIL_LINES)
     out = _sinks("stdout", spec.logs.stdout, spec, filtered)
     err = [*_sinks("stderr", spec.logs.stderr, spec, filtered), TailSink(tail)]
-    proc = subprocess.Popen(
-        spec.command,
-        env=spec.env,
-        stdin=None if spec.stdin else subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-        preexec_fn=die_with_parent(),
-    )
+    try:
+        proc = subprocess.Popen(
+            spec.command,
+            env=spec.env,
+            stdin=None if spec.stdin else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=die_with_parent(),
+        )
+    except BaseException:
+        for sink in (*out, *err):
+            sink.close()
+        raise
     worker = Worker(spec, proc, stderr_tail=tail)
     assert proc.stdout is not None and proc.stderr is not None
     worker.threads = [
