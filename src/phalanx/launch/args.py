@@ -13,7 +13,6 @@ import os
 import shutil
 import sys
 from collections.abc import Mapping
-from typing import Any
 
 from phalanx.launch import checks
 from phalanx.launch.config import (
@@ -123,7 +122,9 @@ def _shutdown_timeout(ns: argparse.Namespace, environ: Mapping[str, str]) -> flo
     return DEFAULT_SHUTDOWN_S
 
 
-def _check_gpus(ns: argparse.Namespace, nproc: int, environ: Mapping[str, str], probe: Any) -> None:
+def _check_gpus(
+    ns: argparse.Namespace, nproc: int, environ: Mapping[str, str], probe: DeviceProbe
+) -> None:
     """--numa-binding and --virtual-local-rank map local rank i to GPU i: check there is one."""
     if ns.numa_binding is not None:
         gpus = probe("gpu")

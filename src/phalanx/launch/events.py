@@ -13,7 +13,6 @@ import json
 import os
 import socket
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from phalanx.launch.config import LaunchConfig
 from phalanx.launch.output import CONSOLE
@@ -53,7 +52,7 @@ class Events:
         if not self.enabled:
             return
         rdzv = self._rdzv
-        extra: dict[str, Any] = {
+        extra: dict[str, object] = {
             "group_world_size": rdzv.nnodes if rdzv else None,
             "entry_point": os.path.basename(self.cfg.script if self.cfg.no_python else "python"),
         }

@@ -24,10 +24,13 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Any
+from typing import TYPE_CHECKING
 
 from phalanx.launch.config import ArgsError, LogOptions, StdSpec
 from phalanx.launch.output import Lines
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, Std
 
 __all__ = [
     "AttemptLogs",
@@ -133,7 +136,7 @@ def _from_dest(paths: dict[int, str], tees: dict[int, str], rank: int) -> Stream
     return StreamLogs(path, console=teed, filtered=teed)
 
 
-def from_logs_dest(dest: Any, nproc: int, options: LogOptions) -> AttemptLogs:
+def from_logs_dest(dest: LogsDest, nproc: int, options: LogOptions) -> AttemptLogs:
     """Read torch's ``LogsDest`` (what a ``LogsSpecs.reify`` returns) as an AttemptLogs."""
     workers = tuple(
         WorkerLogs(
@@ -148,7 +151,7 @@ def from_logs_dest(dest: Any, nproc: int, options: LogOptions) -> AttemptLogs:
 
 
 @functools.cache
-def load_logs_specs(name: str) -> Any:
+def load_logs_specs(name: str) -> type[LogsSpecs]:
     """The LogsSpecs class of entry point ``name`` in group ``torchrun.logs_specs``."""
     found = metadata.entry_points(group=ENTRY_POINT_GROUP)
     for entry in found:
@@ -161,7 +164,7 @@ def load_logs_specs(name: str) -> Any:
     )
 
 
-def _torch_std(spec: StdSpec) -> Any:
+def _torch_std(spec: StdSpec) -> Std | dict[int, Std]:
     from torch.distributed.elastic.multiprocessing.api import Std
 
     if spec.per_rank is None:
@@ -178,7 +181,7 @@ class RunLogs:
     _run_dir: str | None = None
     _temp_base: str | None = None
     _kept: bool = False
-    _plugin: Any = field(default=None, repr=False)
+    _plugin: LogsSpecs | None = field(default=None, repr=False)
 
     def attempt(self, run_id: str, restart_count: int, envs: list[dict[str, str]]) -> AttemptLogs:
         """Create the attempt's folders and set each worker's TORCHELASTIC_ERROR_FILE."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from phalanx.launch.config import DEFAULT_MASTER_ADDR, DEFAULT_SIGNALS, ArgsError
 
@@ -63,7 +63,7 @@ def _dest(flags: tuple[str, ...]) -> str:
 class _Options:
     """Adds options whose default, as in torchrun, may come from ``PET_<DEST>``."""
 
-    def __init__(self, group: Any, environ: Mapping[str, str]) -> None:
+    def __init__(self, group: argparse._ArgumentGroup, environ: Mapping[str, str]) -> None:
         self.group = group
         self.environ = environ
 
