@@ -16,9 +16,11 @@ from phalanx.launch.workers import worker_command
 
 
 def test_defaults_match_torchrun() -> None:
-    cfg = parse_args(["train.py"])
-    assert cfg == LaunchConfig(nproc_per_node=1, script="train.py")
-    assert (cfg.master_addr, cfg.master_port, cfg.max_restarts) == ("127.0.0.1", 29500, 0)
+    cfg = parse_args(["train.py"], environ={})
+    assert cfg == LaunchConfig(nproc_per_node=1, master_port=0, script="train.py")
+    # One node without --master-port: a free port, as torchrun (which then uses c10d on :0).
+    assert (cfg.master_addr, cfg.master_port, cfg.max_restarts) == ("127.0.0.1", 0, 0)
+    assert parse_args(["--nnodes", "2", "x.py"], environ={}).master_port == 29500
     assert (cfg.monitor_interval, cfg.rdzv_timeout) == (0.1, 300.0)
 
 

@@ -68,12 +68,14 @@ def _check_choices(ns: argparse.Namespace) -> None:
         raise ArgsError("--role '' is empty; pass a name such as trainer (default: default)")
 
 
-def _master(ns: argparse.Namespace) -> tuple[str, int]:
+def _master(ns: argparse.Namespace, nnodes: int) -> tuple[str, int]:
+    """Node 0's store: --rdzv-endpoint, else --master-addr and --master-port. As torchrun, a
+    single node given no port takes a free one (two jobs on one machine do not collide)."""
     if ns.rdzv_endpoint:
         default = C10D_DEFAULT_PORT if ns.rdzv_backend == "c10d" else DEFAULT_MASTER_PORT
         return checks.endpoint(ns.rdzv_endpoint, default)
     if ns.master_port is None:
-        return ns.master_addr, DEFAULT_MASTER_PORT
+        return ns.master_addr, 0 if nnodes == 1 else DEFAULT_MASTER_PORT
     return ns.master_addr, checks.port("--master-port", ns.master_port)
 
 
@@ -92,7 +94,7 @@ def _topology(ns: argparse.Namespace) -> tuple[int, int, str, int]:
             f"--node-rank {node_rank} is invalid with --nnodes {nnodes}: node ranks are "
             f"0..{nnodes - 1}"
         )
-    addr, port = _master(ns)
+    addr, port = _master(ns, nnodes)
     return nnodes, node_rank, addr, port
 
 

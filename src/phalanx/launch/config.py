@@ -97,7 +97,7 @@ class LaunchConfig:
     master_addr: str = DEFAULT_MASTER_ADDR
     """Host of node 0's rendezvous store."""
     master_port: int = DEFAULT_MASTER_PORT
-    """Port of node 0's rendezvous store (0: the OS picks one; only with --standalone)."""
+    """Port of node 0's rendezvous store (0: the OS picks one, on a single node)."""
     standalone: bool = False
     """Single node on loopback with an OS-chosen port."""
     rdzv_backend: str = "static"

@@ -22,7 +22,7 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import metadata
 from typing import TYPE_CHECKING
 
@@ -172,16 +172,19 @@ def _torch_std(spec: StdSpec) -> Std | dict[int, Std]:
     return {rank: Std(value) for rank, value in spec.per_rank}
 
 
-@dataclass
 class RunLogs:
     """The log directory of this node's run; one :class:`AttemptLogs` per attempt."""
 
-    options: LogOptions
-    log: Callable[[str], None]
-    _run_dir: str | None = None
-    _temp_base: str | None = None
-    _kept: bool = False
-    _plugin: LogsSpecs | None = field(default=None, repr=False)
+    def __init__(self, options: LogOptions, log: Callable[[str], None]) -> None:
+        self.options = options
+        self.log = log
+        self._run_dir: str | None = None
+        self._temp_base: str | None = None
+        """The temporary base directory made when there is no --log-dir."""
+        self._kept = False
+        """Some worker output was written to a file: keep the temporary directory."""
+        self._plugin: LogsSpecs | None = None
+        """The --logs-specs plugin instance, made at the first attempt."""
 
     def attempt(self, run_id: str, restart_count: int, envs: list[dict[str, str]]) -> AttemptLogs:
         """Create the attempt's folders and set each worker's TORCHELASTIC_ERROR_FILE."""
