@@ -130,3 +130,12 @@ def test_torchs_rank_prefix_is_not_doubled() -> None:
     assert "[rank 1] ValueError: boom after init" in err
     assert "[rank1]:" not in err
     assert "exception: ValueError: boom after init" in err
+
+
+def test_lines_of_two_ranks_stay_whole() -> None:
+    proc = start([*LAUNCH, str(SCRIPTS / "many_lines.py")], launcher_env())
+    out, err = finish(proc)
+    assert proc.returncode == 0, err
+    lines = out.splitlines()
+    whole = [line for line in lines if re.fullmatch(r"\[rank (\d)\] rank \1 line \d+ end", line)]
+    assert len(lines) == len(whole) == 4000, [line for line in lines if line not in whole][:5]

@@ -6,12 +6,20 @@ import io
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
 
 import pytest
 
-from phalanx.launch.output import Console, ConsoleSink, TailSink, pump, reading_stdin
+from phalanx.launch.output import (
+    Console,
+    ConsoleSink,
+    TailSink,
+    pump,
+    read_chunk,
+    reading_stdin,
+)
 from phalanx.launch.prefix import Prefixer
 
 
@@ -94,6 +102,24 @@ def test_pump_copies_chunks_and_keeps_the_stderr_tail(capsys: pytest.CaptureFixt
     pump(os.fdopen(read, "rb"), [sink, TailSink(tail)])
     assert capsys.readouterr().err == "[rank 0] one\n[rank 0] two\r[rank 0] 2b\n[rank 0] three"
     assert list(tail) == ["2b\n", "three\n"]
+
+
+def test_a_line_written_in_pieces_arrives_whole() -> None:
+    """print(a, b) writes a line in pieces; they are read together, a lone piece after 20 ms."""
+    read, write = os.pipe()
+    os.write(write, b"after recv,")
+    timer = threading.Timer(0.005, lambda: os.write(write, b" rank 0 has data 2\n"))
+    timer.start()
+    try:
+        assert read_chunk(read) == b"after recv, rank 0 has data 2\n"
+        os.write(write, b"\r 10%|#")
+        started = time.monotonic()
+        assert read_chunk(read) == b"\r 10%|#"
+        assert time.monotonic() - started < 1.0
+    finally:
+        timer.join()
+        os.close(read)
+        os.close(write)
 
 
 def test_reading_stdin_sees_a_process_waiting_for_input() -> None:

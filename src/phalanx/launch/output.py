@@ -17,6 +17,7 @@ import platform
 import select
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import IO, Protocol
@@ -32,11 +33,16 @@ __all__ = [
     "Sink",
     "TailSink",
     "pump",
+    "read_chunk",
     "reading_stdin",
 ]
 
 CHUNK = 65536
 IDLE_S = 0.05
+COALESCE_S = 0.02
+"""How long a chunk that ends inside a line waits for the rest of it: ``print(a, b)`` writes a
+line in pieces, and two ranks' pieces must not split each other's lines. A progress bar or a
+prompt, which end no line, is shown after at most this long."""
 """How long a prompt must wait before the launcher checks whether it waits for input."""
 
 
@@ -225,6 +231,21 @@ class TailSink(Lines):
         super().__init__(tail.append)
 
 
+def read_chunk(fd: int) -> bytes:
+    """What ``fd`` has now; when it ends inside a line, with what follows within COALESCE_S."""
+    data = os.read(fd, CHUNK)
+    deadline = time.monotonic() + COALESCE_S
+    while data and not data.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            break
+        more = os.read(fd, CHUNK)
+        if not more:  # end of file: the next read says so again
+            break
+        data += more
+    return data
+
+
 def pump(src: IO[bytes], sinks: Sequence[Sink], idle: Callable[[], None] | None = None) -> None:
     """Copy ``src`` to every sink chunk by chunk, as the bytes arrive, until end of file.
 
@@ -237,7 +258,7 @@ def pump(src: IO[bytes], sinks: Sequence[Sink], idle: Callable[[], None] | None 
                 if idle is not None and not select.select([fd], [], [], IDLE_S)[0]:
                     idle()
                     continue
-                data = os.read(fd, CHUNK)
+                data = read_chunk(fd)
             except OSError:
                 break
             if not data:
