@@ -6,19 +6,21 @@ import sys
 
 import pytest
 
-from phalanx.launch.args import ArgsError, LaunchConfig, parse_args, resolve_nproc
+from phalanx.launch.args import ArgsError, LaunchConfig, parse_args
 from phalanx.launch.netif import interface_for
 from phalanx.launch.rendezvous import AgentStore, RendezvousError
 from phalanx.launch.run import _warn_if_loopback
 from phalanx.launch.summary import Failure, format_summary, last_exception_line
-from phalanx.launch.worker_env import JobContext, Placement, default_omp_threads, worker_env
+from phalanx.launch.worker_env import JobContext, Placement, worker_env
 from phalanx.launch.workers import worker_command
 
 
 def test_defaults_match_torchrun() -> None:
-    cfg = parse_args(["train.py"])
-    assert cfg == LaunchConfig(nproc_per_node=1, script="train.py")
-    assert (cfg.master_addr, cfg.master_port, cfg.max_restarts) == ("127.0.0.1", 29500, 0)
+    cfg = parse_args(["train.py"], environ={})
+    assert cfg == LaunchConfig(nproc_per_node=1, master_port=0, script="train.py")
+    # One node without --master-port: a free port, as torchrun (which then uses c10d on :0).
+    assert (cfg.master_addr, cfg.master_port, cfg.max_restarts) == ("127.0.0.1", 0, 0)
+    assert parse_args(["--nnodes", "2", "x.py"], environ={}).master_port == 29500
     assert (cfg.monitor_interval, cfg.rdzv_timeout) == (0.1, 300.0)
 
 
@@ -80,7 +82,7 @@ def test_nnodes_range_with_equal_bounds_is_fixed() -> None:
     [
         (["--nproc-per-node", "0"], "--nproc-per-node 0 is invalid"),
         (["--nproc-per-node", "-2"], "--nproc-per-node -2 is invalid"),
-        (["--nproc-per-node", "two"], "--nproc-per-node 'two' is not an integer"),
+        (["--nproc-per-node", "two"], "--nproc-per-node 'two' is not one of auto, cpu, gpu"),
         (["--nnodes", "2", "--node-rank", "2"], "--node-rank 2 is invalid with --nnodes 2"),
         (["--master-port", "70000"], "--master-port 70000 is outside the valid port range"),
         (["--master-port", "0"], "--master-port 0 is outside"),
@@ -104,17 +106,24 @@ def test_missing_script() -> None:
         parse_args(["--nproc-per-node", "2"])
 
 
-def test_nproc_auto() -> None:
-    assert parse_args(["--nproc-per-node", "auto", "x"]).nproc_per_node is None
-    assert resolve_nproc(None, 0) == 1
-    assert resolve_nproc(None, 4) == 4
-    assert resolve_nproc(3, 4) == 3
+def test_nproc_auto_is_resolved_as_torchrun_does() -> None:
+    def probe(counts: dict[str, int | None]) -> object:
+        return lambda kind: counts.get(kind)
+
+    cpu_only = probe({"cpu": 6})
+    with_gpus = probe({"cpu": 6, "gpu": 4, "accelerator": 4})
+    assert parse_args(["--nproc-per-node", "auto", "x"], probe=cpu_only).nproc_per_node == 6
+    assert parse_args(["--nproc-per-node", "auto", "x"], probe=with_gpus).nproc_per_node == 4
+    assert parse_args(["--nproc-per-node", "cpu", "x"], probe=with_gpus).nproc_per_node == 6
+    assert parse_args(["--nproc-per-node", "gpu", "x"], probe=with_gpus).nproc_per_node == 4
+    with pytest.raises(ArgsError, match="--nproc-per-node gpu: CUDA is not available"):
+        parse_args(["--nproc-per-node", "gpu", "x"], probe=cpu_only)
 
 
 def _env(base: dict[str, str], restart: int = 0) -> dict[str, str]:
     place = Placement(rank=5, local_rank=1, world_size=8, local_world_size=4, node_rank=1, nnodes=2)
     job = JobContext("10.0.0.1", 4242, restart, 3, "run9", backend="gloo", gloo_ifname="eth7")
-    return worker_env(base, place, job, cpu_count=8)
+    return worker_env(base, place, job)
 
 
 def test_worker_env_contract() -> None:
@@ -131,7 +140,9 @@ def test_worker_env_contract() -> None:
     assert env["TORCHELASTIC_MAX_RESTARTS"] == "3"
     assert env["TORCHELASTIC_RUN_ID"] == env["PHALANX_RUN_ID"] == "run9"
     assert (env["PHALANX_BACKEND"], env["PYTHONUNBUFFERED"]) == ("gloo", "1")
-    assert (env["OMP_NUM_THREADS"], env["GLOO_SOCKET_IFNAME"]) == ("2", "eth7")
+    assert (env["OMP_NUM_THREADS"], env["GLOO_SOCKET_IFNAME"]) == ("1", "eth7")
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert env["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 
 
 def test_worker_env_keeps_user_threads_and_interface() -> None:
@@ -139,9 +150,12 @@ def test_worker_env_keeps_user_threads_and_interface() -> None:
     assert (env["OMP_NUM_THREADS"], env["GLOO_SOCKET_IFNAME"]) == ("7", "ib0")
 
 
-def test_omp_threads_share_the_cores() -> None:
-    assert default_omp_threads(8, 2) == 4
-    assert default_omp_threads(2, 4) == 1
+def test_omp_threads_rule_is_torchruns() -> None:
+    """1 thread per worker when several share the node and the user set none; else untouched."""
+    job = JobContext("h", 1, 0, 0, "r")
+    one = Placement(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, nnodes=1)
+    assert "OMP_NUM_THREADS" not in worker_env({}, one, job)
+    assert _env({})["OMP_NUM_THREADS"] == "1"
 
 
 def test_worker_command() -> None:

@@ -1,9 +1,12 @@
-"""The launcher: ``phalanx run`` (torchrun-compatible flags) and ``phalanx.spawn``.
+"""The launcher: ``phalanx run`` (every torchrun option) and ``phalanx.spawn``.
 
-Modules, one idea each: ``args`` (flags, pure), ``preflight`` (resolve / reach the master),
-``rendezvous`` (the agents' protocol over node 0's store), ``agent`` (generations, restarts),
-``workers`` (processes, ``[rank N]`` prefixes, stopping), ``worker_env`` (the environment
-contract), ``summary`` (failure report), ``netif`` (interface routing to the master), ``spawn``.
+Modules, one idea each: ``options`` (the option table), ``args`` / ``checks`` / ``nproc`` (flags
+to a frozen ``config``, pure), ``preflight`` (resolve / reach the master), ``rendezvous`` (the
+agents' protocol over node 0's store), ``agent`` (generations, restarts), ``attempt`` (each
+worker's command, environment and logs), ``worker_env`` (the environment contract), ``workers``
+(processes, stopping), ``output`` / ``prefix`` (live console output with ``[rank N]``), ``logs``
+(torchrun's log files), ``events`` (torchrun's event log), ``summary`` (failure report),
+``netif`` (interface routing to the master), ``spawn``.
 """
 
 from __future__ import annotations

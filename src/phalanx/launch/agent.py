@@ -20,8 +20,10 @@ from typing import Any
 
 from phalanx.comm.auth import SECRET_ENV, new_secret
 from phalanx.comm.store import host_store
-from phalanx.launch.args import LaunchConfig, resolve_nproc
-from phalanx.launch.netif import interface_for
+from phalanx.launch.attempt import worker_specs
+from phalanx.launch.config import LaunchConfig
+from phalanx.launch.events import Events
+from phalanx.launch.logs import RunLogs
 from phalanx.launch.rendezvous import AgentStore, Rendezvous, RendezvousError, StoreLost
 from phalanx.launch.summary import (
     Failure,
@@ -29,8 +31,7 @@ from phalanx.launch.summary import (
     format_summary,
     last_exception_line,
 )
-from phalanx.launch.worker_env import JobContext, Placement, worker_env
-from phalanx.launch.workers import Worker, WorkerGroup, WorkerSpec, worker_command
+from phalanx.launch.workers import Worker, WorkerGroup
 
 __all__ = ["Agent", "AgentStopped"]
 
@@ -38,7 +39,6 @@ STOP_GRACE_S = 3.0
 EXIT_ACK_TIMEOUT_S = 10.0
 PEER_SILENCE_TIMEOUT_S = 30.0
 NODE_SILENT = f"no heartbeat from its agent for {PEER_SILENCE_TIMEOUT_S:.0f} s"
-HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class AgentStopped(Exception):
@@ -60,14 +60,16 @@ class Agent:
         self.workers: WorkerGroup | None = None
         self.worker_store: Any = None
         self.signals: list[int] = []
-        self.nproc = 1
+        self.nproc = cfg.nproc_per_node
         self.generation = 0
+        self.logs = RunLogs(cfg.logs, log)
+        self.events = Events(cfg)
         # One secret per job: the user's on several machines (each needs the same), else new.
         self.secret = os.environ.get(SECRET_ENV) or (new_secret() if cfg.nnodes == 1 else None)
 
     def run(self) -> int:
         """Run generations until success, final failure or a signal; return the exit code."""
-        previous = {s: signal.signal(s, self._on_signal) for s in HANDLED_SIGNALS}
+        previous = {s: signal.signal(s, self._on_signal) for s in self.cfg.signals_to_handle}
         try:
             return self._run()
         except AgentStopped as stop:
@@ -79,6 +81,7 @@ class Agent:
         finally:
             if self.workers is not None:
                 self.workers.stop(grace=0.0)
+            self.logs.close()
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
 
@@ -91,8 +94,6 @@ class Agent:
             raise AgentStopped(self.signals[0])
 
     def _run(self) -> int:
-        auto = self.cfg.nproc_per_node is None
-        self.nproc = resolve_nproc(self.cfg.nproc_per_node, _cuda_devices() if auto else 0)
         if self.node == 0:
             run_id = self.cfg.rdzv_id or uuid.uuid4().hex[:12]
             self.store.publish_config(run_id, self.cfg.max_restarts)
@@ -128,7 +129,6 @@ class Agent:
 
     def _start_workers(self, rdzv: Rendezvous) -> Failure | None:
         """Start this node's workers; a Failure (already published) if they cannot start."""
-        specs = self._worker_specs(rdzv)
         first, last = rdzv.rank_offset, rdzv.rank_offset + self.nproc - 1
         self.log(
             f"starting ranks {first}..{last} of {rdzv.world_size} on node {self.node} "
@@ -137,41 +137,14 @@ class Agent:
         )
         self.check_stop()
         try:
-            self.workers = WorkerGroup(specs)
+            specs, logs = worker_specs(self.cfg, rdzv, self.secret, self.logs)
+            self.workers = WorkerGroup(specs, logs)
+            self.events.started(rdzv, self.workers.workers)
         except OSError as exc:
             reason = f"cannot start the workers: {exc}"
             failure = Failure(-1, -1, self.node, os.getpid(), 1, reason=reason)
             return self.store.publish_failure(rdzv.generation, failure)
         return None
-
-    def _worker_specs(self, rdzv: Rendezvous) -> list[WorkerSpec]:
-        cfg = self.cfg
-        iface = interface_for(cfg.master_addr)
-        job = JobContext(
-            master_addr=cfg.master_addr,
-            master_port=rdzv.worker_port,
-            restart_count=rdzv.generation,
-            max_restarts=rdzv.max_restarts,
-            run_id=rdzv.run_id,
-            backend=cfg.backend,
-            gloo_ifname=iface[0] if iface else None,
-            secret=self.secret,
-        )
-        command = worker_command(cfg.script, cfg.script_args, cfg.module, cfg.no_python)
-        cpus = len(os.sched_getaffinity(0))
-        specs = []
-        for local in range(self.nproc):
-            place = Placement(
-                rank=rdzv.rank_offset + local,
-                local_rank=local,
-                world_size=rdzv.world_size,
-                local_world_size=self.nproc,
-                node_rank=self.node,
-                nnodes=rdzv.nnodes,
-            )
-            env = worker_env(os.environ, place, job, cpus)
-            specs.append(WorkerSpec(place.rank, local, command, env))
-        return specs
 
     def _failure_of(self, worker: Worker) -> Failure:
         tail = list(worker.stderr_tail)
@@ -219,7 +192,8 @@ class Agent:
 
     def _stop_workers(self, signum: int = signal.SIGTERM) -> None:
         if self.workers is not None:
-            self.workers.stop(STOP_GRACE_S, signum, hurry=lambda: len(self.signals) > 1)
+            grace = self.cfg.shutdown_timeout
+            self.workers.stop(grace, signum, hurry=lambda: len(self.signals) > 1)
             self.workers = None
 
     def _restart(self, g: int, failure: Failure, max_restarts: int) -> None:
@@ -239,6 +213,7 @@ class Agent:
         self._leave(g)
         if self.workers is not None:
             self.workers.join_threads(timeout=2.0)
+        self.events.ended(None)
         return 0
 
     def _fail(self, g: int, failure: Failure, max_restarts: int) -> int:
@@ -247,6 +222,7 @@ class Agent:
         self._stop_workers()
         if self.node == 0:
             self._leave(g)
+        self.events.ended(failure)
         for line in format_summary(failure, g, max_restarts):
             self.log(line)
         return failure.exit_code
@@ -258,12 +234,7 @@ class Agent:
         with contextlib.suppress(StoreLost):
             self.store.publish_failure(self.generation, failure)
         self._stop_workers(signum)
+        self.events.ended(failure)
         if self.cfg.nnodes > 1:
             self._leave(self.generation, timeout=STOP_GRACE_S)
         return 128 + signum
-
-
-def _cuda_devices() -> int:
-    import torch
-
-    return int(torch.cuda.device_count())

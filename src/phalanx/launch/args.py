@@ -1,198 +1,87 @@
-"""Flags of ``phalanx run``: torchrun-compatible parsing and validation, as pure functions.
+"""Flags of ``phalanx run``: every option of torchrun's parser, with torchrun's meaning.
 
-Nothing here touches the network or starts a process: :func:`parse_args` turns ``argv`` into a
-frozen :class:`LaunchConfig` or raises :class:`ArgsError` naming the flag, the value and the fix.
+Parsing is a pure function of ``argv``, the environment (torchrun reads each option's default
+from ``PET_<OPTION>`` too) and a device probe (for ``--nproc-per-node auto|cpu|gpu``).
+:func:`parse_args` returns a frozen :class:`LaunchConfig` or raises :class:`ArgsError` naming
+the flag, the value and the fix; nothing is started before that.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
-from typing import NoReturn
+import os
+import shutil
+import sys
+from collections.abc import Mapping
 
-__all__ = ["BACKENDS", "ArgsError", "LaunchConfig", "parse_args", "resolve_nproc"]
+from phalanx.launch import checks
+from phalanx.launch.config import (
+    DEFAULT_MASTER_ADDR,
+    DEFAULT_MASTER_PORT,
+    DEFAULT_RDZV_TIMEOUT_S,
+    DEFAULT_SHUTDOWN_S,
+    ArgsError,
+    LaunchConfig,
+    LogOptions,
+)
+from phalanx.launch.nproc import DeviceProbe, check_nproc, local_world_size, probe_devices
+from phalanx.launch.options import BACKENDS, build_parser
 
-BACKENDS = ("auto", "gloo", "nccl", "mpi")
+__all__ = ["BACKENDS", "ArgsError", "LaunchConfig", "notes", "parse_args"]
+
 RDZV_BACKENDS = ("static", "c10d")
-DEFAULT_MASTER_ADDR = "127.0.0.1"
-DEFAULT_MASTER_PORT = 29500
+C10D_DEFAULT_PORT = 29400
+"""torchrun's default port of a c10d ``--rdzv-endpoint`` given without one."""
+START_METHODS = ("spawn", "fork", "forkserver")
+EVENT_HANDLERS = ("null", "console", "dynamic_rendezvous")
+NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
 
 
-class ArgsError(ValueError):
-    """A flag of ``phalanx run`` has a value the launcher cannot use (exit code 2)."""
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    """Everything ``phalanx run`` was asked to do, validated."""
-
-    nproc_per_node: int | None
-    """Workers on this node; ``None`` means ``auto`` (CUDA devices, else 1)."""
-    nnodes: int = 1
-    """Number of nodes (agents) in the job; with ``--nnodes MIN:MAX`` the maximum."""
-    min_nodes: int = 0
-    """``--nnodes MIN:MAX``: a generation may start with MIN..MAX nodes (0: all ``nnodes``)."""
-    node_rank: int = 0
-    """Index of this node; node 0 hosts the rendezvous store."""
-    master_addr: str = DEFAULT_MASTER_ADDR
-    """Host of node 0's rendezvous store."""
-    master_port: int = DEFAULT_MASTER_PORT
-    """Port of node 0's rendezvous store (0: the OS picks one; only with --standalone)."""
-    standalone: bool = False
-    """Single node on loopback with an OS-chosen port."""
-    rdzv_id: str | None = None
-    """Run id shared by all nodes; node 0 generates one when not given."""
-    rdzv_timeout: float = 300.0
-    """Seconds to wait for the other nodes at each rendezvous."""
-    max_restarts: int = 0
-    """How many times all workers are restarted after a failure."""
-    monitor_interval: float = 0.1
-    """Seconds between two checks of the workers' health."""
-    backend: str | None = None
-    """Value of PHALANX_BACKEND for the workers (None: not set)."""
-    module: bool = False
-    """Run the script as a module (``python -m``)."""
-    no_python: bool = False
-    """Run the script as an executable, without the Python interpreter."""
-    script: str = ""
-    """Script path, module name (-m) or executable (--no-python)."""
-    script_args: tuple[str, ...] = ()
-    """Arguments passed to the script."""
-
-
-class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser that raises instead of exiting, so parsing stays a pure function."""
-
-    def error(self, message: str) -> NoReturn:
-        if "required: script" in message:
-            message = (
-                "missing the script to run: phalanx run [flags] SCRIPT [ARGS...] "
-                "(or -m MODULE, or --no-python EXECUTABLE)"
-            )
-        raise ArgsError(message)
-
-
-def _build_parser() -> _Parser:
-    p = _Parser(
-        prog="phalanx run", description="Start N worker processes per node.", allow_abbrev=False
-    )
-    add = p.add_argument
-    add("--nproc-per-node", "--nproc_per_node", default="1", metavar="N|auto")
-    add("--nnodes", default="1", metavar="N")
-    add("--node-rank", "--node_rank", default="0", metavar="R")
-    add("--master-addr", "--master_addr", default=None, metavar="HOST")
-    add("--master-port", "--master_port", default=None, metavar="PORT")
-    add("--rdzv-endpoint", "--rdzv_endpoint", default=None, metavar="HOST:PORT")
-    add("--rdzv-backend", "--rdzv_backend", default="static", metavar="NAME")
-    add("--rdzv-id", "--rdzv_id", default=None, metavar="ID")
-    add("--rdzv-timeout", "--rdzv_timeout", default="300", metavar="SECONDS")
-    add("--standalone", action="store_true")
-    add("--max-restarts", "--max_restarts", default="0", metavar="N")
-    add("--monitor-interval", "--monitor_interval", default="0.1", metavar="SECONDS")
-    add("--backend", default=None, metavar="|".join(BACKENDS))
-    add("-m", "--module", action="store_true", help="run the script as a Python module")
-    add("--no-python", "--no_python", action="store_true")
-    add("script", metavar="script")
-    add("script_args", nargs=argparse.REMAINDER)
-    return p
-
-
-def _int(flag: str, raw: str, minimum: int) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ArgsError(f"{flag} {raw!r} is not an integer") from None
-    if value < minimum:
-        raise ArgsError(f"{flag} {value} is invalid: it must be at least {minimum}")
-    return value
-
-
-def _positive_float(flag: str, raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ArgsError(f"{flag} {raw!r} is not a number of seconds") from None
-    if not value > 0:
-        raise ArgsError(f"{flag} {raw} is invalid: it must be a positive number of seconds")
-    return value
-
-
-def _port(flag: str, raw: str) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ArgsError(f"{flag} {raw!r} is not a port number (1..65535)") from None
-    if not 1 <= value <= 65535:
-        raise ArgsError(f"{flag} {value} is outside the valid port range 1..65535")
-    return value
-
-
-def _nproc(raw: str) -> int | None:
-    if raw == "auto":
-        return None
-    return _int("--nproc-per-node", raw, minimum=1)
-
-
-def _nnodes(raw: str) -> tuple[int, int]:
-    """``N`` or ``MIN:MAX`` -> (min, max)."""
-    if ":" not in raw:
-        n = _int("--nnodes", raw, minimum=1)
-        return n, n
-    low, _, high = raw.partition(":")
-    lo, hi = _int("--nnodes", low, 1), _int("--nnodes", high, 1)
-    if lo > hi:
-        raise ArgsError(f"--nnodes {raw}: MIN={lo} is larger than MAX={hi}")
-    return lo, hi
-
-
-def _endpoint(raw: str) -> tuple[str, int]:
-    """Split ``host:port``, ``[v6]:port`` or a bare host (default port) into host and port."""
-    host, port = raw, str(DEFAULT_MASTER_PORT)
-    if raw.startswith("["):
-        close = raw.find("]")
-        if close < 0:
-            raise ArgsError(f"--rdzv-endpoint {raw!r}: missing ']' after the IPv6 address")
-        host, rest = raw[1:close], raw[close + 1 :]
-        if rest:
-            if not rest.startswith(":"):
-                raise ArgsError(f"--rdzv-endpoint {raw!r} is not of the form [HOST]:PORT")
-            port = rest[1:]
-    elif raw.count(":") == 1:
-        host, port = raw.split(":")
-    if not host:
-        raise ArgsError(f"--rdzv-endpoint {raw!r} has no host; use HOST:PORT")
-    return host, _port("--rdzv-endpoint", port)
-
-
-def _master(ns: argparse.Namespace) -> tuple[str, int]:
-    if ns.rdzv_endpoint:
-        return _endpoint(ns.rdzv_endpoint)
-    addr = ns.master_addr or DEFAULT_MASTER_ADDR
-    port = DEFAULT_MASTER_PORT if ns.master_port is None else _port("--master-port", ns.master_port)
-    return addr, port
+def _one_of(flag: str, value: str | None, allowed: tuple[str, ...], why: str = "") -> None:
+    if value is not None and value not in allowed:
+        raise ArgsError(f"{flag} {value!r} is not one of {', '.join(allowed)}{why}")
 
 
 def _check_choices(ns: argparse.Namespace) -> None:
-    if ns.backend is not None and ns.backend not in BACKENDS:
-        raise ArgsError(f"--backend {ns.backend!r} is not one of {', '.join(BACKENDS)}")
-    if ns.rdzv_backend not in RDZV_BACKENDS:
-        raise ArgsError(
-            f"--rdzv-backend {ns.rdzv_backend!r} is not supported; use one of "
-            f"{', '.join(RDZV_BACKENDS)} (phalanx runs its own rendezvous either way)"
-        )
+    _one_of("--backend", ns.backend, BACKENDS)
+    _one_of(
+        "--rdzv-backend",
+        ns.rdzv_backend,
+        RDZV_BACKENDS,
+        ": phalanx runs its own rendezvous over a TCP store hosted by node 0, as torchrun's "
+        "static and c10d backends do; pass --rdzv-backend c10d (or leave it out) with "
+        "--rdzv-endpoint HOST:PORT of node 0",
+    )
+    _one_of("--start-method", ns.start_method, START_METHODS)
+    _one_of(
+        "--event-log-handler",
+        ns.event_log_handler,
+        EVENT_HANDLERS,
+        " (torchrun's registered handlers)",
+    )
+    _one_of("--numa-binding", ns.numa_binding, NUMA_MODES)
     if ns.module and ns.no_python:
         raise ArgsError("-m/--module and --no-python cannot be combined; pass only one")
+    if ns.module and ns.run_path:
+        raise ArgsError("-m/--module and --run-path cannot be combined; pass only one")
+    if not ns.role:
+        raise ArgsError("--role '' is empty; pass a name such as trainer (default: default)")
 
 
-def _min_nodes(raw: str) -> int:
-    """MIN of an elastic ``--nnodes MIN:MAX``; 0 for a fixed number of nodes."""
-    lo, hi = _nnodes(raw)
-    return lo if lo < hi else 0
+def _master(ns: argparse.Namespace, nnodes: int) -> tuple[str, int]:
+    """Node 0's store: --rdzv-endpoint, else --master-addr and --master-port. As torchrun, a
+    single node given no port takes a free one (two jobs on one machine do not collide)."""
+    if ns.rdzv_endpoint:
+        default = C10D_DEFAULT_PORT if ns.rdzv_backend == "c10d" else DEFAULT_MASTER_PORT
+        return checks.endpoint(ns.rdzv_endpoint, default)
+    if ns.master_port is None:
+        return ns.master_addr, 0 if nnodes == 1 else DEFAULT_MASTER_PORT
+    return ns.master_addr, checks.port("--master-port", ns.master_port)
 
 
 def _topology(ns: argparse.Namespace) -> tuple[int, int, str, int]:
     """Return nnodes (the maximum), node rank, master address and port, applying --standalone."""
-    nnodes, node_rank = _nnodes(ns.nnodes)[1], _int("--node-rank", ns.node_rank, minimum=0)
+    nnodes, node_rank = checks.nnodes(ns.nnodes)[1], checks.integer("--node-rank", ns.node_rank, 0)
     if ns.standalone:
         if nnodes != 1 or node_rank != 0:
             raise ArgsError(
@@ -205,46 +94,134 @@ def _topology(ns: argparse.Namespace) -> tuple[int, int, str, int]:
             f"--node-rank {node_rank} is invalid with --nnodes {nnodes}: node ranks are "
             f"0..{nnodes - 1}"
         )
-    addr, port = _master(ns)
+    addr, port = _master(ns, nnodes)
     return nnodes, node_rank, addr, port
 
 
-def parse_args(argv: list[str]) -> LaunchConfig:
+def _min_nodes(raw: str) -> int:
+    """MIN of an elastic ``--nnodes MIN:MAX``; 0 for a fixed number of nodes."""
+    lo, hi = checks.nnodes(raw)
+    return lo if lo < hi else 0
+
+
+def _rdzv_timeout(ns: argparse.Namespace, node_rank: int) -> float:
+    """``--rdzv-timeout``, or torchrun's ``--rdzv-conf timeout=`` / ``join_timeout=``."""
+    given = {f"--rdzv-conf {k}=": v for k, v in checks.rdzv_conf(ns.rdzv_conf, node_rank).items()}
+    if ns.rdzv_timeout is not None:
+        given["--rdzv-timeout "] = ns.rdzv_timeout
+    values = {flag + raw: checks.seconds(flag.strip(" ="), raw) for flag, raw in given.items()}
+    if len(set(values.values())) > 1:
+        raise ArgsError(f"the rendezvous timeout is given twice, differently: {', '.join(values)}")
+    return next(iter(values.values()), DEFAULT_RDZV_TIMEOUT_S)
+
+
+def _shutdown_timeout(ns: argparse.Namespace, environ: Mapping[str, str]) -> float:
+    if ns.shutdown_timeout is not None:
+        return checks.seconds("--shutdown-timeout", ns.shutdown_timeout, allow_zero=True)
+    env = environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+    if env:
+        return checks.seconds("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", env, allow_zero=True)
+    return DEFAULT_SHUTDOWN_S
+
+
+def _check_gpus(
+    ns: argparse.Namespace, nproc: int, environ: Mapping[str, str], probe: DeviceProbe
+) -> None:
+    """--numa-binding and --virtual-local-rank map local rank i to GPU i: check there is one."""
+    if ns.numa_binding is not None:
+        gpus = probe("gpu")
+        if not gpus or gpus < nproc:
+            raise ArgsError(
+                f"--numa-binding {ns.numa_binding} binds local rank i to the CPUs near GPU i, "
+                f"but this machine has {gpus or 0} CUDA device(s) for {nproc} workers; drop "
+                f"--numa-binding"
+            )
+        if shutil.which("numactl") is None:
+            raise ArgsError(f"--numa-binding {ns.numa_binding} needs the numactl command")
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if ns.virtual_local_rank and visible is not None and len(visible.split(",")) < nproc:
+        raise ArgsError(
+            f"--virtual-local-rank gives local rank i the i-th of CUDA_VISIBLE_DEVICES="
+            f"{visible}, which lists fewer than the {nproc} workers"
+        )
+
+
+def _logs(ns: argparse.Namespace, nproc: int, environ: Mapping[str, str]) -> LogOptions:
+    if ns.log_dir and os.path.isfile(ns.log_dir):
+        raise ArgsError(f"--log-dir {ns.log_dir} is a file; pass a directory")
+    return LogOptions(
+        log_dir=ns.log_dir or None,
+        redirects=checks.std_spec("--redirects", ns.redirects, nproc),
+        tee=checks.std_spec("--tee", ns.tee, nproc),
+        local_ranks_filter=checks.rank_set("--local-ranks-filter", ns.local_ranks_filter, nproc),
+        duplicate_stdout_filters=checks.comma_list(ns.duplicate_stdout_filters),
+        duplicate_stderr_filters=checks.comma_list(ns.duplicate_stderr_filters),
+        logs_specs=ns.logs_specs,
+        prefix_template=environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE") or None,
+    )
+
+
+def parse_args(
+    argv: list[str],
+    environ: Mapping[str, str] | None = None,
+    probe: DeviceProbe | None = None,
+) -> LaunchConfig:
     """Parse and validate the flags of ``phalanx run`` (everything after ``run``).
+
+    Args:
+        argv: the arguments after ``run``.
+        environ: where ``PET_*`` defaults and torchrun's variables are read (os.environ).
+        probe: device counts for ``--nproc-per-node auto|cpu|gpu`` (default: ask torch).
 
     Raises:
         ArgsError: a flag is unknown, malformed or out of range, or the script is missing.
     """
-    ns = _build_parser().parse_args(argv)
+    environ = os.environ if environ is None else environ
+    ns = build_parser(environ).parse_args(argv)
     _check_choices(ns)
     nnodes, node_rank, addr, port = _topology(ns)
+    probe = probe or probe_devices
+    nproc = check_nproc(local_world_size(ns.nproc_per_node, probe), ns.nproc_per_node, environ)
+    _check_gpus(ns, nproc, environ, probe)
     return LaunchConfig(
-        nproc_per_node=_nproc(ns.nproc_per_node),
+        nproc_per_node=nproc,
         nnodes=nnodes,
         min_nodes=_min_nodes(ns.nnodes),
         node_rank=node_rank,
         master_addr=addr,
         master_port=port,
         standalone=ns.standalone,
-        rdzv_id=ns.rdzv_id,
-        rdzv_timeout=_positive_float("--rdzv-timeout", ns.rdzv_timeout),
-        max_restarts=_int("--max-restarts", ns.max_restarts, minimum=0),
-        monitor_interval=_positive_float("--monitor-interval", ns.monitor_interval),
+        rdzv_backend=ns.rdzv_backend,
+        rdzv_id=None if ns.rdzv_id in ("", "none") else ns.rdzv_id,
+        rdzv_timeout=_rdzv_timeout(ns, node_rank),
+        max_restarts=checks.integer("--max-restarts", ns.max_restarts, minimum=0),
+        monitor_interval=checks.seconds("--monitor-interval", ns.monitor_interval),
+        shutdown_timeout=_shutdown_timeout(ns, environ),
+        signals_to_handle=checks.signals(ns.signals_to_handle),
+        signals_text=ns.signals_to_handle,
         backend=ns.backend,
+        role=ns.role,
+        local_addr=ns.local_addr or None,
+        numa_binding=ns.numa_binding,
+        virtual_local_rank=ns.virtual_local_rank,
+        start_method=ns.start_method,
+        event_log_handler=ns.event_log_handler,
+        logs=_logs(ns, nproc, environ),
+        python=environ.get("PYTHON_EXEC") or sys.executable,
         module=ns.module,
-        no_python=ns.no_python,
+        no_python=ns.no_python and not ns.run_path,
+        run_path=ns.run_path,
         script=ns.script,
         script_args=tuple(ns.script_args),
     )
 
 
-def resolve_nproc(nproc_per_node: int | None, cuda_devices: int) -> int:
-    """Workers on this node: the flag's value, or for ``auto`` the CUDA devices (or 1)."""
-    if nproc_per_node is not None:
-        return nproc_per_node
-    return cuda_devices if cuda_devices > 0 else 1
-
-
-def usage() -> str:
-    """The usage line of ``phalanx run``."""
-    return _build_parser().format_usage()
+def notes(cfg: LaunchConfig) -> list[str]:
+    """Warnings about flags that are accepted but change nothing here (said once, at start)."""
+    found = []
+    if cfg.run_path and cfg.start_method != "spawn":
+        found.append(
+            f"--start-method {cfg.start_method}: phalanx starts each --run-path worker as a "
+            f"fresh interpreter (as spawn does), not by {cfg.start_method}"
+        )
+    return found

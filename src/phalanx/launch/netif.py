@@ -12,7 +12,7 @@ import ipaddress
 import socket
 import struct
 
-__all__ = ["interface_for", "ipv4_interfaces", "local_ip_for"]
+__all__ = ["interface_for", "interface_owning", "ipv4_interfaces", "local_ip_for"]
 
 _SIOCGIFFLAGS = 0x8913
 _SIOCGIFADDR = 0x8915
@@ -92,6 +92,20 @@ def interface_for(master_addr: str) -> tuple[str, str] | None:
         return None
     name = _interface_of(ip)
     return None if name is None else (name, ip)
+
+
+def interface_owning(host: str) -> tuple[str, str] | None:
+    """Name and IP of the local interface that owns ``host``'s address (None: not this machine)."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return None
+    for *_, sockaddr in infos:
+        ip = str(sockaddr[0])
+        name = _interface_of(ip)
+        if name is not None:
+            return name, ip
+    return None
 
 
 def ipv4_interfaces() -> list[tuple[str, str]]:

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import ipaddress
-import sys
+import os
 from datetime import timedelta
 from typing import Any
 
-from phalanx.launch.args import ArgsError, LaunchConfig, parse_args, usage
+from phalanx.launch.args import ArgsError, LaunchConfig, notes, parse_args
+from phalanx.launch.logs import load_logs_specs
+from phalanx.launch.netif import interface_owning
+from phalanx.launch.output import CONSOLE
 from phalanx.launch.preflight import PreflightError, resolve_host, wait_for_master
 
 __all__ = ["main"]
 
 
 def _log(message: str) -> None:
-    sys.stderr.write(f"phalanx run: {message}\n")
-    sys.stderr.flush()
+    CONSOLE.line("stderr", f"phalanx run: {message}")
 
 
 def _open_agent_store(cfg: LaunchConfig) -> Any:
@@ -53,6 +55,36 @@ def _warn_if_loopback(cfg: LaunchConfig, addrs: list[str]) -> None:
         )
 
 
+def _check_local(cfg: LaunchConfig) -> None:
+    """What the flags need from this machine: --local-addr is ours, --logs-specs installed,
+    --log-dir writable."""
+    if cfg.local_addr is not None and interface_owning(cfg.local_addr) is None:
+        raise PreflightError(
+            f"--local-addr {cfg.local_addr} is not an address of this machine; pass one of its "
+            f"addresses (see `phalanx doctor`) or drop --local-addr"
+        )
+    if cfg.logs.logs_specs is not None:
+        load_logs_specs(cfg.logs.logs_specs)
+    log_dir = cfg.logs.log_dir
+    if log_dir is not None and log_dir != os.devnull:
+        try:
+            os.makedirs(log_dir, exist_ok=True)
+        except OSError as exc:
+            raise PreflightError(f"--log-dir {log_dir} cannot be created: {exc.strerror}") from None
+        if not os.access(log_dir, os.W_OK | os.X_OK):
+            raise PreflightError(f"--log-dir {log_dir} is not writable by this user")
+
+
+def _say_defaults(cfg: LaunchConfig) -> None:
+    for note in notes(cfg):
+        _log(f"warning: {note}")
+    if cfg.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
+        _log(
+            f"OMP_NUM_THREADS=1 for each of the {cfg.nproc_per_node} workers, as torchrun sets "
+            f"it; set OMP_NUM_THREADS to give each worker more threads"
+        )
+
+
 def main(argv: list[str]) -> int:
     """Run ``phalanx run`` with ``argv`` (the arguments after ``run``); return the exit code.
 
@@ -61,10 +93,15 @@ def main(argv: list[str]) -> int:
     """
     try:
         cfg = parse_args(argv)
+        _check_local(cfg)
     except ArgsError as exc:
-        sys.stderr.write(usage())
         _log(f"error: {exc}")
+        _log("every option: phalanx run --help")
         return 2
+    except PreflightError as exc:
+        _log(f"error: {exc}")
+        return 1
+    _say_defaults(cfg)
     try:
         _warn_if_loopback(cfg, resolve_host(cfg.master_addr))
         store = _open_agent_store(cfg)

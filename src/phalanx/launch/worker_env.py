@@ -1,6 +1,9 @@
 """The environment contract between the launcher and each worker, as one pure function.
 
-Workers read it with :mod:`phalanx.comm.env` or with torch's own ``env://`` initialisation.
+Workers read it with :mod:`phalanx.comm.env` or with torch's own ``env://`` initialisation. It
+holds every variable torchrun's agent sets (``LocalElasticAgent._start_workers`` and the
+launcher's own ``OMP_NUM_THREADS`` / ``TORCHELASTIC_SIGNALS_TO_HANDLE``), compared variable by
+variable with a real torchrun in the tests; the log planner adds ``TORCHELASTIC_ERROR_FILE``.
 """
 
 from __future__ import annotations
@@ -9,8 +12,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from phalanx.comm.auth import SECRET_ENV
+from phalanx.launch.config import DEFAULT_SIGNALS
 
-__all__ = ["JobContext", "Placement", "default_omp_threads", "worker_env"]
+__all__ = ["JobContext", "Placement", "worker_env"]
 
 
 @dataclass(frozen=True)
@@ -51,48 +55,60 @@ class JobContext:
     """Interface routing to the master, for GLOO_SOCKET_IFNAME when the user did not set it."""
     secret: str | None = field(default=None, repr=False)
     """The job's secret for PHALANX_JOB_SECRET (kept out of repr: never logged)."""
+    role: str = "default"
+    """ROLE_NAME (``--role``)."""
+    signals: str = DEFAULT_SIGNALS
+    """TORCHELASTIC_SIGNALS_TO_HANDLE (``--signals-to-handle`` as given)."""
+    virtual_local_rank: bool = False
+    """``--virtual-local-rank``: LOCAL_RANK=0 and only the worker's own GPU visible."""
 
 
-def default_omp_threads(cpu_count: int, local_world_size: int) -> int:
-    """Share the node's cores between its workers, as torchrun does: at least one thread each."""
-    return max(1, cpu_count // max(1, local_world_size))
+def _local_rank_env(base: Mapping[str, str], local_rank: int, virtual: bool) -> dict[str, str]:
+    """LOCAL_RANK, and with ``--virtual-local-rank`` the one GPU this worker sees (as torchrun)."""
+    if not virtual:
+        return {"LOCAL_RANK": str(local_rank)}
+    visible = base.get("CUDA_VISIBLE_DEVICES")
+    gpu = visible.split(",")[local_rank].strip() if visible is not None else str(local_rank)
+    return {"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": gpu}
 
 
-def worker_env(
-    base: Mapping[str, str], place: Placement, job: JobContext, cpu_count: int
-) -> dict[str, str]:
+def worker_env(base: Mapping[str, str], place: Placement, job: JobContext) -> dict[str, str]:
     """Environment of one worker: ``base`` plus the rank/world/master variables.
 
-    Variables the user already set in ``base`` win for OMP_NUM_THREADS and GLOO_SOCKET_IFNAME;
-    the rank, world and store variables are always the launcher's.
+    Variables the user already set in ``base`` win for OMP_NUM_THREADS, GLOO_SOCKET_IFNAME and
+    TORCH_NCCL_ASYNC_ERROR_HANDLING; the rank, world and store variables are the launcher's.
+    As in torchrun, OMP_NUM_THREADS is 1 when several workers share the node and the user did
+    not set it (one OpenMP thread per core per worker would oversubscribe the cores).
     """
     env = dict(base)
     env.update(
         RANK=str(place.rank),
-        LOCAL_RANK=str(place.local_rank),
         WORLD_SIZE=str(place.world_size),
         LOCAL_WORLD_SIZE=str(place.local_world_size),
         GROUP_RANK=str(place.node_rank),
         GROUP_WORLD_SIZE=str(place.nnodes),
         ROLE_RANK=str(place.rank),
         ROLE_WORLD_SIZE=str(place.world_size),
-        ROLE_NAME="default",
+        ROLE_NAME=job.role,
         MASTER_ADDR=job.master_addr,
         MASTER_PORT=str(job.master_port),
         TORCHELASTIC_USE_AGENT_STORE="True",
         TORCHELASTIC_RESTART_COUNT=str(job.restart_count),
         TORCHELASTIC_MAX_RESTARTS=str(job.max_restarts),
         TORCHELASTIC_RUN_ID=job.run_id,
+        TORCHELASTIC_SIGNALS_TO_HANDLE=job.signals,
+        TORCH_NCCL_ASYNC_ERROR_HANDLING=base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
         PHALANX_RUN_ID=job.run_id,
         PHALANX_RESTART_COUNT=str(job.restart_count),
         PYTHONUNBUFFERED="1",
     )
+    env.update(_local_rank_env(base, place.local_rank, job.virtual_local_rank))
     if job.backend is not None:
         env["PHALANX_BACKEND"] = job.backend
     if job.secret is not None:
         env[SECRET_ENV] = job.secret
-    if "OMP_NUM_THREADS" not in base:
-        env["OMP_NUM_THREADS"] = str(default_omp_threads(cpu_count, place.local_world_size))
+    if "OMP_NUM_THREADS" not in base and place.local_world_size > 1:
+        env["OMP_NUM_THREADS"] = "1"
     if job.gloo_ifname and "GLOO_SOCKET_IFNAME" not in base:
         env["GLOO_SOCKET_IFNAME"] = job.gloo_ifname
     return env

@@ -1,4 +1,9 @@
-"""Start the workers of one node, prefix their output with ``[rank N]``, watch them, stop them.
+"""Start the workers of one node, route their output, watch them, stop them.
+
+Each stream goes, chunk by chunk (see :mod:`phalanx.launch.output`), to the console with its
+``[rank N]`` prefix, to its log file (:mod:`phalanx.launch.logs`) or both; the last stderr
+lines are kept for the failure summary. Global rank 0 reads the launcher's stdin, the others
+read /dev/null.
 
 Each worker runs in its own process group (so its own children are stopped with it) and dies
 with the agent: ``PR_SET_PDEATHSIG`` = SIGKILL is set between fork and exec. That signal is tied
@@ -18,21 +23,66 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import IO
 
-__all__ = ["Worker", "WorkerGroup", "WorkerSpec", "die_with_parent", "worker_command"]
+from phalanx.launch.logs import AttemptLogs, FilteredLogs, StreamLogs, WorkerLogs
+from phalanx.launch.output import ConsoleSink, FileSink, Sink, TailSink, pump
+from phalanx.launch.prefix import Prefixer, line_prefix
+
+__all__ = [
+    "Worker",
+    "WorkerGroup",
+    "WorkerSpec",
+    "die_with_parent",
+    "numa_bound",
+    "worker_command",
+]
 
 _PR_SET_PDEATHSIG = 1
 STDERR_TAIL_LINES = 50
 
 
-def worker_command(script: str, args: Sequence[str], module: bool, no_python: bool) -> list[str]:
-    """Command line of a worker: ``python -u script``, ``python -u -m module`` or the executable."""
+RUN_PATH = (
+    "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+)
+"""torchrun's --run-path: the script runs through ``runpy.run_path`` (argv: script, args)."""
+
+
+def worker_command(
+    script: str,
+    args: Sequence[str],
+    module: bool = False,
+    no_python: bool = False,
+    run_path: bool = False,
+    python: str = sys.executable,
+) -> list[str]:
+    """Command line of a worker, as torchrun builds it: ``python -u script``, ``python -u -m
+    module``, the executable itself (``--no-python``), or ``runpy.run_path`` (``--run-path``)."""
+    if run_path:
+        return [python, "-u", "-c", RUN_PATH, script, *args]
     if no_python:
         return [script, *args]
     if module:
-        return [sys.executable, "-u", "-m", script, *args]
-    return [sys.executable, "-u", script, *args]
+        return [python, "-u", "-m", script, *args]
+    return [python, "-u", script, *args]
+
+
+def numa_bound(command: list[str], gpu: int, mode: str) -> list[str]:
+    """``command`` bound by numactl to the CPUs near GPU ``gpu``, exactly as torchrun does it.
+
+    The topology rules of the four modes are torch's own (``torch.numa.binding``), so the
+    binding is the one torchrun would choose.
+    """
+    from torch.numa.binding import (
+        AffinityMode,
+        NumaOptions,
+        _maybe_wrap_command_args_with_numa_binding,
+    )
+
+    options = NumaOptions(affinity_mode=AffinityMode(mode))
+    wrapped = _maybe_wrap_command_args_with_numa_binding(
+        tuple(command), gpu_index=gpu, numa_options=options
+    )
+    return list(wrapped)
 
 
 def die_with_parent(parent_pid: int | None = None) -> Callable[[], None]:
@@ -64,6 +114,13 @@ class WorkerSpec:
     """argv of the worker process."""
     env: dict[str, str]
     """Its complete environment."""
+    stdin: bool = False
+    """Read the launcher's stdin (global rank 0, so that ``breakpoint()`` and ``input()``
+    work there); otherwise /dev/null."""
+    prefix: str = ""
+    """Console prefix of its lines (default ``[rank N] ``)."""
+    logs: WorkerLogs = field(default_factory=WorkerLogs)
+    """Its log files and whether each stream is shown on the console."""
 
 
 @dataclass
@@ -88,58 +145,58 @@ class Worker:
         self.returncode = code
 
 
-_OUT_LOCK = threading.Lock()
+def _sinks(
+    name: str, where: StreamLogs, spec: WorkerSpec, filtered: FilteredLogs | None
+) -> list[Sink]:
+    """The console, log file and filtered-lines copies of one stream of a worker."""
+    prefix = spec.prefix or line_prefix(None, "", spec.rank, spec.local_rank)
+    sinks: list[Sink] = []
+    if where.file is not None:
+        sinks.append(FileSink(where.file))
+    if where.console:
+        # torch's excepthook and c10d's log lines start with "[rank0]:" once init_process_group
+        # ran: that is our prefix again, so it is dropped.
+        torch_prefix = f"[rank{spec.rank}]:".encode()
+        sinks.append(ConsoleSink(name, Prefixer(prefix.encode(), torch_prefix)))
+    duplicate = filtered.sink(name, prefix) if where.filtered and filtered else None
+    if duplicate is not None:
+        sinks.append(duplicate)
+    return sinks
 
 
-def _writer(stream: IO[str]) -> Callable[[bytes], None]:
-    """Write bytes to a text stream's binary buffer (or decoded, if it has none), flushed."""
-    buffer = getattr(stream, "buffer", None)
-
-    def write(data: bytes) -> None:
-        with _OUT_LOCK, contextlib.suppress(OSError, ValueError):
-            if buffer is not None:
-                buffer.write(data)
-                buffer.flush()
-            else:
-                stream.write(data.decode("utf-8", "replace"))
-                stream.flush()
-
-    return write
+def _prompt_watch(spec: WorkerSpec, sinks: list[Sink], pid: int) -> Callable[[], None] | None:
+    """For a worker reading the launcher's terminal: notice when a partial line is a prompt."""
+    shown = [s for s in sinks if isinstance(s, ConsoleSink)]
+    if not (spec.stdin and shown and sys.stdin is not None and sys.stdin.isatty()):
+        return None
+    return lambda: shown[0].idle(pid)
 
 
-def _pump(
-    src: IO[bytes], write: Callable[[bytes], None], prefix: bytes, tail: deque[str] | None
-) -> None:
-    """Copy ``src`` line by line through ``write``, each line prefixed."""
-    for line in iter(src.readline, b""):
-        if not line.endswith(b"\n"):
-            line += b"\n"
-        if tail is not None:
-            tail.append(line.decode("utf-8", "replace"))
-        write(prefix + line)
-    src.close()
-
-
-def _start(spec: WorkerSpec) -> Worker:
-    proc = subprocess.Popen(
-        spec.command,
-        env=spec.env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-        preexec_fn=die_with_parent(),
-    )
-    worker = Worker(spec, proc)
-    prefix = f"[rank {spec.rank}] ".encode()
+def _start(spec: WorkerSpec, filtered: FilteredLogs | None) -> Worker:
+    tail: deque[str] = deque(maxlen=STDERR_TAIL_LINES)
+    out = _sinks("stdout", spec.logs.stdout, spec, filtered)
+    err = [*_sinks("stderr", spec.logs.stderr, spec, filtered), TailSink(tail)]
+    try:
+        proc = subprocess.Popen(
+            spec.command,
+            env=spec.env,
+            stdin=None if spec.stdin else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=die_with_parent(),
+        )
+    except BaseException:
+        for sink in (*out, *err):
+            sink.close()
+        raise
+    worker = Worker(spec, proc, stderr_tail=tail)
     assert proc.stdout is not None and proc.stderr is not None
-    pumps = [
-        (proc.stdout, _writer(sys.stdout), None),
-        (proc.stderr, _writer(sys.stderr), worker.stderr_tail),
+    worker.threads = [
+        threading.Thread(target=pump, args=(proc.stdout, out, _prompt_watch(spec, out, proc.pid))),
+        threading.Thread(target=pump, args=(proc.stderr, err, _prompt_watch(spec, err, proc.pid))),
+        threading.Thread(target=worker._wait),
     ]
-    for src, dst, tail in pumps:
-        worker.threads.append(threading.Thread(target=_pump, args=(src, dst, prefix, tail)))
-    worker.threads.append(threading.Thread(target=worker._wait))
     for thread in worker.threads:
         thread.daemon = True
         thread.start()
@@ -154,12 +211,13 @@ def _killpg(pid: int, signum: int) -> None:
 class WorkerGroup:
     """The workers of this node for one generation."""
 
-    def __init__(self, specs: Sequence[WorkerSpec]) -> None:
+    def __init__(self, specs: Sequence[WorkerSpec], logs: AttemptLogs | None = None) -> None:
         assert threading.current_thread() is threading.main_thread(), "see PR_SET_PDEATHSIG"
         self.workers: list[Worker] = []
+        self.filtered = FilteredLogs(logs) if logs is not None else None
         try:
             for spec in specs:
-                self.workers.append(_start(spec))
+                self.workers.append(_start(spec, self.filtered))
         except BaseException:
             self.stop(grace=0.0)
             raise
@@ -206,3 +264,5 @@ class WorkerGroup:
         for worker in self.workers:
             for thread in worker.threads:
                 thread.join(max(0.0, deadline - time.monotonic()))
+        if self.filtered is not None:
+            self.filtered.close()

@@ -1,0 +1,90 @@
+"""What one attempt starts on this node: each worker's command, environment, prefix and logs.
+
+This is where the flags meet the rendezvous: the agreed ranks and worker store give each
+worker its environment (:func:`~phalanx.launch.worker_env.worker_env`), the log plan adds its
+TORCHELASTIC_ERROR_FILE and files, and global rank 0 gets the launcher's stdin.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from phalanx.launch.config import LaunchConfig
+from phalanx.launch.logs import AttemptLogs, RunLogs
+from phalanx.launch.netif import interface_for, interface_owning
+from phalanx.launch.prefix import line_prefix
+from phalanx.launch.rendezvous import Rendezvous
+from phalanx.launch.worker_env import JobContext, Placement, worker_env
+from phalanx.launch.workers import WorkerSpec, numa_bound, worker_command
+
+__all__ = ["gloo_interface", "worker_specs"]
+
+
+def gloo_interface(cfg: LaunchConfig) -> str | None:
+    """The interface gloo should use: the one owning --local-addr, else the route to the master."""
+    found = interface_owning(cfg.local_addr) if cfg.local_addr else interface_for(cfg.master_addr)
+    return found[0] if found else None
+
+
+def _job(cfg: LaunchConfig, rdzv: Rendezvous, secret: str | None) -> JobContext:
+    return JobContext(
+        master_addr=cfg.master_addr,
+        master_port=rdzv.worker_port,
+        restart_count=rdzv.generation,
+        max_restarts=rdzv.max_restarts,
+        run_id=rdzv.run_id,
+        backend=cfg.backend,
+        gloo_ifname=gloo_interface(cfg),
+        secret=secret,
+        role=cfg.role,
+        signals=cfg.signals_text,
+        virtual_local_rank=cfg.virtual_local_rank,
+    )
+
+
+def _command(cfg: LaunchConfig, local_rank: int) -> list[str]:
+    command = worker_command(
+        cfg.script, cfg.script_args, cfg.module, cfg.no_python, cfg.run_path, cfg.python
+    )
+    if cfg.numa_binding is None:
+        return command
+    return numa_bound(command, local_rank, cfg.numa_binding)
+
+
+def worker_specs(
+    cfg: LaunchConfig,
+    rdzv: Rendezvous,
+    secret: str | None,
+    logs: RunLogs,
+    base: Mapping[str, str] = os.environ,
+) -> tuple[list[WorkerSpec], AttemptLogs]:
+    """The workers of this node for the attempt ``rdzv`` agreed on, and where their logs go."""
+    job = _job(cfg, rdzv, secret)
+    places = [
+        Placement(
+            rank=rdzv.rank_offset + local,
+            local_rank=local,
+            world_size=rdzv.world_size,
+            local_world_size=cfg.nproc_per_node,
+            node_rank=cfg.node_rank,
+            nnodes=rdzv.nnodes,
+        )
+        for local in range(cfg.nproc_per_node)
+    ]
+    envs = [worker_env(base, place, job) for place in places]
+    plan = logs.attempt(rdzv.run_id, rdzv.generation, envs)
+    template = cfg.logs.prefix_template
+    specs = [
+        WorkerSpec(
+            rank=place.rank,
+            local_rank=place.local_rank,
+            command=_command(cfg, place.local_rank),
+            env=env,
+            stdin=place.rank == 0,
+            prefix=line_prefix(template, cfg.role, place.rank, place.local_rank),
+            logs=where,
+        )
+        for place, env, where in zip(places, envs, plan.workers)
+    ]
+    return specs, plan

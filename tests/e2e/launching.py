@@ -1,0 +1,62 @@
+"""Helpers of the launcher's end-to-end tests: a clean environment, runs bound by a deadline.
+
+Every launcher starts in its own session, so that on the deadline the whole process group
+(launcher and workers) is killed before the test fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+DEADLINE_S = 90
+
+
+def launcher_env(*, path: str = "", **extra: str) -> dict[str, str]:
+    """This environment without the variables the launcher decides (nor PET_ defaults), with
+    ``src`` (and ``path``) on PYTHONPATH, plus ``extra``."""
+    decided = ("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+    env = {k: v for k, v in os.environ.items() if k not in decided and not k.startswith("PET_")}
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(ROOT / "src"), path, env.get("PYTHONPATH")])
+    )
+    return {**env, **extra}
+
+
+def start(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    """Start ``cmd`` in its own session, from the repository root, output captured."""
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+
+
+def finish(proc: subprocess.Popen[str], deadline: float = DEADLINE_S) -> tuple[str, str]:
+    """Wait for ``proc``'s output; past the deadline kill its process group and fail."""
+    try:
+        return proc.communicate(timeout=deadline)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=10)
+        pytest.fail(f"{proc.args} did not finish in {deadline} s:\n{out}\n{err}")
+
+
+def run_ok(cmd: list[str], **env: str) -> tuple[str, str]:
+    """Run ``cmd`` (launcher_env plus ``env``) to its end; fail unless it exits 0."""
+    proc = start(cmd, launcher_env(**env))
+    out, err = finish(proc)
+    assert proc.returncode == 0, f"{cmd} exited {proc.returncode}:\n{out}\n{err}"
+    return out, err
+
+
+def worker_envs(stdout: str) -> dict[str, dict[str, str]]:
+    """The ``ENV {json}`` line each worker of scripts/show_env.py printed, by its RANK."""
+    found = [json.loads(line.split("ENV ", 1)[1]) for line in stdout.splitlines() if "ENV " in line]
+    return {env["RANK"]: env for env in found}
