@@ -139,3 +139,15 @@ def test_lines_of_two_ranks_stay_whole() -> None:
     lines = out.splitlines()
     whole = [line for line in lines if re.fullmatch(r"\[rank (\d)\] rank \1 line \d+ end", line)]
     assert len(lines) == len(whole) == 4000, [line for line in lines if line not in whole][:5]
+
+
+def test_a_jobs_own_bar_redraws_as_on_a_terminal() -> None:
+    """Job's bar sees a pipe, but the launcher says its console is a terminal (and how wide)."""
+    with terminal("job_bar.py") as term:
+        before_mid = term.read_until(lambda shown: b"MID-EPOCH" in shown).split(b"MID-EPOCH")[0]
+        assert term.finish() == 0
+    states = re.findall(rb"\r\[rank 0\] [^\r\n]*?(\d+)/40", before_mid)
+    assert len(set(states)) >= 3, f"bar states before mid-epoch: {states}\n{before_mid!r}"
+    bars = re.findall(r"\r(\[rank 0\] [^\r\n]*\|[^\r\n]*)", term.shown.decode())
+    widths = [len(line) for line in bars]
+    assert widths and max(widths) <= 80, f"bar lines wider than the 80-column terminal: {widths}"

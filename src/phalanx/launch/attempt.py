@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from phalanx.launch.config import LaunchConfig
 from phalanx.launch.logs import AttemptLogs, RunLogs
 from phalanx.launch.netif import interface_for, interface_owning
+from phalanx.launch.output import console_env
 from phalanx.launch.prefix import line_prefix
 from phalanx.launch.rendezvous import Rendezvous
 from phalanx.launch.worker_env import JobContext, Placement, worker_env
@@ -75,16 +76,17 @@ def worker_specs(
     envs = [worker_env(base, place, job) for place in places]
     plan = logs.attempt(rdzv.run_id, rdzv.generation, envs)
     template = cfg.logs.prefix_template
+    prefixes = [line_prefix(template, cfg.role, p.rank, p.local_rank) for p in places]
     specs = [
         WorkerSpec(
             rank=place.rank,
             local_rank=place.local_rank,
             command=_command(cfg, place.local_rank),
-            env=env,
+            env={**env, **(console_env(base, prefix) if where.stderr.console else {})},
             stdin=place.rank == 0,
-            prefix=line_prefix(template, cfg.role, place.rank, place.local_rank),
+            prefix=prefix,
             logs=where,
         )
-        for place, env, where in zip(places, envs, plan.workers)
+        for place, env, prefix, where in zip(places, envs, prefixes, plan.workers)
     ]
     return specs, plan

@@ -19,19 +19,21 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Protocol
 
 from phalanx.launch.prefix import Prefixer
 
 __all__ = [
     "CONSOLE",
+    "CONSOLE_ENV",
     "Console",
     "ConsoleSink",
     "FileSink",
     "Lines",
     "Sink",
     "TailSink",
+    "console_env",
     "pump",
     "read_chunk",
     "reading_stdin",
@@ -39,11 +41,15 @@ __all__ = [
 
 CHUNK = 65536
 IDLE_S = 0.05
+"""How long a prompt must wait before the launcher checks whether it waits for input."""
 COALESCE_S = 0.02
 """How long a chunk that ends inside a line waits for the rest of it: ``print(a, b)`` writes a
 line in pieces, and two ranks' pieces must not split each other's lines. A progress bar or a
 prompt, which end no line, is shown after at most this long."""
-"""How long a prompt must wait before the launcher checks whether it waits for input."""
+CONSOLE_ENV = "PHALANX_CONSOLE"
+"""Set to ``tty`` in the workers' environment when the launcher's stderr is a terminal: their
+stderr is a pipe to the launcher, but what they write ends on a terminal, so progress bars may
+redraw as often as on one (see :mod:`phalanx.train.progress`)."""
 
 
 def _terminal(stream: IO[str]) -> object:
@@ -60,6 +66,24 @@ def _is_tty(stream: IO[str]) -> bool:
         return stream.isatty()
     except (OSError, ValueError):
         return False
+
+
+def console_env(base: Mapping[str, str], prefix: str) -> dict[str, str]:
+    """What a worker whose output carries ``prefix`` needs to know about the launcher's console.
+
+    When stderr is a terminal: ``PHALANX_CONSOLE=tty``, and (unless the user set it) ``COLUMNS``,
+    the terminal's width less the prefix, which tqdm reads when its own stream is no terminal.
+    """
+    stream = _stream("stderr")
+    if not _is_tty(stream):
+        return {}
+    env = {CONSOLE_ENV: "tty"}
+    if "COLUMNS" not in base:
+        with contextlib.suppress(OSError, ValueError):
+            columns = os.get_terminal_size(stream.fileno()).columns
+            if columns > 0:
+                env["COLUMNS"] = str(max(20, columns - len(prefix)))
+    return env
 
 
 def _put(stream: IO[str], data: bytes) -> None:

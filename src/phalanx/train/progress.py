@@ -9,6 +9,7 @@ every ``NON_TTY_INTERVAL`` seconds, so logs do not fill with carriage-return upd
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from collections.abc import Iterable, Iterator, Sized
@@ -29,6 +30,11 @@ NON_TTY_INTERVAL = 5.0
 TTY_INTERVAL = 0.1
 """Seconds between redraws on a terminal (tqdm's default)."""
 _warned_missing = False
+
+
+def _on_terminal() -> bool:
+    """True when stderr ends on a terminal: directly, or through ``phalanx run``'s console."""
+    return sys.stderr.isatty() or os.environ.get("PHALANX_CONSOLE") == "tty"
 
 
 def _is_main() -> bool:
@@ -52,7 +58,7 @@ def _make_bar(iterable: Iterable[Any], desc: str | None, total: int | None, unit
             log.warning("tqdm is not installed: no progress bar (pip install tqdm)")
             _warned_missing = True
         return None
-    tty = sys.stderr.isatty()
+    tty = _on_terminal()
     interval = TTY_INTERVAL if tty else NON_TTY_INTERVAL
     if total is None and isinstance(iterable, Sized):
         total = len(iterable)
@@ -163,5 +169,5 @@ def progress(
     if not enabled:
         return Progress(iterable, None, total)
     bar = _make_bar(iterable, desc, total, unit)
-    interval = TTY_INTERVAL if sys.stderr.isatty() else NON_TTY_INTERVAL
+    interval = TTY_INTERVAL if _on_terminal() else NON_TTY_INTERVAL
     return Progress(iterable, bar, total, interval)
