@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from phalanx.comm import exit_guard
 from phalanx.comm.collectives import (
     all_gather,
     all_gather_into_tensor,
@@ -40,6 +41,8 @@ from phalanx.comm.objects import (
     scatter_object_list,
 )
 from phalanx.comm.tracking import comm_stats, reset_comm_stats
+
+exit_guard.install()
 
 __all__ = [
     "CollectiveError",
