@@ -14,13 +14,16 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from enum import Enum
 from urllib.parse import parse_qs, urlparse
 
 import torch
 import torch.distributed as dist
 
-from phalanx.comm import tracking
+from phalanx.comm import join, tracking
+from phalanx.comm.auth import job_secret
 from phalanx.comm.env import LaunchEnv, discover_env
+from phalanx.comm.signed import SignedStore
 from phalanx.comm.store import connect_store, host_store
 
 __all__ = [
@@ -32,6 +35,7 @@ __all__ = [
     "main_first",
     "process_group",
     "resolve_backend",
+    "signed_store",
     "world",
 ]
 
@@ -65,7 +69,23 @@ class World:
 
 
 _WORLD: World | None = None
+_SIGNED: SignedStore | None = None
 _GENERATION = 0  # process groups this process has initialised so far
+
+
+class _Role(Enum):
+    """This process's part in the join protocol of the store it rendezvouses through."""
+
+    HOST = "host"  # it hosts the store: it writes the join record
+    JOIN = "join"  # a phalanx host wrote a join record: verify it, prove the secret
+    NONE = "none"  # file://, a single process, or a store hosted by torchrun / phalanx.spawn
+
+
+@dataclass(frozen=True)
+class _Opened:
+    store: dist.Store
+    role: _Role
+    where: str
 
 
 def resolve_backend(backend: str | None, local_rank: int) -> str:
@@ -93,17 +113,18 @@ def _as_timedelta(timeout: timedelta | float | None) -> timedelta:
 
 
 def _tcp_store(
-    addr: str, port: int, rank: int, agent_store: bool, timeout: timedelta
-) -> dist.Store:
+    addr: str, port: int, rank: int, joins: bool, agent_store: bool, timeout: timedelta
+) -> _Opened:
+    where = f"{addr}:{port}"
     if rank == 0 and not agent_store:
         store, _ = host_store(addr, port, timeout)
-        return store
-    return connect_store(addr, port, timeout)
+        return _Opened(store, _Role.HOST, where)
+    return _Opened(connect_store(addr, port, timeout), _Role.JOIN if joins else _Role.NONE, where)
 
 
 def _make_store(
     init_method: str, env: LaunchEnv, rank: int, world_size: int, timeout: timedelta
-) -> dist.Store:
+) -> _Opened:
     url = urlparse(init_method)
     if url.scheme == "env":
         if env.master_addr is None:
@@ -112,17 +133,19 @@ def _make_store(
                 "launch with `phalanx run` or set them"
             )
         # Under `phalanx run` the launcher hosts a fresh store per restart generation (so no
-        # stale keys survive a restart) and every rank connects as a client.
-        return _tcp_store(env.master_addr, env.master_port, rank, env.agent_store, timeout)
+        # stale keys survive a restart) and every rank connects as a client. torchrun's and
+        # phalanx.spawn's hosts write no join record; phalanx run's and rank 0's do.
+        joins = not env.agent_store or env.source == "phalanx"
+        return _tcp_store(env.master_addr, env.master_port, rank, joins, env.agent_store, timeout)
     if url.scheme == "tcp":
         if url.hostname is None or url.port is None:
             raise ValueError(f"init_method={init_method!r} must look like tcp://HOST:PORT")
-        return _tcp_store(url.hostname, url.port, rank, False, timeout)
+        return _tcp_store(url.hostname, url.port, rank, True, False, timeout)
     if url.scheme == "file":
         path = url.path or url.netloc
         if not path:
             raise ValueError(f"init_method={init_method!r} must look like file:///path/to/file")
-        return dist.FileStore(path, world_size)
+        return _Opened(dist.FileStore(path, world_size), _Role.NONE, path)
     raise ValueError(f"init_method={init_method!r}: scheme must be env://, tcp:// or file://")
 
 
@@ -168,7 +191,7 @@ def init_process_group(
     Returns:
         The frozen :class:`World` record.
     """
-    global _WORLD, _GENERATION
+    global _WORLD, _GENERATION, _SIGNED
     if dist.is_initialized():
         raise RuntimeError(
             "init_process_group() was called twice; call destroy_process_group() first"
@@ -187,14 +210,17 @@ def init_process_group(
     else:
         if init_method is None:
             init_method = "env://" if env.master_addr or world_size > 1 else None
-        store = dist.HashStore() if init_method is None else None
-        if store is None:
-            store = _make_store(init_method, env, rank, world_size, limit)  # type: ignore[arg-type]
+        if init_method is None:
+            opened = _Opened(dist.HashStore(), _Role.NONE, "a local store")
+        else:
+            opened = _make_store(init_method, env, rank, world_size, limit)
+        store = opened.store
         if _GENERATION:
             # A process that initialises again (destroy, then init, as hvd.shutdown / hvd.init do)
             # meets the same store: namespace every key by the generation, which every rank
             # counts alike, so that no key of the previous group is read as this one's.
             store = dist.PrefixStore(f"phalanx/generation{_GENERATION}/", store)
+        _SIGNED = _job_store(opened, store, rank, env.restart_count, limit)
         dist.init_process_group(
             name,
             store=store,
@@ -214,17 +240,53 @@ def init_process_group(
         backend=name,
     )
     debug = os.environ.get("PHALANX_DEBUG", "") not in ("", "0")
-    tracking.start(store, rank, world_size, debug if validate is None else validate, limit)
+    tracking.start(_SIGNED, rank, world_size, debug if validate is None else validate, limit)
     return _WORLD
+
+
+def _run_id() -> str:
+    return os.environ.get("PHALANX_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or ""
+
+
+def _job_store(
+    opened: _Opened, store: dist.Store, rank: int, restart: int, timeout: timedelta
+) -> SignedStore:
+    """Join the job (host it, or prove the secret to its host); sign under its scope."""
+    secret, run_id = job_secret(), _run_id()
+    if opened.role is _Role.HOST:
+        scope = join.host_job(opened.store, secret, run_id, restart, opened.where)
+    elif opened.role is _Role.JOIN:
+        scope = join.join_job(opened.store, secret, rank, run_id, restart, opened.where, timeout)
+    else:
+        scope = f"{run_id}/{restart}"
+    signed = SignedStore(store, secret, f"{scope}/{_GENERATION}")
+    if opened.role is not _Role.NONE:
+        join.prove(signed, rank)
+    return signed
+
+
+def signed_store() -> SignedStore | None:
+    """The signer of phalanx's values in the default group's store (None without a group).
+
+    After torch's own ``init_process_group`` it signs over torch's default store, with the
+    secret and run id of the environment.
+    """
+    if _SIGNED is not None:
+        return _SIGNED
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    scope = f"{_run_id()}/{discover_env().restart_count}/torch"
+    return SignedStore(dist.distributed_c10d._get_default_store(), job_secret(), scope)
 
 
 def destroy_process_group() -> None:
     """Leave the default process group and stop phalanx's tracking; safe to call twice."""
-    global _WORLD
+    global _WORLD, _SIGNED
     tracking.stop()
     if dist.is_initialized():
         dist.destroy_process_group()
     _WORLD = None
+    _SIGNED = None
 
 
 def is_initialized() -> bool:
