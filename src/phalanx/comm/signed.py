@@ -44,6 +44,7 @@ MAGIC = "phx1"
 UNSIGNED = "-"
 POLL_S = 0.05
 _DOMAIN = b"phalanx-store/1"
+_ABSENT = "\0phalanx: no value"
 log = logging.getLogger("phalanx.store")
 _WARNED: set[str] = set()
 
@@ -145,11 +146,20 @@ class SignedStore:
         """Set ``key`` to the signed frame of ``value`` (plain JSON data)."""
         self.store.set(self.prefix + key, self.encode(key, value))
 
+    def _peek(self, key: str) -> bytes | None:
+        """The raw value at ``key`` or None, in one round trip and without blocking.
+
+        ``check`` then ``get`` would race with a deletion in between, and ``get`` of a deleted
+        key blocks for the store's whole timeout. A compare-and-set that can only match a value
+        nobody writes returns the current value, or the expected one when the key is absent.
+        """
+        got = self.store.compare_set(self.prefix + key, _ABSENT, _ABSENT)
+        return None if got == _ABSENT.encode() else got
+
     def get(self, key: str, parse: Callable[[Any], T] = _identity) -> T | None:
         """The value at ``key``; None when absent, forged or malformed (logged once)."""
-        if not self.store.check([self.prefix + key]):
-            return None
-        return self.accept(key, self.store.get(self.prefix + key), parse)
+        raw = self._peek(key)
+        return None if raw is None else self.accept(key, raw, parse)
 
     def get_present(self, keys: list[str], parse: Callable[[Any], T] = _identity) -> list[T | None]:
         """The values at ``keys``, which must all exist (one round trip); None where rejected."""
@@ -177,7 +187,7 @@ class SignedStore:
                 self.wait_exists([key], timedelta(seconds=max(left, 0.001)))
             except RuntimeError as exc:  # torch raises DistStoreError on timeout
                 raise TimeoutError(f"no value at store key {self.prefix + key!r}: {exc}") from None
-            value = self.accept(key, self.store.get(self.prefix + key), parse)
+            value = self.get(key, parse)  # None: forged, or deleted since the wait
             if value is not None:
                 return value
             if left <= 0:
