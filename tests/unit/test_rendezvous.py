@@ -11,7 +11,9 @@ import time
 import pytest
 import torch.distributed as dist
 
+from phalanx.launch.args import parse_args
 from phalanx.launch.rendezvous import AgentStore, RendezvousError
+from phalanx.launch.run import _warn_without_secret
 from phalanx.launch.summary import Failure
 
 SECRET = b"s" * 64
@@ -20,7 +22,8 @@ NOW = lambda: None  # noqa: E731  (check_stop)
 
 def _agents(nnodes: int, secret: bytes | None = SECRET) -> tuple[dist.Store, list[AgentStore]]:
     store = dist.HashStore()
-    return store, [AgentStore(store, n, nnodes, lambda _: None, secret=secret) for n in range(nnodes)]
+    agents = [AgentStore(store, n, nnodes, lambda _: None, secret=secret) for n in range(nnodes)]
+    return store, agents
 
 
 def _join(node: AgentStore, nproc: int) -> None:
@@ -81,7 +84,7 @@ def test_duplicate_node_rank_fails_everyone_but_a_strangers_claim_does_not() -> 
     store.set(node1._key(0, "joined", 1), "junk")  # a stranger's claim: replaced
     node1._claim_node_rank(0)
     twin = AgentStore(store, 1, 2, lambda _: None, secret=SECRET)
-    with pytest.raises(RendezvousError, match="two agents joined as node 1 .the other on"):
+    with pytest.raises(RendezvousError, match=r"two agents joined as node 1 \(the other on"):
         twin.rendezvous(0, 1, None, timeout=1, check_stop=NOW)
     failure = node0.failure(0)
     assert failure is not None and failure.rank == -1 and "--node-rank" in str(failure.reason)
@@ -145,3 +148,18 @@ def test_without_a_secret_values_are_framed_and_junk_is_refused() -> None:
     assert node1.failure(0) is None
     store.set(node0._key(0, "failure"), 'phx1 - {"rank": "x"}')  # framed, wrong shape
     assert node1.failure(0) is None
+
+
+def test_the_launcher_warns_once_without_a_secret_on_a_reachable_master() -> None:
+    cfg = parse_args(["--nnodes", "2", "--master-addr", "10.0.0.5", "x.py"])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("PHALANX_JOB_SECRET", raising=False)
+        lines: list[str] = []
+        mp.setattr("phalanx.launch.run._log", lines.append)
+        _warn_without_secret(cfg, ["10.0.0.5"])
+        _warn_without_secret(cfg, ["127.0.0.1"])  # loopback: only this machine
+        _warn_without_secret(parse_args(["x.py"]), ["10.0.0.5"])  # one node: the launcher's own
+        mp.setenv("PHALANX_JOB_SECRET", "3" * 64)
+        _warn_without_secret(cfg, ["10.0.0.5"])
+    assert len(lines) == 1
+    assert "PHALANX_JOB_SECRET is not set" in lines[0] and "10.0.0.5:29500" in lines[0]

@@ -43,9 +43,17 @@ def test_a_value_is_bound_to_its_key_scope_and_secret() -> None:
 
 @pytest.mark.parametrize(
     "raw",
-    [b"", b"junk", b"\xff\xfe", b"phx1 - 1", b"phx1 zz 1", b"phx1 " + b"0" * 64 + b" 1",
-     b"phx1 " + b"0" * 64 + b" [[[[", b'{"ok": true}'],
-)  # fmt: skip
+    [
+        b"",
+        b"junk",
+        b"\xff\xfe",
+        b"phx1 - 1",
+        b"phx1 zz 1",
+        b"phx1 " + b"0" * 64 + b" 1",
+        b"phx1 " + b"0" * 64 + b" [[[[",
+        b'{"ok": true}',
+    ],
+)
 def test_junk_and_forgeries_read_as_absent(raw: bytes) -> None:
     s = _signer()
     s.store.set("k", raw)
@@ -108,9 +116,14 @@ class _Rec:
 
 def test_as_record_checks_names_and_types() -> None:
     assert as_record(_Rec, {"n": 1, "name": "a", "when": 2}) == _Rec(1, "a", 2)
-    for bad in ([1], {"n": "1", "name": "a", "when": 2.0}, {"n": True, "name": "a", "when": 1},
-                {"n": 1, "name": "a"}, {"n": 1, "name": "a", "when": 1, "x": 0},
-                {"n": 1, "name": "a", "when": 1, "note": 3}):  # fmt: skip
+    for bad in (
+        [1],
+        {"n": "1", "name": "a", "when": 2.0},
+        {"n": True, "name": "a", "when": 1},
+        {"n": 1, "name": "a"},
+        {"n": 1, "name": "a", "when": 1, "x": 0},
+        {"n": 1, "name": "a", "when": 1, "note": 3},
+    ):
         with pytest.raises(TypeError):
             as_record(_Rec, bad)
 

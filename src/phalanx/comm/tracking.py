@@ -99,7 +99,9 @@ def hang_reports() -> list[str]:
     return [] if _T is None or _T.watch is None else list(_T.watch.reports)
 
 
-def _publish(t: _Tracker, store: SignedStore, last: dict[str, list[Any]]) -> dict[str, list[Any]]:
+def _publish(
+    t: _Tracker, store: SignedStore, last: dict[str, list[Any]] | None
+) -> dict[str, list[Any]]:
     snap = t.snapshot()
     if snap != last:
         store.put(f"progress/{t.rank}", snap)
@@ -110,7 +112,7 @@ def _publish(t: _Tracker, store: SignedStore, last: dict[str, list[Any]]) -> dic
 
 def _publisher(t: _Tracker, store: SignedStore) -> None:
     """The progress thread: publish, watch for hangs; an exception never ends it silently."""
-    last: dict[str, list[Any]] = {}
+    last: dict[str, list[Any]] | None = None
     failing_since: float | None = None
     bugs: set[str] = set()
     while not t.stop_event.wait(PUBLISH_INTERVAL_S):
