@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hmac
 import json
 import logging
@@ -94,14 +95,19 @@ class SignedStore:
         """The same signer over another handle to the same store (e.g. a clone for a thread)."""
         return dataclasses.replace(self, store=store)
 
-    def _tag(self, key: str, payload: str) -> str:
+    @functools.cached_property
+    def _keyed(self) -> hmac.HMAC:
         assert self.secret is not None
-        chunks = (_DOMAIN, self.scope.encode(), key.encode(), payload.encode())
-        return auth.mac(self.secret, b"\0".join(chunks)).hex()
+        return auth.keyed(self.secret, b"\0".join((_DOMAIN, self.scope.encode(), b"")))
+
+    def _tag(self, key: str, payload: str) -> str:
+        h = self._keyed.copy()  # the secret and scope are hashed once per signer, not per value
+        h.update(f"{key}\0{payload}".encode())
+        return h.hexdigest()
 
     def encode(self, key: str, value: object) -> str:
         """The frame of ``value`` under ``key`` (relative to :attr:`prefix`)."""
-        payload = json.dumps(value, separators=(",", ":"), sort_keys=True)
+        payload = json.dumps(value, separators=(",", ":"))
         tag = UNSIGNED if self.secret is None else self._tag(self.prefix + key, payload)
         return f"{MAGIC} {tag} {payload}"
 
