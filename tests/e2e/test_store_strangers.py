@@ -184,7 +184,7 @@ def test_a_worker_with_a_wrong_secret_fails_at_rendezvous_naming_the_job(
         )
         assert impostor.returncode == 3, impostor.stdout + impostor.stderr
         elapsed = float(impostor.stdout.split("ELAPSED ")[1].split()[0])
-        assert elapsed < 5.0
+        assert elapsed < 5.0, impostor.stdout
         where = f"127.0.0.1:{env['MASTER_PORT']}"
         assert "JobSecretError: rank 1 on " in impostor.stdout
         job_id = env["PHALANX_RUN_ID"]
