@@ -113,8 +113,10 @@ class Session:
 
 
 def _answer(parse: Callable[[dict[str, Any]], Any]) -> Callable[[Any], dict[str, Any]]:
-    """Check an answer's shape: ``{"ok": true, ...}`` (``parse`` checks the rest) or
-    ``{"ok": false, "error": "..."}``."""
+    """A check of an answer's shape: ``{"ok": false, "error": "..."}`` or ``{"ok": true, ...}``.
+
+    ``parse`` checks the rest of an ``ok`` answer.
+    """
 
     def check(value: Any) -> dict[str, Any]:
         if not isinstance(value, dict) or not isinstance(value.get("ok"), bool):

@@ -88,13 +88,15 @@ def join_job(
     signer = _record_store(store, secret, run_id, restart)
     try:
         signer.wait_exists([HOST_KEY], timeout)
+        raw = signer.raw(HOST_KEY)
     except RuntimeError:
+        raw = None
+    if raw is None:
         raise TimeoutError(
             f"rank {rank} on {socket.gethostname()}: the store at {where} holds no phalanx join "
             f"record after {timeout.total_seconds():.0f} s; is its host a phalanx launcher "
             f"of the same version?"
-        ) from None
-    raw = store.get(HOST_KEY)
+        )
     try:
         record = signer.decode(HOST_KEY, raw, functools.partial(as_record, JoinRecord))
     except Rejected as why:

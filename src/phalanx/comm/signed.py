@@ -152,7 +152,7 @@ class SignedStore:
         """Set ``key`` to the signed frame of ``value`` (plain JSON data)."""
         self.store.set(self.prefix + key, self.encode(key, value))
 
-    def _peek(self, key: str) -> bytes | None:
+    def raw(self, key: str) -> bytes | None:
         """The raw value at ``key`` or None, in one round trip and without blocking.
 
         ``check`` then ``get`` would race with a deletion in between, and ``get`` of a deleted
@@ -164,7 +164,7 @@ class SignedStore:
 
     def get(self, key: str, parse: Callable[[Any], T] = _identity) -> T | None:
         """The value at ``key``; None when absent, forged or malformed (logged once)."""
-        raw = self._peek(key)
+        raw = self.raw(key)
         return None if raw is None else self.accept(key, raw, parse)
 
     def get_present(self, keys: list[str], parse: Callable[[Any], T] = _identity) -> list[T | None]:
@@ -220,8 +220,10 @@ class SignedStore:
         raise TimeoutError(f"store key {self.prefix + key!r} keeps being overwritten")
 
     def bump(self, key: str, amount: int) -> int:
-        """Add ``amount`` to the *unsigned* counter at ``key``: anyone can move it, so use it
-        only as a hint ("look again"), never as a fact."""
+        """Add ``amount`` to the *unsigned* counter at ``key`` and return its value.
+
+        Anyone can move a counter, so use it only as a hint ("look again"), never as a fact.
+        """
         return int(self.store.add(self.prefix + key, amount))
 
     def delete(self, key: str) -> None:

@@ -243,9 +243,10 @@ def _validate(t: _Tracker, name: str, ranks: list[int], seq: int, fp: dict[str, 
     while True:
         try:
             t.store.wait_exists(keys, POLL)
-            seen = _load(t, dict(zip(ranks, keys)))
-        except RuntimeError:  # not every rank has published yet
-            seen = _load(t, {r: k for r, k in zip(ranks, keys) if t.store.exists([k])})
+            present = dict(zip(ranks, keys))
+        except RuntimeError:  # not every rank has published yet (DistStoreError: timeout)
+            present = {r: k for r, k in zip(ranks, keys) if t.store.exists([k])}
+        seen = _load(t, present)
         if fpr.mismatch(seen):
             raise CollectiveMismatchError(fpr.mismatch_message(t.rank, name, seq, seen))
         if len(seen) == len(ranks):

@@ -122,11 +122,13 @@ class Watchdog:
         dump_on_failure(self.recorder, self.rank)
         states: dict[int, dict[str, Any]] = {}
         deadline = time.time() + COLLECT_S
-        while len(states) < self.world_size and time.time() < deadline:
+        while True:
             for r in set(range(self.world_size)) - set(states):
                 state = store.get(f"{base}/{r}", _state)
                 if state is not None:
                     states[r] = state
+            if len(states) == self.world_size or time.time() >= deadline:
+                break
             time.sleep(0.05)
         report = build_report(self.rank, requester, stuck, states, self.world_size)
         self.reports.append(report)

@@ -121,9 +121,9 @@ class Agent:
         new_store = None
         if self.node == 0:
             timeout = timedelta(seconds=self.cfg.rdzv_timeout)
-            key = self.secret.encode() if self.secret else None
             run_id = self.store.config.run_id if self.store.config else ""
-            new_store = WorkerStore.host(self.cfg.master_addr, timeout, key, run_id, g)
+            secret = self.store.signed.secret
+            new_store = WorkerStore.host(self.cfg.master_addr, timeout, secret, run_id, g)
             port = new_store.port
         rdzv = self.store.rendezvous(g, self.nproc, port, self.cfg.rdzv_timeout, self.check_stop)
         if new_store is not None:

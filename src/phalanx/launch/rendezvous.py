@@ -139,7 +139,7 @@ class AgentStore:
     def _read_config(self, timeout: float, check_stop: Callable[[], None]) -> values.JobConfig:
         """Wait for node 0's config; refuse it when it is not signed with this node's secret."""
         deadline = time.monotonic() + timeout
-        while not self._call(self._store.check, [CONFIG_KEY]):
+        while (raw := self._call(self._config.raw, CONFIG_KEY)) is None:
             check_stop()
             if time.monotonic() > deadline:
                 raise RendezvousError(
@@ -147,7 +147,6 @@ class AgentStore:
                     f"{timeout:.0f} s; is a phalanx launcher running there?"
                 )
             time.sleep(POLL_S)
-        raw = self._call(self._store.get, CONFIG_KEY)
         try:
             return self._use(self._config.decode(CONFIG_KEY, raw, values.job_config))
         except Rejected as why:
