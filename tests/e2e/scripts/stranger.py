@@ -50,10 +50,13 @@ def _preempt(store: dist.TCPStore, key: str, value: object, forged: set[str], n:
         forged.add(re.sub(r"checkpoint/[0-9a-f]+/", "checkpoint/<token>/", key))
 
 
-def _agent_junk(agent: dist.TCPStore, forged: set[str]) -> None:
-    agent.set("phalanx/g0/failure", "junk that crashed the launcher")
-    agent.set("phalanx/g1/failure", _forgeries(FAILURE)[0])
-    forged.update({"phalanx/g0/failure", "phalanx/g1/failure"})
+def _agent_junk(agent: dist.TCPStore, n: int, forged: set[str]) -> None:
+    """A failure record for generation 0 (no real one is ever written in these jobs): junk, then
+    a forged one in each disguise (issue 14's stopped the job in 0.7 s, blaming rank 1)."""
+    junk = ["junk that crashed the launcher", *_forgeries(FAILURE)]
+    agent.set("phalanx/g0/failure", junk[n % len(junk)])
+    agent.compare_set("phalanx/g0/done/0", "", "1")  # "node 0 is done" before it is
+    forged.update({"phalanx/g0/failure", "phalanx/g0/done/0"})
 
 
 def _worker_port(agent: dist.TCPStore, deadline: float) -> int:
@@ -85,11 +88,13 @@ def main() -> None:
     deadline = time.monotonic() + seconds
     forged: set[str] = set()
     agent = _connect(port)
-    _agent_junk(agent, forged)
+    _agent_junk(agent, 0, forged)
     worker = _connect(_worker_port(agent, deadline))
     n = 0
     try:
         while time.monotonic() < deadline:
+            if n % 25 == 0:
+                _agent_junk(agent, n // 25, forged)
             _round(worker, n, forged)
             n += 1
             time.sleep(0.002)
