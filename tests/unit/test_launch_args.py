@@ -1,4 +1,5 @@
-"""Pure parts of the launcher: flags, worker env, failure summary, commands, agent protocol."""
+"""Pure parts of the launcher: flags, worker env, failure summary, commands (the agent protocol:
+``test_rendezvous.py``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import pytest
 
 from phalanx.launch.args import ArgsError, LaunchConfig, parse_args
 from phalanx.launch.netif import interface_for
-from phalanx.launch.rendezvous import AgentStore, RendezvousError
 from phalanx.launch.run import _warn_if_loopback
 from phalanx.launch.summary import Failure, format_summary, last_exception_line
 from phalanx.launch.worker_env import JobContext, Placement, worker_env
@@ -195,97 +195,6 @@ def test_interface_for_loopback() -> None:
     found = interface_for("127.0.0.1")
     assert found is not None and found[1] == "127.0.0.1"
     assert interface_for("no-such-host.invalid") is None
-
-
-class FakeStore:
-    """The few TCPStore operations the agents use, in memory."""
-
-    def __init__(self) -> None:
-        self.data: dict[str, bytes] = {}
-
-    def set(self, key: str, value: str) -> None:
-        self.data[key] = value.encode()
-
-    def get(self, key: str) -> bytes:
-        return self.data[key]
-
-    def check(self, keys: list[str]) -> bool:
-        return all(k in self.data for k in keys)
-
-    def multi_get(self, keys: list[str]) -> list[bytes]:
-        return [self.data[k] for k in keys]
-
-    def add(self, key: str, amount: int) -> int:
-        value = int(self.data.get(key, b"0")) + amount
-        self.data[key] = str(value).encode()
-        return value
-
-    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
-        if self.data.get(key, b"") == expected.encode():
-            self.data[key] = desired.encode()
-        return self.data[key]
-
-
-def _agents(nnodes: int) -> tuple[FakeStore, list[AgentStore]]:
-    store = FakeStore()
-    return store, [AgentStore(store, n, nnodes, log=lambda _: None) for n in range(nnodes)]
-
-
-def test_rendezvous_rank_offsets_are_prefix_sums() -> None:
-    _, (node0, node1, node2) = _agents(3)
-    node0.publish_config("run1", 2)
-    node1._call("set", node1._key(0, "nproc", 1), "3")  # as node 1 would
-    node2._call("set", node2._key(0, "nproc", 2), "1")
-    rdzv = node0.rendezvous(0, 2, 4242, timeout=1, check_stop=lambda: None)
-    assert (rdzv.rank_offset, rdzv.world_size, rdzv.worker_port) == (0, 6, 4242)
-    assert (rdzv.run_id, rdzv.max_restarts) == ("run1", 2)
-    rdzv2 = node2.rendezvous(0, 1, None, timeout=1, check_stop=lambda: None)
-    assert (rdzv2.rank_offset, rdzv2.world_size, rdzv2.worker_port) == (5, 6, 4242)
-
-
-def test_rendezvous_keys_are_namespaced_by_generation() -> None:
-    store, (node0, _) = _agents(2)
-    node0.publish_config("r", 1)
-    store.set(node0._key(0, "nproc", 1), "1")
-    node0.rendezvous(0, 1, 1111, timeout=1, check_stop=lambda: None)
-    with pytest.raises(RendezvousError, match=r"nodes \[1\] did not join"):
-        node0.rendezvous(1, 1, 2222, timeout=0.1, check_stop=lambda: None)
-
-
-def test_duplicate_node_rank_fails_everyone() -> None:
-    store, (node0, node1) = _agents(2)
-    twin = AgentStore(store, 1, 2, log=lambda _: None)
-    node0.publish_config("r", 0)
-    store.add(node1._key(0, "joined", 1), 1)
-    with pytest.raises(RendezvousError, match="two agents joined as node 1"):
-        twin.rendezvous(0, 1, None, timeout=1, check_stop=lambda: None)
-    failure = node0.failure(0)
-    assert failure is not None and failure.rank == -1 and "--node-rank" in str(failure.reason)
-
-
-def test_first_published_failure_wins() -> None:
-    _, (node0, node1) = _agents(2)
-    first = Failure(1, 1, 0, 11, 1, exception="ValueError: boom")
-    assert node0.publish_failure(0, first) == first
-    assert node1.publish_failure(0, Failure(2, 0, 1, 22, -9)) == first
-    assert node1.failure(0) == first and node1.failure(1) is None
-
-
-def test_done_marks_and_silent_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
-    _, (node0, node1) = _agents(2)
-    node0.mark(0, "done")
-    assert not node0.all_marked(0, "done")
-    node1.mark(0, "done")
-    assert node0.all_marked(0, "done")
-    clock = [100.0]
-    monkeypatch.setattr("phalanx.launch.rendezvous.time.monotonic", lambda: clock[0])
-    node1.heartbeat()
-    assert node0.silent_nodes(30) == []
-    clock[0] += 20
-    node1.heartbeat()
-    assert node0.silent_nodes(30) == []
-    clock[0] += 31
-    assert node0.silent_nodes(30) == [1]
 
 
 def test_multi_node_master_on_loopback_warns(capsys: pytest.CaptureFixture[str]) -> None:

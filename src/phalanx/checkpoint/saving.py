@@ -89,12 +89,26 @@ def _replicated(req: _Request) -> list[Section]:
     return sections
 
 
+def _files(answer: dict[str, Any]) -> dict[str, FileEntry]:
+    """The files of a peer's ``written`` answer (raises on a malformed one)."""
+    out = {k: FileEntry(v["sha256"], v["bytes"]) for k, v in answer["files"].items()}
+    if not all(isinstance(e.sha256, str) and isinstance(e.bytes, int) for e in out.values()):
+        raise TypeError("a file entry is a sha256 string and a byte count")
+    return out
+
+
+def _committed_path(answer: dict[str, Any]) -> str:
+    if not isinstance(answer["path"], str):
+        raise TypeError("a committed checkpoint's path is a string")
+    return answer["path"]
+
+
 def _collect_peers(session: Session, files: dict[str, FileEntry]) -> None:
     for r in range(1, session.size):
-        got = session.wait(f"written/{r}")
+        got = session.wait(f"written/{r}", _files)
         if not got["ok"]:
             raise CheckpointError(f"rank {r} could not write its checkpoint files: {got['error']}")
-        files.update({k: FileEntry(v["sha256"], v["bytes"]) for k, v in got["files"].items()})
+        files.update(_files(got))
 
 
 def _write_and_commit(session: Session, tmp: Path, req: _Request, own: Any) -> Path:
@@ -128,7 +142,7 @@ def _peer(session: Session, own: dict[str, FileEntry] | BaseException) -> Path:
         raise own
     files = {k: {"sha256": v.sha256, "bytes": v.bytes} for k, v in own.items()}
     session.publish(f"written/{session.rank}", {"ok": True, "files": files})
-    result = session.wait("committed")
+    result = session.wait("committed", _committed_path)
     if not result["ok"]:
         raise CheckpointError(f"rank 0 could not commit the checkpoint: {result['error']}")
     return Path(result["path"])

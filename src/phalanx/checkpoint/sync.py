@@ -5,14 +5,15 @@ must not wait for it inside a gloo/NCCL collective. One short broadcast at the s
 random token; from then on ranks talk through the rendezvous store under
 ``phalanx/checkpoint/<token>/``: each publishes its result (``set``) and waiters use
 ``store.wait`` with a long timeout (``PHALANX_CHECKPOINT_TIMEOUT`` seconds, default 1800). The
-random token keeps keys of earlier saves and of earlier restart generations apart; the last rank
-to finish deletes the session's keys.
+random token keeps keys of earlier saves and of earlier restart generations apart. Every value
+is signed with the job secret (:mod:`phalanx.comm.signed`): a forged answer is skipped and the
+wait goes on for the real one. Each rank says it is done under its own signed key
+``closed/<rank>``; a rank that finds all of them deletes the session's keys (a shared counter
+would let a stranger delete them under the ranks' feet).
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import secrets
 from collections.abc import Callable
@@ -23,11 +24,13 @@ from typing import Any
 import torch.distributed as dist
 
 from phalanx.checkpoint.manifest import CheckpointError
+from phalanx.comm.signed import SignedStore
 
 __all__ = ["Session", "open_session"]
 
 TIMEOUT_ENV = "PHALANX_CHECKPOINT_TIMEOUT"
-_SHARED = ("done", "committed", "tmpdir", "chosen")
+_SHARED = ("committed", "tmpdir", "chosen")
+_PER_RANK = ("written", "loaded", "closed")
 
 
 def _timeout() -> timedelta:
@@ -45,31 +48,33 @@ class Session:
     rank: int
     size: int
     token: str
-    store: dist.Store | None = None
+    store: SignedStore | None = None
 
     def _key(self, name: str) -> str:
         return f"phalanx/checkpoint/{self.token}/{name}"
 
     def publish(self, name: str, value: dict[str, Any]) -> None:
-        """Set key ``name`` of this session to ``value`` (JSON)."""
+        """Set key ``name`` of this session to ``value`` (JSON, signed)."""
         if self.store is not None:
-            self.store.set(self._key(name), json.dumps(value))
+            self.store.put(self._key(name), value)
 
-    def wait(self, name: str) -> dict[str, Any]:
-        """Wait (long timeout, no collective) for key ``name`` and return its value."""
+    def wait(
+        self, name: str, parse: Callable[[dict[str, Any]], Any] = lambda v: v
+    ) -> dict[str, Any]:
+        """Wait (long timeout, no collective) for a valid value at key ``name``; return it.
+
+        ``parse`` checks the shape of an ``ok`` answer (raising ValueError / TypeError /
+        KeyError): a value it refuses, or a forged one, is skipped like an absent one.
+        """
         assert self.store is not None
-        key = self._key(name)
         try:
-            self.store.wait([key], _timeout())
+            return self.store.wait_get(self._key(name), _timeout(), _answer(parse))
         except Exception as exc:
             raise CheckpointError(
                 f"rank {self.rank}: gave up waiting for {name!r} of checkpoint "
                 f"session {self.token} after {_timeout()} ({exc}); a peer "
                 f"died or is stuck (raise {TIMEOUT_ENV} for huge checkpoints)"
             ) from exc
-        value = json.loads(self.store.get(key))
-        assert isinstance(value, dict)
-        return value
 
     def share(self, name: str, compute: Callable[[], Any]) -> Any:
         """Rank 0 computes a plain value and every rank returns it (through the store).
@@ -86,22 +91,43 @@ class Session:
                 raise
             self.publish(name, {"ok": True, "value": value})
             return value
-        got = self.wait(name)
+        got = self.wait(name, lambda v: v["value"])
         if not got["ok"]:
             raise CheckpointError(f"rank 0 failed: {got['error']}")
         return got["value"]
 
     def close(self) -> None:
-        """Count this rank out; the last rank out deletes the session's keys."""
+        """Say this rank is done; a rank that sees every rank done deletes the session's keys.
+
+        Each rank writes ``closed/<rank>`` and then reads everyone's, so the last one to write
+        sees them all (two may both delete, which is harmless).
+        """
         if self.store is None:
             return
-        if self.store.add(self._key("done"), 1) == self.size:
-            ranks = range(self.size)
-            names = [*_SHARED, *(f"written/{r}" for r in ranks), *(f"loaded/{r}" for r in ranks)]
+        self.publish(f"closed/{self.rank}", {"ok": True})
+        closed = [self.store.get(self._key(f"closed/{r}")) for r in range(self.size)]
+        if all(c is not None for c in closed):
+            names = [*_SHARED, *(f"{k}/{r}" for k in _PER_RANK for r in range(self.size))]
             for name in names:
-                # An absent key, or a store without deletion, is fine.
-                with contextlib.suppress(Exception):
-                    self.store.delete_key(self._key(name))
+                self.store.delete(self._key(name))
+
+
+def _answer(parse: Callable[[dict[str, Any]], Any]) -> Callable[[Any], dict[str, Any]]:
+    """A check of an answer's shape: ``{"ok": false, "error": "..."}`` or ``{"ok": true, ...}``.
+
+    ``parse`` checks the rest of an ``ok`` answer.
+    """
+
+    def check(value: Any) -> dict[str, Any]:
+        if not isinstance(value, dict) or not isinstance(value.get("ok"), bool):
+            raise TypeError("an answer is an object with a boolean 'ok'")
+        if not value["ok"] and not isinstance(value.get("error"), str):
+            raise TypeError("a failed answer names its error")
+        if value["ok"]:
+            parse(value)
+        return value
+
+    return check
 
 
 def open_session(group: dist.ProcessGroup | None) -> Session:
@@ -122,4 +148,6 @@ def open_session(group: dist.ProcessGroup | None) -> Session:
     agreed = [token]
     root = 0 if group is None else dist.get_global_rank(group, 0)
     broadcast_object_list(agreed, src=root, group=group)
-    return Session(rank, size, str(agreed[0]), dist.distributed_c10d._get_default_store())
+    from phalanx.comm.group import signed_store
+
+    return Session(rank, size, str(agreed[0]), signed_store())

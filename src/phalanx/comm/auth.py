@@ -14,7 +14,7 @@ import hashlib
 import hmac
 import os
 
-__all__ = ["MAC_BYTES", "SECRET_ENV", "job_secret", "mac", "new_secret", "verify"]
+__all__ = ["MAC_BYTES", "SECRET_ENV", "job_secret", "keyed", "mac", "new_secret", "verify"]
 
 SECRET_ENV = "PHALANX_JOB_SECRET"
 MAC_BYTES = 32
@@ -39,6 +39,14 @@ def mac(secret: bytes, *chunks: bytes) -> bytes:
     for chunk in chunks:
         h.update(chunk)
     return h.digest()
+
+
+def keyed(secret: bytes, context: bytes) -> hmac.HMAC:
+    """An HMAC-SHA256 under ``secret`` that has already absorbed ``context``.
+
+    ``.copy()`` it for each message: the key schedule and the context are hashed once.
+    """
+    return hmac.new(secret, context, digestmod=hashlib.sha256)
 
 
 def verify(secret: bytes, tag: bytes, *chunks: bytes) -> bool:

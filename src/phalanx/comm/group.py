@@ -14,15 +14,18 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from enum import Enum
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from phalanx._check import check_bool, check_choice, check_group, check_int, check_timeout
-from phalanx.comm import tracking
+from phalanx.comm import join, tracking
+from phalanx.comm.auth import job_secret
 from phalanx.comm.env import LaunchEnv, discover_env
 from phalanx.comm.init_method import InitMethod, parse_init_method
+from phalanx.comm.signed import SignedStore
 from phalanx.comm.store import connect_store, host_store
 
 __all__ = [
@@ -34,6 +37,7 @@ __all__ = [
     "main_first",
     "process_group",
     "resolve_backend",
+    "signed_store",
     "world",
 ]
 
@@ -68,7 +72,23 @@ class World:
 
 
 _WORLD: World | None = None
+_SIGNED: SignedStore | None = None
 _GENERATION = 0  # process groups this process has initialised so far
+
+
+class _Role(Enum):
+    """This process's part in the join protocol of the store it rendezvouses through."""
+
+    HOST = "host"  # it hosts the store: it writes the join record
+    JOIN = "join"  # a phalanx host wrote a join record: verify it, prove the secret
+    NONE = "none"  # file://, a single process, or a store hosted by torchrun / phalanx.spawn
+
+
+@dataclass(frozen=True)
+class _Opened:
+    store: dist.Store
+    role: _Role
+    where: str
 
 
 def resolve_backend(backend: str | None, local_rank: int) -> str:
@@ -94,17 +114,18 @@ def resolve_backend(backend: str | None, local_rank: int) -> str:
 
 
 def _tcp_store(
-    addr: str, port: int, rank: int, agent_store: bool, timeout: timedelta
-) -> dist.Store:
+    addr: str, port: int, rank: int, joins: bool, agent_store: bool, timeout: timedelta
+) -> _Opened:
+    where = f"{addr}:{port}"
     if rank == 0 and not agent_store:
         store, _ = host_store(addr, port, timeout)
-        return store
-    return connect_store(addr, port, timeout)
+        return _Opened(store, _Role.HOST, where)
+    return _Opened(connect_store(addr, port, timeout), _Role.JOIN if joins else _Role.NONE, where)
 
 
 def _make_store(
     method: InitMethod, env: LaunchEnv, rank: int, world_size: int, timeout: timedelta
-) -> dist.Store:
+) -> _Opened:
     if method.scheme == "env":
         if env.master_addr is None:
             raise ValueError(
@@ -112,13 +133,15 @@ def _make_store(
                 "launch with `phalanx run` or set them"
             )
         # Under `phalanx run` the launcher hosts a fresh store per restart generation (so no
-        # stale keys survive a restart) and every rank connects as a client.
-        return _tcp_store(env.master_addr, env.master_port, rank, env.agent_store, timeout)
+        # stale keys survive a restart) and every rank connects as a client. torchrun's and
+        # phalanx.spawn's hosts write no join record; phalanx run's and rank 0's do.
+        joins = not env.agent_store or env.source == "phalanx"
+        return _tcp_store(env.master_addr, env.master_port, rank, joins, env.agent_store, timeout)
     if method.scheme == "tcp":
         assert method.host is not None and method.port is not None
-        return _tcp_store(method.host, method.port, rank, False, timeout)
+        return _tcp_store(method.host, method.port, rank, True, False, timeout)
     assert method.path is not None
-    return dist.FileStore(method.path, world_size)
+    return _Opened(dist.FileStore(method.path, world_size), _Role.NONE, method.path)
 
 
 def _rank_and_size(
@@ -187,7 +210,7 @@ def init_process_group(
     Returns:
         The frozen :class:`World` record.
     """
-    global _WORLD, _GENERATION
+    global _WORLD, _GENERATION, _SIGNED
     if dist.is_initialized():
         raise RuntimeError(
             "init_process_group() was called twice; call destroy_process_group() first"
@@ -211,14 +234,16 @@ def init_process_group(
         if method is None and (env.master_addr or world_size > 1):
             method = InitMethod("env")
         if method is None:
-            store = dist.HashStore()
+            opened = _Opened(dist.HashStore(), _Role.NONE, "a local store")
         else:
-            store = _make_store(method, env, rank, world_size, limit)
+            opened = _make_store(method, env, rank, world_size, limit)
+        store = opened.store
         if _GENERATION:
             # A process that initialises again (destroy, then init, as hvd.shutdown / hvd.init do)
             # meets the same store: namespace every key by the generation, which every rank
             # counts alike, so that no key of the previous group is read as this one's.
             store = dist.PrefixStore(f"phalanx/generation{_GENERATION}/", store)
+        _SIGNED = _job_store(opened, store, rank, env.restart_count, limit)
         _join(name, store, rank, world_size, limit, device if name == "nccl" else None)
     _GENERATION += 1
     _WORLD = World(
@@ -231,17 +256,53 @@ def init_process_group(
         backend=name,
     )
     debug = os.environ.get("PHALANX_DEBUG", "") not in ("", "0")
-    tracking.start(store, rank, world_size, debug if validate is None else validate, limit)
+    tracking.start(_SIGNED, rank, world_size, debug if validate is None else validate, limit)
     return _WORLD
+
+
+def _run_id() -> str:
+    return os.environ.get("PHALANX_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or ""
+
+
+def _job_store(
+    opened: _Opened, store: dist.Store, rank: int, restart: int, timeout: timedelta
+) -> SignedStore:
+    """Join the job (host it, or prove the secret to its host); sign under its scope."""
+    secret, run_id = job_secret(), _run_id()
+    if opened.role is _Role.HOST:
+        scope = join.host_job(opened.store, secret, run_id, restart, opened.where)
+    elif opened.role is _Role.JOIN:
+        scope = join.join_job(opened.store, secret, rank, run_id, restart, opened.where, timeout)
+    else:
+        scope = f"{run_id}/{restart}"
+    signed = SignedStore(store, secret, f"{scope}/{_GENERATION}")
+    if opened.role is not _Role.NONE:
+        join.prove(signed, rank)
+    return signed
+
+
+def signed_store() -> SignedStore | None:
+    """The signer of phalanx's values in the default group's store (None without a group).
+
+    After torch's own ``init_process_group`` it signs over torch's default store, with the
+    secret and run id of the environment.
+    """
+    if _SIGNED is not None:
+        return _SIGNED
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    scope = f"{_run_id()}/{discover_env().restart_count}/torch"
+    return SignedStore(dist.distributed_c10d._get_default_store(), job_secret(), scope)
 
 
 def destroy_process_group() -> None:
     """Leave the default process group and stop phalanx's tracking; safe to call twice."""
-    global _WORLD
+    global _WORLD, _SIGNED
     tracking.stop()
     if dist.is_initialized():
         dist.destroy_process_group()
     _WORLD = None
+    _SIGNED = None
 
 
 def is_initialized() -> bool:

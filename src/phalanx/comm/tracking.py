@@ -14,10 +14,11 @@ collective and compares all of them; every rank raises the same
 from __future__ import annotations
 
 import atexit
-import json
+import logging
 import re
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -29,6 +30,7 @@ from phalanx.comm import fingerprint as fpr
 from phalanx.comm import watchdog
 from phalanx.comm.errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
 from phalanx.comm.flight import FlightRecorder
+from phalanx.comm.signed import SignedStore
 
 __all__ = [
     "comm_stats",
@@ -43,12 +45,16 @@ __all__ = [
 
 PUBLISH_INTERVAL_S = 0.5
 PUBLISH_STORE_TIMEOUT_S = 10.0
+STORE_LOST_S = 10.0
+"""The progress thread stops (and says so) once the store has failed this long in a row."""
 POLL = timedelta(seconds=1)
+RETRY_S = 0.01
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class _Tracker:
-    store: dist.Store
+    store: SignedStore
     rank: int
     world_size: int
     validate: bool
@@ -59,8 +65,10 @@ class _Tracker:
     thread: threading.Thread | None = None
     watch: watchdog.Watchdog | None = None
 
-    def snapshot(self) -> str:
-        return json.dumps({g: [n, self.last_op[g]] for g, n in self.seq.items()})
+    def snapshot(self) -> dict[str, list[Any]]:
+        # Copies first: the main thread adds groups while the progress thread reads.
+        seq, ops = dict(self.seq), dict(self.last_op)
+        return {g: [n, ops.get(g, "?")] for g, n in seq.items()}
 
 
 _T: _Tracker | None = None
@@ -91,36 +99,58 @@ def hang_reports() -> list[str]:
     return [] if _T is None or _T.watch is None else list(_T.watch.reports)
 
 
-def _publisher(t: _Tracker, store: dist.Store) -> None:
-    last = ""
+def _publish(
+    t: _Tracker, store: SignedStore, last: dict[str, list[Any]] | None
+) -> dict[str, list[Any]]:
+    snap = t.snapshot()
+    if snap != last:
+        store.put(f"progress/{t.rank}", snap)
+    if t.watch is not None:
+        t.watch.tick(store)
+    return snap
+
+
+def _publisher(t: _Tracker, store: SignedStore) -> None:
+    """The progress thread: publish, watch for hangs; an exception never ends it silently."""
+    last: dict[str, list[Any]] | None = None
+    failing_since: float | None = None
+    bugs: set[str] = set()
     while not t.stop_event.wait(PUBLISH_INTERVAL_S):
-        snap = t.snapshot()
         try:
-            if snap != last:
-                store.set(f"progress/{t.rank}", snap)
-                last = snap
-            if t.watch is not None:
-                t.watch.tick(store)
-        except Exception:  # the store is gone: the job is ending
-            return
+            last = _publish(t, store, last)
+            failing_since = None
+        except (dist.DistError, OSError) as exc:  # the store did not answer
+            failing_since = failing_since or time.monotonic()
+            if time.monotonic() - failing_since >= STORE_LOST_S:
+                log.warning(
+                    "rank %d: the rendezvous store has not answered for %.0f s (%s); progress "
+                    "and live hang reports are off from now on",
+                    t.rank,
+                    STORE_LOST_S,
+                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+                )
+                return
+        except Exception as exc:  # a bug: say so once, keep watching
+            if repr(exc) not in bugs:
+                bugs.add(repr(exc))
+                log.exception("rank %d: the progress thread hit an error; it goes on", t.rank)
 
 
 def start(
-    store: dist.Store | None, rank: int, world_size: int, validate: bool, timeout: timedelta
+    store: SignedStore | None, rank: int, world_size: int, validate: bool, timeout: timedelta
 ) -> None:
     """Begin tracking for the default group (called by ``init_process_group``)."""
     global _T
     stop()
     if store is None:
         return
-    pstore = dist.PrefixStore("phalanx/", store)
-    t = _Tracker(pstore, rank, world_size, validate, timeout.total_seconds())
+    t = _Tracker(store.sub("phalanx/"), rank, world_size, validate, timeout.total_seconds())
     if world_size > 1:
-        raw = store.clone()  # type: ignore[attr-defined]
+        raw = store.store.clone()  # type: ignore[attr-defined]
         # Bounded store calls let stop() always join the thread: a daemon thread still inside a
         # store call when the interpreter finalises dies in C++ (std::terminate, SIGABRT).
         raw.set_timeout(timedelta(seconds=PUBLISH_STORE_TIMEOUT_S))
-        clone = dist.PrefixStore("phalanx/", raw)
+        clone = store.over(raw).sub("phalanx/")
         t.watch = watchdog.Watchdog(_RECORDER, rank, world_size)
         t.thread = threading.Thread(
             target=_publisher, args=(t, clone), name="phalanx-progress", daemon=True
@@ -207,34 +237,41 @@ def _validate(t: _Tracker, name: str, ranks: list[int], seq: int, fp: dict[str, 
     def key(s: int, r: int) -> str:
         return f"fp/{name}/{s}/{r}"
 
-    t.store.set(key(seq, t.rank), json.dumps(fp))
+    t.store.put(key(seq, t.rank), fp)
     keys = [key(seq, r) for r in ranks]
-    waited = 0.0
+    start = time.monotonic()
     while True:
         try:
-            t.store.wait(keys, POLL)
-            break
-        except RuntimeError:
-            waited += POLL.total_seconds()
-        present = {r: k for r, k in zip(ranks, keys) if t.store.check([k])}
+            t.store.wait_exists(keys, POLL)
+            present = dict(zip(ranks, keys))
+        except RuntimeError:  # not every rank has published yet (DistStoreError: timeout)
+            present = {r: k for r, k in zip(ranks, keys) if t.store.exists([k])}
         seen = _load(t, present)
         if fpr.mismatch(seen):
             raise CollectiveMismatchError(fpr.mismatch_message(t.rank, name, seq, seen))
+        if len(seen) == len(ranks):
+            break
+        waited = time.monotonic() - start
         if waited >= t.timeout_s:
-            missing = [r for r in ranks if r not in present]
+            missing = [r for r in ranks if r not in seen]
             raise CollectiveTimeoutError(_timeout_message(t, fp, missing, waited))
-    seen = _load(t, dict(zip(ranks, keys)))
-    if fpr.mismatch(seen):
-        raise CollectiveMismatchError(fpr.mismatch_message(t.rank, name, seq, seen))
+        time.sleep(RETRY_S)  # a forged value sits where a rank's will be: read again
     if seq > 1:  # everyone has read seq-1 once all of seq is published
-        t.store.delete_key(key(seq - 1, t.rank))
+        t.store.delete(key(seq - 1, t.rank))
+
+
+def _fingerprint(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict) or not isinstance(value.get("seq"), int):
+        raise TypeError("a fingerprint is an object with an integer seq")
+    return value
 
 
 def _load(t: _Tracker, keys: dict[int, str]) -> dict[int, dict[str, Any]]:
+    """The valid fingerprints at ``keys`` (which exist); forged ones are left out."""
     if not keys:
         return {}
-    values = t.store.multi_get(list(keys.values()))
-    return {r: json.loads(v) for r, v in zip(keys, values)}
+    values = t.store.get_present(list(keys.values()), _fingerprint)
+    return {r: v for r, v in zip(keys, values) if v is not None}
 
 
 def _timeout_message(t: _Tracker, fp: dict[str, Any], missing: list[int], waited: float) -> str:
@@ -246,12 +283,25 @@ def _timeout_message(t: _Tracker, fp: dict[str, Any], missing: list[int], waited
     )
 
 
+def _progress(value: Any) -> dict[str, list[Any]]:
+    """A published snapshot: ``{group: [seq, last op]}``."""
+    if not isinstance(value, dict):
+        raise TypeError("a progress snapshot is an object")
+    for entry in value.values():
+        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], int)):
+            raise TypeError(f"a progress entry is [seq, op], got {entry!r}")
+    return value
+
+
+def _entered(t: _Tracker, rank: int) -> dict[str, list[Any]]:
+    return t.store.get(f"progress/{rank}", _progress) or {}
+
+
 def _progress_of(t: _Tracker, name: str, ranks: list[int]) -> str:
     parts = []
     for r in ranks:
-        k = f"progress/{r}"
         try:
-            seen = json.loads(t.store.get(k)) if t.store.check([k]) else {}
+            seen = _entered(t, r)
         except Exception:
             return ""
         if name not in seen:
@@ -291,13 +341,7 @@ def _backend_text(exc: BaseException) -> str:
 
 def _ranks_behind(t: _Tracker, name: str, ranks: list[int], seq: int) -> list[int]:
     try:
-        t.store.set(f"progress/{t.rank}", t.snapshot())
-        behind = []
-        for r in ranks:
-            k = f"progress/{r}"
-            got = json.loads(t.store.get(k)).get(name, [0])[0] if t.store.check([k]) else 0
-            if got < seq:
-                behind.append(r)
-        return behind
+        t.store.put(f"progress/{t.rank}", t.snapshot())
+        return [r for r in ranks if _entered(t, r).get(name, [0])[0] < seq]
     except Exception:
         return []

@@ -2,7 +2,7 @@
 
 Runs on each rank's progress thread (every 0.5 s, see :mod:`.tracking`). When this rank's oldest
 in-flight collective has waited longer than ``PHALANX_HANG_TIMEOUT`` seconds (default 60) it
-raises a request in the store. Every rank's watchdog sees the request on its next tick and
+raises a signed request in the store. Every rank's watchdog sees the request on its next tick and
 publishes its Python stacks and the tail of its flight record; each then collects everyone's,
 and prints one report to stderr (so the launcher, which forwards the ranks' output, shows it
 too) while the ranks are still alive. The report names the collective, the ranks that never
@@ -14,7 +14,6 @@ there for ``phalanx diagnose DIR``.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import threading
@@ -24,6 +23,7 @@ from dataclasses import asdict
 from typing import Any
 
 from phalanx.comm.flight import FlightRecorder, Record, first_divergence
+from phalanx.comm.signed import SignedStore, as_record
 
 __all__ = ["Watchdog", "dump_on_failure", "hang_timeout"]
 
@@ -56,46 +56,80 @@ def _main_stack() -> list[str]:
     return [] if frame is None else traceback.format_stack(frame)
 
 
+def _request(value: Any) -> tuple[int, Record]:
+    """A hang request: ``{"n": its number for the requester, "stuck": the Record}``."""
+    n = value["n"]
+    if not isinstance(n, int) or n < 1:
+        raise TypeError(f"a hang request number is a positive integer, got {n!r}")
+    return n, as_record(Record, value["stuck"])
+
+
+def _state(value: Any) -> dict[str, Any]:
+    """One rank's answer: its main thread's stack and its last flight records."""
+    stack, records = value["stack"], value["records"]
+    if not (isinstance(stack, list) and all(isinstance(x, str) for x in stack)):
+        raise TypeError("a stack is a list of strings")
+    if not isinstance(records, list):
+        raise TypeError("records are a list")
+    return {"stack": stack, "records": [as_record(Record, r) for r in records]}
+
+
 class Watchdog:
-    """One rank's hang detector and report writer."""
+    """One rank's hang detector and report writer.
+
+    Store keys (signed, see :mod:`.signed`): ``hang/req/<r>`` holds rank r's latest request
+    with its number; ``hang/<r>/<n>/<rank>`` each rank's answer to it. ``hang/bell`` is a
+    counter that only says "look at the requests": a stranger who rings it costs one scan.
+    """
 
     def __init__(self, recorder: FlightRecorder, rank: int, world_size: int) -> None:
         self.recorder, self.rank, self.world_size = recorder, rank, world_size
         self.timeout = hang_timeout()
         self._requested: set[tuple[str, int]] = set()
-        self._answered = 0
+        self._asked = 0
+        self._bell = 0
+        self._answered: dict[int, int] = {}
+        """Per requester, the number of the last request this rank answered."""
         self.reports: list[str] = []
         """Reports this rank printed (for tests and tools)."""
 
-    def tick(self, store: Any) -> None:
+    def tick(self, store: SignedStore) -> None:
         """Detect this rank's stuck collective; answer and report other ranks' requests."""
         stuck = self.recorder.in_flight()
         if stuck is not None and time.time() - stuck.start > self.timeout:
             key = (stuck.group, stuck.seq)
             if key not in self._requested:
                 self._requested.add(key)
-                store.set(f"hang/req/{self.rank}", json.dumps(asdict(stuck)))
-                store.set("hang/who", str(self.rank))
-                store.add("hang/count", 1)
-        count = store.add("hang/count", 0)
-        if count > self._answered:
-            self._answered = count
-            self._answer(store, count)
+                self._asked += 1
+                store.put(f"hang/req/{self.rank}", {"n": self._asked, "stuck": asdict(stuck)})
+                store.bump("hang/bell", 1)
+        bell = store.bump("hang/bell", 0)
+        if bell != self._bell:
+            self._bell = bell
+            for requester in range(self.world_size):
+                request = store.get(f"hang/req/{requester}", _request)
+                if request is not None and request[0] > self._answered.get(requester, 0):
+                    self._answered[requester] = request[0]
+                    self._answer(store, requester, *request)
 
-    def _answer(self, store: Any, count: int) -> None:
-        requester = int(store.get("hang/who"))
-        stuck = Record(**json.loads(store.get(f"hang/req/{requester}")))
+    def _answer(self, store: SignedStore, requester: int, n: int, stuck: Record) -> None:
         mine = {
             "stack": _main_stack(),
             "records": [asdict(r) for r in self.recorder.records()[-TAIL:]],
         }
-        store.set(f"hang/{count}/{self.rank}", json.dumps(mine))
+        base = f"hang/{requester}/{n}"
+        store.put(f"{base}/{self.rank}", mine)
         dump_on_failure(self.recorder, self.rank)
-        keys = [f"hang/{count}/{r}" for r in range(self.world_size)]
+        states: dict[int, dict[str, Any]] = {}
         deadline = time.time() + COLLECT_S
-        while time.time() < deadline and not all(store.check([k]) for k in keys):
+        while True:
+            for r in set(range(self.world_size)) - set(states):
+                state = store.get(f"{base}/{r}", _state)
+                if state is not None:
+                    states[r] = state
+            if len(states) == self.world_size or time.time() >= deadline:
+                break
             time.sleep(0.05)
-        states = {r: json.loads(store.get(k)) for r, k in enumerate(keys) if store.check([k])}
         report = build_report(self.rank, requester, stuck, states, self.world_size)
         self.reports.append(report)
         sys.stderr.write(report + "\n")
@@ -107,7 +141,7 @@ def build_report(
 ) -> str:
     """The hang report text from every rank's published state (pure)."""
     waited = time.time() - stuck.start
-    records = {r: [Record(**x) for x in st["records"]] for r, st in states.items()}
+    records: dict[int, list[Record]] = {r: st["records"] for r, st in states.items()}
     lines = [
         f"phalanx hang report (printed by rank {me}): rank {requester} has waited "
         f"{waited:.0f} s in {stuck.where()} (collective #{stuck.seq} on group {stuck.group})."

@@ -19,7 +19,6 @@ from types import FrameType
 from typing import Any
 
 from phalanx.comm.auth import SECRET_ENV, new_secret
-from phalanx.comm.store import host_store
 from phalanx.launch.attempt import worker_specs
 from phalanx.launch.config import LaunchConfig
 from phalanx.launch.events import Events
@@ -31,6 +30,7 @@ from phalanx.launch.summary import (
     format_summary,
     last_exception_line,
 )
+from phalanx.launch.worker_store import WorkerStore
 from phalanx.launch.workers import Worker, WorkerGroup
 
 __all__ = ["Agent", "AgentStopped"]
@@ -55,17 +55,19 @@ class Agent:
     def __init__(self, cfg: LaunchConfig, store: Any, log: Callable[[str], None]) -> None:
         self.cfg = cfg
         self.node = cfg.node_rank
-        self.store = AgentStore(store, cfg.node_rank, cfg.nnodes, log, cfg.min_nodes)
+        # One secret per job: the user's on several machines (each needs the same), else new.
+        self.secret = os.environ.get(SECRET_ENV) or (new_secret() if cfg.nnodes == 1 else None)
+        key = self.secret.encode() if self.secret else None
+        where = f"{cfg.master_addr}:{cfg.master_port}"
+        self.store = AgentStore(store, cfg.node_rank, cfg.nnodes, log, cfg.min_nodes, key, where)
         self.log = log
         self.workers: WorkerGroup | None = None
-        self.worker_store: Any = None
+        self.worker_store: WorkerStore | None = None
         self.signals: list[int] = []
         self.nproc = cfg.nproc_per_node
         self.generation = 0
         self.logs = RunLogs(cfg.logs, log)
         self.events = Events(cfg)
-        # One secret per job: the user's on several machines (each needs the same), else new.
-        self.secret = os.environ.get(SECRET_ENV) or (new_secret() if cfg.nnodes == 1 else None)
 
     def run(self) -> int:
         """Run generations until success, final failure or a signal; return the exit code."""
@@ -120,11 +122,15 @@ class Agent:
         new_store = None
         if self.node == 0:
             timeout = timedelta(seconds=self.cfg.rdzv_timeout)
-            new_store, port = host_store(self.cfg.master_addr, 0, timeout)
+            run_id = self.store.config.run_id if self.store.config else ""
+            secret = self.store.signed.secret
+            new_store = WorkerStore.host(self.cfg.master_addr, timeout, secret, run_id, g)
+            port = new_store.port
         rdzv = self.store.rendezvous(g, self.nproc, port, self.cfg.rdzv_timeout, self.check_stop)
-        if self.node == 0:
+        if new_store is not None:
             # Every node has met at g, so every worker of g - 1 is gone: drop its store.
             self.worker_store = new_store
+            new_store.expect(rdzv.world_size)
         return rdzv
 
     def _start_workers(self, rdzv: Rendezvous) -> Failure | None:
@@ -180,6 +186,8 @@ class Agent:
                 done = True
             if done and self.store.all_marked(g, "done"):
                 return None
+            if self.worker_store is not None:
+                self.worker_store.check_proofs()
             self._watch_peers(g)
             time.sleep(self.cfg.monitor_interval)
 

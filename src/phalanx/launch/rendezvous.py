@@ -4,21 +4,36 @@ Every key is namespaced by the generation ``g`` (``phalanx/g3/...``), so nothing
 attempt wrote can be mistaken for this one's (the stale-key bug of torchrun restarts). Workers
 never see this store: each generation gets a fresh worker store, hosted by node 0's agent, whose
 port is published under ``g{g}/worker_port``.
+
+Every value is signed with the job secret (:mod:`phalanx.comm.signed`). Node 0 publishes the
+job's config (run id, restart budget and a fresh nonce) under the fixed scope ``agent-config``;
+every other value is signed under the nonce. A node whose secret differs fails as soon as it
+reads the config, naming the job and the store; a node proves that it holds the secret with its
+first value, its join record ``g{g}/nproc/<node>``, which node 0 verifies before counting it.
+Claims, failures, marks and heartbeats are signed values too, not counters, so a process
+without the secret cannot join, stop, finish or keep alive anything.
 """
 
 from __future__ import annotations
 
-import json
 import os
+import secrets
+import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import asdict, dataclass
+from typing import Any, TypeVar
 
+import torch.distributed as dist
+
+from phalanx.comm.signed import Rejected, SignedStore, claimed
+from phalanx.launch import agent_values as values
 from phalanx.launch.summary import Failure, describe_failure
 
 __all__ = ["AgentStore", "Rendezvous", "RendezvousError", "StoreLost"]
 
+T = TypeVar("T")
+CONFIG_KEY = "phalanx/config"
 POLL_S = 0.05
 LAST_CALL_S = 3.0
 """With ``--nnodes MIN:MAX``: once MIN nodes joined, how long node 0 waits for the others."""
@@ -53,43 +68,93 @@ class Rendezvous:
 
 
 class AgentStore:
-    """Typed access to the agent store for the agent of node ``node_rank``."""
+    """Typed, signed access to the agent store for the agent of node ``node_rank``."""
 
     def __init__(
         self,
-        store: Any,
+        store: dist.Store,
         node_rank: int,
         nnodes: int,
         log: Callable[[str], None],
         min_nodes: int = 0,
+        secret: bytes | None = None,
+        where: str = "node 0",
     ) -> None:
         self._store = store
+        self._config = SignedStore(store, secret, "agent-config")
+        self._job: SignedStore | None = None
+        """The signer under the job's nonce, once the config is known."""
+        self.config: values.JobConfig | None = None
+        self.where = where
+        """``addr:port`` of the store, for error messages."""
         self.node_rank = node_rank
         self.nnodes = nnodes
         self.min_nodes = min_nodes or nnodes
         self.members = list(range(nnodes))
         """Node ranks of the current generation (all of them unless the job is elastic)."""
         self._log = log
+        self._token = secrets.token_hex(8)
+        """Tells this agent's claim of its node rank from a twin's."""
+        self._beat = 0
         self._next_beat = 0.0
         self._next_check = 0.0
         self._beats: dict[int, tuple[int, float]] = {}
 
-    def _call(self, op: str, *args: Any) -> Any:
+    def _call(self, fn: Callable[..., T], *args: Any) -> T:
         try:
-            return getattr(self._store, op)(*args)
+            return fn(*args)
         except (RuntimeError, OSError) as exc:
             raise StoreLost(
-                f"lost the rendezvous store ({op} failed: {str(exc).splitlines()[0]}); "
+                f"lost the rendezvous store ({getattr(fn, '__name__', fn)} failed: "
+                f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
                 f"node 0's agent has probably exited"
             ) from None
 
     def _key(self, g: int, *parts: object) -> str:
         return "/".join(["phalanx", f"g{g}", *map(str, parts)])
 
+    @property
+    def signed(self) -> SignedStore:
+        """The job's signer (after :meth:`publish_config` or the first rendezvous)."""
+        assert self._job is not None, "the job's config is not known yet"
+        return self._job
+
+    def _get(self, key: str, parse: Callable[[Any], T]) -> T | None:
+        return self._call(self.signed.get, key, parse)
+
+    def _put(self, key: str, value: object) -> None:
+        self._call(self.signed.put, key, value)
+
+    def _use(self, config: values.JobConfig) -> values.JobConfig:
+        self._job = SignedStore(self._store, self._config.secret, f"agent/{config.nonce}")
+        self.config = config
+        return config
+
     def publish_config(self, run_id: str, max_restarts: int) -> None:
-        """Node 0: share the run id and restart budget with every node."""
-        config = json.dumps({"run_id": run_id, "max_restarts": max_restarts})
-        self._call("set", "phalanx/config", config)
+        """Node 0: share the run id, the restart budget and the job's nonce with every node."""
+        config = values.JobConfig(run_id, max_restarts, secrets.token_hex(16))
+        self._call(self._config.put, CONFIG_KEY, asdict(config))
+        self._use(config)
+
+    def _read_config(self, timeout: float, check_stop: Callable[[], None]) -> values.JobConfig:
+        """Wait for node 0's config; refuse it when it is not signed with this node's secret."""
+        deadline = time.monotonic() + timeout
+        while (raw := self._call(self._config.raw, CONFIG_KEY)) is None:
+            check_stop()
+            if time.monotonic() > deadline:
+                raise RendezvousError(
+                    f"node 0 published no job config at {self.where} within --rdzv-timeout "
+                    f"{timeout:.0f} s; is a phalanx launcher running there?"
+                )
+            time.sleep(POLL_S)
+        try:
+            return self._use(self._config.decode(CONFIG_KEY, raw, values.job_config))
+        except Rejected as why:
+            raise RendezvousError(
+                f"node {self.node_rank} on {socket.gethostname()} cannot join job "
+                f"{claimed(raw, 'run_id')!r} at the rendezvous store {self.where}: node 0's "
+                f"config was refused ({why}); set the same PHALANX_JOB_SECRET on every node"
+            ) from None
 
     def rendezvous(
         self,
@@ -105,45 +170,51 @@ class AgentStore:
 
         Raises:
             RendezvousError: a node did not join within ``timeout`` seconds, another agent
-                already joined with this node rank, or some node failed meanwhile.
+                already joined with this node rank, this node's secret is not the job's, or
+                some node failed meanwhile.
         """
+        config = self.config or self._read_config(timeout, check_stop)
         self._claim_node_rank(g)
-        self._call("set", self._key(g, "nproc", self.node_rank), str(nproc))
+        self._put(self._key(g, "nproc", self.node_rank), asdict(values.Joined(nproc, _host())))
         if worker_port is not None:
-            self._call("set", self._key(g, "worker_port"), str(worker_port))
+            self._put(self._key(g, "worker_port"), worker_port)
         if self.node_rank == 0:  # node 0 closes the generation: who is in it
-            members = self._gather_members(g, timeout, check_stop)
-            self._call("set", self._key(g, "members"), ",".join(map(str, members)))
-        keys = [self._key(g, "members"), self._key(g, "worker_port"), "phalanx/config"]
-        self._wait_for(keys, timeout, check_stop, g)
-        self.members = [int(n) for n in self._call("get", keys[0]).decode().split(",")]
+            self._put(self._key(g, "members"), self._gather_members(g, timeout, check_stop))
+        wanted: list[tuple[str, Callable[[Any], object]]] = [
+            (self._key(g, "members"), values.members),
+            (self._key(g, "worker_port"), values.port),
+        ]
+        self.members, port = self._wait_for(wanted, timeout, check_stop, g)
         if self.node_rank not in self.members:
             raise RendezvousError(
                 f"node {self.node_rank} joined generation {g} after node 0 had started it "
                 f"with nodes {self.members} (--nnodes {self.min_nodes}:{self.nnodes})"
             )
-        nprocs = [
-            int(v)
-            for v in self._call("multi_get", [self._key(g, "nproc", n) for n in self.members])
+        joined: list[tuple[str, Callable[[Any], object]]] = [
+            (self._key(g, "nproc", n), values.joined) for n in self.members
         ]
+        nprocs = [j.nproc for j in self._wait_for(joined, timeout, check_stop, g)]
         mine = self.members.index(self.node_rank)
-        config = json.loads(self._call("get", "phalanx/config"))
         return Rendezvous(
             generation=g,
             rank_offset=sum(nprocs[:mine]),
             world_size=sum(nprocs),
-            worker_port=int(self._call("get", self._key(g, "worker_port"))),
+            worker_port=port,
             nnodes=len(self.members),
-            run_id=config["run_id"],
-            max_restarts=config["max_restarts"],
+            run_id=config.run_id,
+            max_restarts=config.max_restarts,
         )
+
+    def _joined(self, g: int) -> list[int]:
+        """Nodes whose valid join record for generation ``g`` is in the store."""
+        parse = values.joined
+        return [n for n in range(self.nnodes) if self._get(self._key(g, "nproc", n), parse)]
 
     def _gather_members(self, g: int, timeout: float, check_stop: Callable[[], None]) -> list[int]:
         """Node 0: every node, or (elastic) the MIN or more that joined before the last call."""
-        keys = [self._key(g, "nproc", n) for n in range(self.nnodes)]
         start, enough_since = time.monotonic(), None
         while True:
-            joined = [n for n, key in enumerate(keys) if self._call("check", [key])]
+            joined = self._joined(g)
             if len(joined) == self.nnodes:
                 return joined
             now = time.monotonic()
@@ -156,47 +227,61 @@ class AgentStore:
                     )
                     return joined
             elif now - start > timeout:
-                self._wait_for(keys, 0.0, check_stop, g)  # raises, naming the missing nodes
-            check_stop()
-            failed = self.failure(g)
-            if failed is not None:
-                why = " ".join(describe_failure(failed))
-                raise RendezvousError(f"rendezvous (generation {g}) abandoned: {why}")
+                self._raise_missing(g, timeout)
+            self._check_failed(g, check_stop)
             time.sleep(POLL_S)
 
     def _claim_node_rank(self, g: int) -> None:
         """Fail everyone when two agents use the same --node-rank (else the job just hangs)."""
-        if int(self._call("add", self._key(g, "joined", self.node_rank), 1)) == 1:
+        claim = asdict(values.Claim(self._token, _host(), os.getpid()))
+        key = self._key(g, "joined", self.node_rank)
+        first = self._call(self.signed.first, key, claim, values.claim)
+        if first.token == self._token:
             return
         reason = (
-            f"two agents joined as node {self.node_rank}; give every node its own --node-rank "
-            f"(0..{self.nnodes - 1})"
+            f"two agents joined as node {self.node_rank} (the other on {first.host}, pid "
+            f"{first.pid}); give every node its own --node-rank (0..{self.nnodes - 1})"
         )
         self.publish_failure(g, Failure(-1, -1, self.node_rank, os.getpid(), 1, reason=reason))
         raise RendezvousError(reason)
 
     def _missing_nodes(self, g: int) -> list[int]:
-        keys = [self._key(g, "nproc", n) for n in range(self.nnodes)]
-        return [n for n, key in enumerate(keys) if not self._call("check", [key])]
+        joined = self._joined(g)
+        return [n for n in range(self.nnodes) if n not in joined]
+
+    def _check_failed(self, g: int, check_stop: Callable[[], None]) -> None:
+        check_stop()
+        failed = self.failure(g)
+        if failed is not None:
+            why = " ".join(describe_failure(failed))
+            raise RendezvousError(f"rendezvous (generation {g}) abandoned: {why}")
+
+    def _raise_missing(self, g: int, timeout: float) -> None:
+        raise RendezvousError(
+            f"nodes {self._missing_nodes(g)} did not join the rendezvous (generation "
+            f"{g}) within --rdzv-timeout {timeout:.0f} s; start them with --nnodes "
+            f"{self.nnodes}, the same --master-addr/--master-port and the same "
+            f"PHALANX_JOB_SECRET"
+        )
 
     def _wait_for(
-        self, keys: list[str], timeout: float, check_stop: Callable[[], None], g: int
-    ) -> None:
+        self,
+        wanted: list[tuple[str, Callable[[Any], Any]]],
+        timeout: float,
+        check_stop: Callable[[], None],
+        g: int,
+    ) -> list[Any]:
+        """Wait until every key holds a valid value (a forged one does not count); return them."""
         start = time.monotonic()
         next_message = start + WAIT_MESSAGE_EVERY_S
-        while not self._call("check", keys):
-            check_stop()
-            failed = self.failure(g)
-            if failed is not None:
-                why = " ".join(describe_failure(failed))
-                raise RendezvousError(f"rendezvous (generation {g}) abandoned: {why}")
+        while True:
+            values = [self._get(key, parse) for key, parse in wanted]
+            if all(v is not None for v in values):
+                return values
+            self._check_failed(g, check_stop)
             now = time.monotonic()
             if now - start > timeout:
-                raise RendezvousError(
-                    f"nodes {self._missing_nodes(g)} did not join the rendezvous (generation "
-                    f"{g}) within --rdzv-timeout {timeout:.0f} s; start them with --nnodes "
-                    f"{self.nnodes} and the same --master-addr/--master-port"
-                )
+                self._raise_missing(g, timeout)
             if now >= next_message:
                 self._log(
                     f"waiting for nodes {self._missing_nodes(g)} to join (generation {g}, "
@@ -206,24 +291,27 @@ class AgentStore:
             time.sleep(POLL_S)
 
     def publish_failure(self, g: int, failure: Failure) -> Failure:
-        """Record ``failure`` unless another node was first; return the first failure."""
-        first = self._call("compare_set", self._key(g, "failure"), "", failure.to_json())
-        return Failure.from_json(first)
+        """Record ``failure`` unless another node was first; return the first failure.
+
+        A forged or junk value at the key does not count as first: it is replaced.
+        """
+        key = self._key(g, "failure")
+        return self._call(self.signed.first, key, asdict(failure), values.failure)
 
     def failure(self, g: int) -> Failure | None:
         """The first failure of generation ``g``, if some node published one."""
-        key = self._key(g, "failure")
-        if not self._call("check", [key]):
-            return None
-        return Failure.from_json(self._call("get", key))
+        return self._get(self._key(g, "failure"), values.failure)
 
     def mark(self, g: int, what: str) -> None:
         """Say ``what`` (``done``: local workers succeeded; ``exit``: leaving) for this node."""
-        self._call("set", self._key(g, what, self.node_rank), "1")
+        self._put(self._key(g, what, self.node_rank), {"node": self.node_rank})
 
     def all_marked(self, g: int, what: str) -> bool:
-        """True when every node of generation ``g`` has said ``what``."""
-        return bool(self._call("check", [self._key(g, what, n) for n in self.members]))
+        """True when every node of generation ``g`` has said ``what`` (in a signed value)."""
+        keys = [self._key(g, what, n) for n in self.members]
+        if not self._call(self.signed.exists, keys):
+            return False
+        return all(v is not None for v in self._call(self.signed.get_present, keys))
 
     def wait_all_marked(self, g: int, what: str, timeout: float) -> bool:
         """Wait up to ``timeout`` s for every node to say ``what``; False on timeout."""
@@ -235,10 +323,11 @@ class AgentStore:
         return True
 
     def heartbeat(self) -> None:
-        """Bump this node's heartbeat counter, at most once a second."""
+        """Publish this node's next heartbeat number, at most once a second."""
         now = time.monotonic()
         if now >= self._next_beat:
-            self._call("add", f"phalanx/heartbeat/{self.node_rank}", 1)
+            self._beat += 1
+            self._put(f"phalanx/heartbeat/{self.node_rank}", self._beat)
             self._next_beat = now + HEARTBEAT_EVERY_S
 
     def forget_heartbeats(self) -> None:
@@ -246,16 +335,23 @@ class AgentStore:
         self._beats.clear()
 
     def silent_nodes(self, timeout: float) -> list[int]:
-        """Nodes whose heartbeat counter has not moved for ``timeout`` s (checked by node 0)."""
+        """Nodes whose heartbeat has not grown for ``timeout`` s (checked by node 0).
+
+        Only a larger signed number counts: a replayed older beat keeps no node alive.
+        """
         now, silent = time.monotonic(), list[int]()
         if now < self._next_check:
             return silent
         self._next_check = now + HEARTBEAT_EVERY_S
         for n in self.members[1:]:
-            count = int(self._call("add", f"phalanx/heartbeat/{n}", 0))
+            count = self._get(f"phalanx/heartbeat/{n}", values.count) or 0
             last_count, since = self._beats.get(n, (-1, now))
-            if count != last_count:
+            if count > last_count:
                 self._beats[n] = (count, now)
             elif now - since > timeout:
                 silent.append(n)
         return silent
+
+
+def _host() -> str:
+    return socket.gethostname()

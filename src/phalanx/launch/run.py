@@ -7,6 +7,7 @@ import os
 from datetime import timedelta
 from typing import Any
 
+from phalanx.comm.auth import SECRET_ENV
 from phalanx.launch.args import ArgsError, LaunchConfig, notes, parse_args
 from phalanx.launch.logs import load_logs_specs
 from phalanx.launch.netif import interface_owning
@@ -85,6 +86,20 @@ def _say_defaults(cfg: LaunchConfig) -> None:
         )
 
 
+def _warn_without_secret(cfg: LaunchConfig, addrs: list[str]) -> None:
+    """Several machines, a reachable master, no secret: anyone on the network is trusted."""
+    if os.environ.get(SECRET_ENV) or cfg.nnodes == 1:  # one machine: the launcher makes one
+        return
+    if all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs):
+        return
+    _log(
+        f"warning: {SECRET_ENV} is not set, so this job's rendezvous values are unsigned: any "
+        f"process that reaches {cfg.master_addr}:{cfg.master_port} can join the job or forge "
+        f"its failures and checkpoint answers. Set the same {SECRET_ENV} on every node, e.g. "
+        f"from `python -c 'import secrets; print(secrets.token_hex(32))'` (README: Security)"
+    )
+
+
 def main(argv: list[str]) -> int:
     """Run ``phalanx run`` with ``argv`` (the arguments after ``run``); return the exit code.
 
@@ -103,7 +118,9 @@ def main(argv: list[str]) -> int:
         return 1
     _say_defaults(cfg)
     try:
-        _warn_if_loopback(cfg, resolve_host(cfg.master_addr))
+        addrs = resolve_host(cfg.master_addr)
+        _warn_if_loopback(cfg, addrs)
+        _warn_without_secret(cfg, addrs)
         store = _open_agent_store(cfg)
     except PreflightError as exc:
         _log(f"error: {exc}")

@@ -1,0 +1,56 @@
+"""One generation's worker store, as its host (node 0's agent) keeps it.
+
+The agent hosts a fresh store per generation, bound to the master address, publishes the join
+record in it (:mod:`phalanx.comm.join`) before any worker starts, and checks the workers'
+proofs of the job secret while they run: a proof that does not verify (a process without the
+secret wrote it) is logged once, naming its key, and never counted.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from phalanx.comm import join
+from phalanx.comm.signed import SignedStore
+from phalanx.comm.store import host_store
+
+__all__ = ["WorkerStore"]
+
+CHECK_EVERY_S = 1.0
+
+
+@dataclass
+class WorkerStore:
+    """The store, its port, and the host's view of which ranks proved the secret."""
+
+    store: dist.Store
+    port: int
+    signed: SignedStore
+    """Signer of the workers' first process group (scope: the join nonce, generation 0)."""
+    pending: set[int] = field(default_factory=set)
+    """Ranks whose valid proof has not been seen yet."""
+    next_check: float = 0.0
+
+    @classmethod
+    def host(
+        cls, addr: str, timeout: timedelta, secret: bytes | None, run_id: str, generation: int
+    ) -> WorkerStore:
+        """Host a fresh worker store on ``addr`` (OS-chosen port) and publish its join record."""
+        store, port = host_store(addr, 0, timeout)
+        nonce = join.host_job(store, secret, run_id, generation, f"{addr}:{port}")
+        return cls(store, port, SignedStore(store, secret, f"{nonce}/0"))
+
+    def expect(self, world_size: int) -> None:
+        """The workers of ranks ``0..world_size-1`` are about to start."""
+        self.pending = set(range(world_size))
+
+    def check_proofs(self) -> None:
+        """At most once a second, until every rank has proved that it holds the secret."""
+        now = time.monotonic()
+        if self.pending and now >= self.next_check:
+            self.next_check = now + CHECK_EVERY_S
+            self.pending -= set(join.proven(self.signed, sorted(self.pending)))

@@ -1,0 +1,229 @@
+"""A local stranger writing into a job's two stores changes nothing; a wrong secret cannot join.
+
+The stranger (``scripts/stranger.py``, no job secret) learns the agent store's port from the
+launcher's output and the worker store's from the agent store, as anyone on the machine could.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = ROOT / "tests" / "e2e" / "scripts"
+LAUNCH = [sys.executable, "-m", "phalanx", "run"]
+PORT_LINE = re.compile(r"rendezvous store listening on 127\.0\.0\.1:(\d+)")
+
+
+class Job:
+    """A running ``phalanx run`` whose stderr is read as it comes (for the store's port)."""
+
+    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            [*LAUNCH, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+        self.err: list[str] = []
+        self.out: list[str] = []
+        self.port: int | None = None
+        self._seen = threading.Event()
+        self._pumps = [
+            threading.Thread(target=self._read, daemon=True),
+            threading.Thread(target=lambda: self.out.extend(self.proc.stdout or ()), daemon=True),
+        ]
+        for pump in self._pumps:
+            pump.start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.err.append(line)
+            if self.port is None and (m := PORT_LINE.search(line)):
+                self.port = int(m.group(1))
+                self._seen.set()
+        self._seen.set()
+
+    def agent_port(self) -> int:
+        assert self._seen.wait(60) and self.port is not None, "".join(self.err)
+        return self.port
+
+    def finish(self, timeout: float) -> tuple[int, str, str]:
+        self.proc.wait(timeout)
+        for pump in self._pumps:
+            pump.join(10)
+        return self.proc.returncode, "".join(self.out), "".join(self.err)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@contextmanager
+def _job(args: list[str], **env: str) -> Iterator[Job]:
+    job = Job(args, {**os.environ, "PHALANX_HANG_TIMEOUT": "1.5", **env})
+    try:
+        yield job
+    finally:
+        job.kill()
+
+
+def _with_stranger(ckpt: Path, epochs: int) -> tuple[int, str, str, set[str]]:
+    with _job(
+        [
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(SCRIPTS / "stranger_job.py"),
+            str(ckpt),
+            str(epochs),
+        ]
+    ) as job:
+        stranger = subprocess.Popen(
+            [sys.executable, str(SCRIPTS / "stranger.py"), str(job.agent_port()), "60"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        try:
+            rc, out, err = job.finish(timeout=150)
+            forged, _ = stranger.communicate(timeout=90)
+        finally:
+            stranger.kill()
+    return rc, out, err, set(forged.split())
+
+
+def _digest(out: str) -> str:
+    return next(line.split()[-1] for line in out.splitlines() if "DIGEST" in line)
+
+
+def test_a_stranger_in_both_stores_changes_nothing(tmp_path: Path) -> None:
+    rc, out, err, forged = _with_stranger(tmp_path / "ckpt", 2)
+    assert rc == 0, err
+    assert {"phalanx/g0/failure", "phalanx/hang/who", "phalanx/hang/bell"} <= forged
+    assert any("/checkpoint/<token>/" in k for k in forged), forged  # it forged session answers
+    # A real hang is still reported, by every rank, while the stranger rings the hang bell.
+    assert "[rank 0] Rank(s) [1] never reached it." in err, err
+    assert "[rank 1] phalanx hang report (printed by rank 1)" in err, err
+    assert "in late_for_the_all_reduce" in err
+    assert "ignored the value of store key 'phalanx/g0/failure'" in err
+    assert "Traceback" not in err, err
+    for manifest in (tmp_path / "ckpt").glob("step-*/manifest.json"):
+        assert "evil" not in manifest.read_text()
+    # It resumes from those checkpoints, stranger and all, and ends where a clean run ends.
+    rc, out, err, forged = _with_stranger(tmp_path / "ckpt", 3)
+    assert rc == 0, err
+    assert "resumed from" in err and "Traceback" not in err
+    with _job(
+        [
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(SCRIPTS / "stranger_job.py"),
+            str(tmp_path / "clean"),
+            "3",
+        ]
+    ) as clean:
+        rc_clean, out_clean, err_clean = clean.finish(timeout=150)
+    assert rc_clean == 0, err_clean
+    assert _digest(out) == _digest(out_clean)
+
+
+IMPOSTOR = """
+import sys, time
+import phalanx
+start = time.monotonic()
+try:
+    phalanx.init_process_group("gloo")
+except Exception as exc:
+    print(f"ELAPSED {time.monotonic() - start:.2f}")
+    print(f"{type(exc).__name__}: {exc}")
+    sys.exit(3)
+print("JOINED")
+"""
+
+
+def _job_env(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+
+
+def _worker_pids(launcher: int, deadline: float) -> list[int]:
+    while time.monotonic() < deadline:
+        out = subprocess.run(["pgrep", "-P", str(launcher)], capture_output=True, text=True)
+        pids = [int(p) for p in out.stdout.split()]
+        if len(pids) == 2:
+            return pids
+        time.sleep(0.1)
+    raise AssertionError("the job's workers did not start")
+
+
+@pytest.mark.parametrize("secret", ["0" * 64, None])
+def test_a_worker_with_a_wrong_secret_fails_at_rendezvous_naming_the_job(
+    secret: str | None,
+) -> None:
+    with _job(
+        ["--standalone", "--nproc-per-node", "2", str(SCRIPTS / "wait_in_group.py"), "15"]
+    ) as job:
+        env = _job_env(_worker_pids(job.proc.pid, time.monotonic() + 60)[0])
+        env.update(RANK="1", LOCAL_RANK="1")  # a hand-started twin of rank 1, with the job's env
+        env.pop("PHALANX_JOB_SECRET")
+        if secret is not None:
+            env["PHALANX_JOB_SECRET"] = secret
+        impostor = subprocess.run(
+            [sys.executable, "-c", IMPOSTOR], capture_output=True, text=True, env=env, timeout=60
+        )
+        assert impostor.returncode == 3, impostor.stdout + impostor.stderr
+        elapsed = float(impostor.stdout.split("ELAPSED ")[1].split()[0])
+        assert elapsed < 5.0, impostor.stdout
+        where = f"127.0.0.1:{env['MASTER_PORT']}"
+        assert "JobSecretError: rank 1 on " in impostor.stdout
+        job_id = env["PHALANX_RUN_ID"]
+        assert f"cannot join job {job_id!r} through its worker store at {where}" in impostor.stdout
+        assert "the same PHALANX_JOB_SECRET" in impostor.stdout
+        rc, _, err = job.finish(timeout=120)
+        assert rc == 0, err  # the job itself never noticed
+
+
+@pytest.mark.parametrize("secret", ["2" * 64, "1" * 64, None])
+def test_an_agent_needs_the_jobs_secret(secret: str | None) -> None:
+    """Two agents on this machine: the same secret runs the job (signed values on both nodes);
+    another secret, or none, stops node 1 at once naming the job and the store."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    flags = f"--nnodes 2 --nproc-per-node 1 --master-addr 127.0.0.1 --master-port {port} "
+    flags += "--rdzv-id job-under-test --rdzv-timeout 60"
+    common = [*flags.split(), str(SCRIPTS / "wait_in_group.py"), "0"]
+    with _job(["--node-rank", "0", *common], PHALANX_JOB_SECRET="2" * 64) as node0:
+        assert node0.agent_port() == port
+        env = {k: v for k, v in os.environ.items() if k != "PHALANX_JOB_SECRET"}
+        if secret is not None:
+            env["PHALANX_JOB_SECRET"] = secret
+        start = time.monotonic()
+        node1 = subprocess.run(
+            [*LAUNCH, "--node-rank", "1", *common],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=90,
+        )
+        if secret == "2" * 64:
+            assert node1.returncode == 0, node1.stderr
+            rc, _, err = node0.finish(timeout=60)
+            assert rc == 0, err
+            return
+        assert time.monotonic() - start < 30  # interpreter start-up included
+        assert node1.returncode == 1, node1.stderr
+        where = f"127.0.0.1:{port}"
+        assert f"cannot join job 'job-under-test' at the rendezvous store {where}" in node1.stderr
+        assert "set the same PHALANX_JOB_SECRET on every node" in node1.stderr
