@@ -422,7 +422,14 @@ CASES = [
     ),
     row(bad(hvd.join, device="x"), TypeError, "an int", group=True),
     row(bad(hvd.ProcessSet, ranks=3), TypeError, "a list of ints"),
-    # ---- the CLI (flags that validate today; --nproc-per-node's upper bound is the launcher's)
+    # ---- phalanx.spawn
+    row(bad(phalanx.spawn, 3), TypeError, "spawn(fn=3) | callable"),
+    row(bad(phalanx.spawn, print, nprocs="2"), TypeError, "nprocs='2' | int"),
+    row(bad(phalanx.spawn, print, nprocs=10**6), ValueError, "nprocs=1000000 | PHALANX_MAX_NPROC"),
+    row(bad(phalanx.spawn, print, args=[1]), TypeError, "args=[1] | tuple"),
+    row(bad(phalanx.spawn, print, timeout=-1), ValueError, "timeout=-1"),
+    # ---- the CLI
+    cli("run --nproc-per-node 100000", "--nproc-per-node 100000 | PHALANX_MAX_NPROC_PER_NODE"),
     cli("run --nnodes 0", "--nnodes 0 | at least 1"),
     cli("run --nnodes x", "--nnodes 'x'"),
     cli("run --master-port 99999", "--master-port 99999 | 1..65535"),

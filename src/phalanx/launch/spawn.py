@@ -19,7 +19,9 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from phalanx._check import check_bool, check_instance, check_int, check_picklable, check_timeout
 from phalanx.launch.netif import interface_for
+from phalanx.launch.nproc import MAX_ENV, nproc_limit
 from phalanx.launch.summary import last_exception_line, signal_name
 
 __all__ = ["SpawnContext", "SpawnError", "spawn"]
@@ -215,8 +217,15 @@ def spawn(
         SpawnError: a child raised (message ``rank N failed: ...`` with its traceback), exited
             non-zero or was killed, or the timeout passed.
     """
-    if nprocs < 1:
-        raise ValueError(f"spawn(nprocs={nprocs}): nprocs must be at least 1")
+    limit, why = nproc_limit(os.environ)
+    fn = check_picklable("fn", fn, where="spawn")
+    fix = f"the limit here is {limit}: {why}; set {MAX_ENV} to raise it"
+    nprocs = check_int("nprocs", nprocs, min=1, where="spawn")
+    check_int("nprocs", nprocs, max=limit, where="spawn", fix=fix)
+    check_instance("args", args, tuple, "a tuple of further arguments of fn", where="spawn")
+    check_bool("join", join, where="spawn")
+    if timeout is not None:
+        timeout = check_timeout("timeout", timeout, where="spawn").total_seconds()
     from phalanx.comm.store import host_store
 
     store, port = host_store("127.0.0.1", 0, timedelta(seconds=timeout or 300))
