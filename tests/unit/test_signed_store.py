@@ -65,7 +65,7 @@ def test_junk_and_forgeries_read_as_absent(raw: bytes) -> None:
 def test_a_rejected_key_is_logged_once_naming_it(caplog: pytest.LogCaptureFixture) -> None:
     s = _signer(scope="once")
     s.store.set("phalanx/hang/req/0", "junk")
-    with caplog.at_level(logging.WARNING, logger="phalanx.store"):
+    with caplog.at_level(logging.WARNING, logger="phalanx.comm.signed"):
         for _ in range(3):
             assert s.get("phalanx/hang/req/0") is None
     assert len(caplog.records) == 1

@@ -15,7 +15,7 @@ into another job. Without a secret (``init_process_group`` called by hand, no
 rejected, but nothing is authenticated. A process with a secret rejects unsigned values, and a
 process without one rejects signed values: a mixed job fails instead of trusting anyone.
 
-A rejected value is treated as absent and logged once per key (logger ``phalanx.store``); it
+A rejected value is treated as absent and logged once per key (logger ``phalanx.comm.signed``); it
 never raises out of :meth:`SignedStore.get`.
 """
 
@@ -46,7 +46,7 @@ UNSIGNED = "-"
 POLL_S = 0.05
 _DOMAIN = b"phalanx-store/1"
 _ABSENT = "\0phalanx: no value"
-log = logging.getLogger("phalanx.store")
+log = logging.getLogger(__name__)
 _WARNED: set[str] = set()
 
 
