@@ -10,17 +10,12 @@ from phalanx.comm.collectives import (
     all_to_all,
     all_to_all_single,
     barrier,
-    batch_isend_irecv,
     broadcast,
     gather,
-    irecv,
-    isend,
-    recv,
     reduce,
     reduce_scatter,
     reduce_scatter_tensor,
     scatter,
-    send,
 )
 from phalanx.comm.env import LaunchEnv, discover_env
 from phalanx.comm.errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
@@ -40,6 +35,7 @@ from phalanx.comm.objects import (
     gather_object,
     scatter_object_list,
 )
+from phalanx.comm.p2p import batch_isend_irecv, irecv, isend, recv, send
 from phalanx.comm.tracking import comm_stats, reset_comm_stats
 
 exit_guard.install()

@@ -4,6 +4,7 @@ Each function forwards to ``torch.distributed`` after :func:`tracking.enter` has
 turns a backend failure into an error naming the operation, its sequence number and the ranks
 that never reached it. Two additions over torch: ``ReduceOp.AVG`` works on gloo too (sum, then
 divide), and ``all_reduce(..., algorithm="ring" | "tree")`` runs phalanx's explicit algorithms.
+Point-to-point operations are in :mod:`phalanx.comm.p2p`.
 """
 
 from __future__ import annotations
@@ -26,17 +27,12 @@ __all__ = [
     "all_to_all",
     "all_to_all_single",
     "barrier",
-    "batch_isend_irecv",
     "broadcast",
     "gather",
-    "irecv",
-    "isend",
-    "recv",
     "reduce",
     "reduce_scatter",
     "reduce_scatter_tensor",
     "scatter",
-    "send",
 ]
 
 Group = dist.ProcessGroup | None
@@ -375,52 +371,3 @@ def barrier(group: Group = None, async_op: bool = False) -> Any:
     """Block until every rank of the group has reached the barrier."""
     check_args("barrier", group, async_op)
     return _run("barrier", group, lambda: dist.barrier(group, async_op))
-
-
-def _p2p(name: str, peer: int, group: Group, call: Callable[[], Any]) -> Any:
-    try:
-        return call()
-    except RuntimeError as exc:
-        me = dist.get_rank() if dist.is_initialized() else 0
-        raise CollectiveError(
-            f"[rank {me}] {name} with peer rank {peer} failed: {str(exc).strip()[:300]}. "
-            f"Check that rank {peer} is alive and posts the matching "
-            f"{'recv' if 'send' in name else 'send'}."
-        ) from exc
-
-
-def send(tensor: torch.Tensor, dst: int, group: Group = None, tag: int = 0) -> None:
-    """Send ``tensor`` to global rank ``dst`` (blocking)."""
-    check_args("send", group, tensor=tensor, dst=dst, tag=tag)
-    _p2p("send", dst, group, lambda: dist.send(tensor, dst, group, tag))
-
-
-def recv(tensor: torch.Tensor, src: int | None = None, group: Group = None, tag: int = 0) -> int:
-    """Receive into ``tensor`` from global rank ``src`` (any rank when None); return the sender."""
-    check_args("recv", group, tensor=tensor, tag=tag, **({} if src is None else {"src": src}))
-    peer = -1 if src is None else src
-    return int(_p2p("recv", peer, group, lambda: dist.recv(tensor, src, group, tag)))
-
-
-def isend(tensor: torch.Tensor, dst: int, group: Group = None, tag: int = 0) -> Any:
-    """Start sending ``tensor`` to ``dst``; returns a work handle with ``wait()``."""
-    check_args("isend", group, tensor=tensor, dst=dst, tag=tag)
-    return _p2p("isend", dst, group, lambda: dist.isend(tensor, dst, group, tag))
-
-
-def irecv(tensor: torch.Tensor, src: int | None = None, group: Group = None, tag: int = 0) -> Any:
-    """Start receiving into ``tensor`` from ``src``; returns a work handle with ``wait()``."""
-    check_args("irecv", group, tensor=tensor, tag=tag, **({} if src is None else {"src": src}))
-    peer = -1 if src is None else src
-    return _p2p("irecv", peer, group, lambda: dist.irecv(tensor, src, group, tag))
-
-
-def batch_isend_irecv(p2p_op_list: list[dist.P2POp]) -> list[Any]:
-    """Start a batch of ``torch.distributed.P2POp`` sends and receives; returns their works."""
-    where = "batch_isend_irecv"
-    check_instance("p2p_op_list", p2p_op_list, list, "a list of P2POp", where=where)
-    for i, op in enumerate(p2p_op_list):
-        check_instance(
-            f"p2p_op_list[{i}]", op, dist.P2POp, "a torch.distributed.P2POp", where=where
-        )
-    return list(_p2p("batch_isend_irecv", -1, None, lambda: dist.batch_isend_irecv(p2p_op_list)))

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx.comm.collectives import batch_isend_irecv, irecv, isend
+from phalanx.comm.p2p import batch_isend_irecv, irecv, isend
 
 __all__ = [
     "DTYPES",
