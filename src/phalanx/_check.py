@@ -33,6 +33,7 @@ __all__ = [
     "check_callable",
     "check_choice",
     "check_dataset",
+    "check_device",
     "check_float",
     "check_group",
     "check_instance",
@@ -178,10 +179,26 @@ def check_float(
 
 
 def check_bool(name: str, value: object, *, where: str = "", fix: str = "") -> bool:
-    """``value`` as a ``bool``; ``"no"``, ``0`` and ``None`` are refused, not read as truth."""
-    if not _is_bool(value):
+    """``value`` as a ``bool``: True / False, or 0 / 1 as torch's drop-ins read them; ``"no"``,
+    ``2`` and ``None`` are refused, not read as truth."""
+    if not _is_bool(value) and not (type(value) is int and value in (0, 1)):
         raise fail(name, value, "True or False", where=where, fix=fix, error=TypeError)
     return bool(value)
+
+
+def check_device(name: str, value: object, *, where: str = "", fix: str = "") -> Any:
+    """A device as torch's arguments take one: an index (numpy integers too), a str, a
+    ``torch.device``; an index comes back as an ``int``."""
+    import torch
+
+    if isinstance(value, (str, torch.device)):
+        return value
+    if not _is_bool(value):
+        with contextlib.suppress(TypeError):
+            return operator.index(value)  # type: ignore[arg-type]
+    raise fail(
+        name, value, "an int, a str or a torch.device", where=where, fix=fix, error=TypeError
+    )
 
 
 def check_str(name: str, value: object, *, where: str = "", fix: str = "") -> str:

@@ -134,3 +134,19 @@ def test_reading_stdin_sees_a_process_waiting_for_input() -> None:
     finally:
         proc.communicate(b"\n", timeout=10)
     assert not reading_stdin(os.getpid())
+
+
+def test_the_tail_keeps_only_the_last_drawing_of_an_open_line() -> None:
+    """A bar redrawn with \\r for hours ends no line: the tail must not grow with it."""
+    from collections import deque
+
+    from phalanx.launch.output import TailSink
+
+    tail: deque[str] = deque(maxlen=5)
+    sink = TailSink(tail)
+    for i in range(20000):
+        sink.write(b"\rstep %d" % i)
+    assert len(sink._partial) < 20
+    for chunk in (b"\rab", b"c\r", b"de", b"\n"):
+        sink.write(chunk)
+    assert list(tail) == ["de\n"]

@@ -20,6 +20,7 @@ from phalanx._check import (
     FLAG,
     GROUP,
     MODULE,
+    check_device,
     check_float,
     check_instance,
     check_int,
@@ -90,8 +91,7 @@ def _mib_list(name: str, value: Any, where: str) -> list[float]:
 
 
 def _device(name: str, value: Any, where: str) -> object:
-    what = "an int, a str or a torch.device"
-    return check_instance(name, value, int | str | torch.device, what, where=where)
+    return check_device(name, value, where=where)
 
 
 def _device_ids(name: str, value: Any, where: str) -> list[Any]:

@@ -30,7 +30,7 @@ from torch import nn
 
 from phalanx._check import (
     MODULE,
-    check_instance,
+    check_device,
     check_int,
     checked,
     fail,
@@ -47,8 +47,7 @@ WHERE = "DataParallel"
 
 def _as_device(value: Any, arg: str, where: str = WHERE) -> torch.device:
     """``0`` -> cuda:0, ``-1`` -> cpu (torch's gather convention), ``"cpu"``, ``torch.device``."""
-    what = "an int, a str or a torch.device"
-    check_instance(arg, value, int | str | torch.device, what, where=where)
+    value = check_device(arg, value, where=where)
     if isinstance(value, int):
         if value < -1:
             raise fail(arg, value, "a CUDA index >= 0 (or -1 for CPU)", where=where)

@@ -226,7 +226,7 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
 
     @checked(
         num_features=rule(check_int, min=1),
-        eps=rule(check_float, above=0),
+        eps=rule(check_float, min=0),
         momentum=optional(rule(check_float, min=0, max=1, fix="or None (cumulative average)")),
         affine=FLAG,
         track_running_stats=FLAG,

@@ -234,9 +234,11 @@ class Lines:
         self._partial = b""
 
     def write(self, data: bytes) -> None:
-        *complete, self._partial = (self._partial + data).split(b"\n")
+        *complete, partial = (self._partial + data).split(b"\n")
         for line in complete:
             self._emit(line)
+        # A bar redrawn for hours ends no line: keep only its last drawing, not every one.
+        self._partial = _last_drawn(partial) + (b"\r" if partial.endswith(b"\r") else b"")
 
     def close(self) -> None:
         if self._partial:
@@ -244,8 +246,12 @@ class Lines:
             self._partial = b""
 
     def _emit(self, line: bytes) -> None:
-        shown = next((seg for seg in reversed(line.split(b"\r")) if seg), b"")
-        self._take(shown.decode("utf-8", "replace") + "\n")
+        self._take(_last_drawn(line).decode("utf-8", "replace") + "\n")
+
+
+def _last_drawn(line: bytes) -> bytes:
+    """What a terminal shows of ``line``: its last non-empty ``\r`` segment."""
+    return next((seg for seg in reversed(line.split(b"\r")) if seg), b"")
 
 
 class TailSink(Lines):

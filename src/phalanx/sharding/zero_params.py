@@ -115,8 +115,10 @@ def check_same_dense_type(params: list[torch.Tensor], where: str = "params") -> 
 
 
 NUMERIC_OPTIONS = ("lr", "momentum", "dampening", "weight_decay", "eps", "alpha", "lr_decay")
-"""Options of torch's optimizers that are numbers >= 0; checked here so that ``lr="0.1"`` is
-named by the wrapper rather than failing inside ``torch.optim`` with a bare comparison error."""
+"""Options that torch's optimizers take as numbers: a string there (``lr="0.1"``) is named by the
+wrapper rather than failing inside ``torch.optim`` with a bare comparison error. Anything else
+(a tuple such as Adafactor's ``eps=(None, 1e-3)``, a tensor, a negative value) is the
+optimizer's to judge, as under torch's ZeroRedundancyOptimizer."""
 
 
 def check_options(optimizer_class: Any, stage: int | None, defaults: dict[str, Any]) -> None:
@@ -131,8 +133,8 @@ def check_options(optimizer_class: Any, stage: int | None, defaults: dict[str, A
         raise fail("optimizer_class", optimizer_class, what, where=WHERE, error=TypeError)
     check_elementwise(optimizer_class)
     for key in NUMERIC_OPTIONS:
-        if key in defaults and not isinstance(defaults[key], torch.Tensor):
-            check_float(key, defaults[key], min=0, where=WHERE)
+        if isinstance(defaults.get(key), str):
+            check_float(key, defaults[key], where=WHERE)
 
 
 def check_flags(overlap_with_ddp: bool) -> None:
