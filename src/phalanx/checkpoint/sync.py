@@ -105,8 +105,9 @@ class Session:
         if self.store is None:
             return
         self.publish(f"closed/{self.rank}", {"ok": True})
-        closed = [self.store.get(self._key(f"closed/{r}")) for r in range(self.size)]
-        if all(c is not None for c in closed):
+        keys = [self._key(f"closed/{r}") for r in range(self.size)]
+        # one round trip while some rank is still open; one multi_get once all have closed
+        if self.store.exists(keys) and all(c is not None for c in self.store.get_present(keys)):
             names = [*_SHARED, *(f"{k}/{r}" for k in _PER_RANK for r in range(self.size))]
             for name in names:
                 self.store.delete(self._key(name))

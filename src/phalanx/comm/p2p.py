@@ -18,7 +18,7 @@ from phalanx.comm.errors import CollectiveError
 __all__ = ["batch_isend_irecv", "irecv", "isend", "recv", "send"]
 
 
-def _p2p(name: str, peer: int, group: Group, call: Callable[[], Any]) -> Any:
+def _p2p(name: str, peer: int, call: Callable[[], Any]) -> Any:
     try:
         return call()
     except RuntimeError as exc:
@@ -33,27 +33,27 @@ def _p2p(name: str, peer: int, group: Group, call: Callable[[], Any]) -> Any:
 def send(tensor: torch.Tensor, dst: int, group: Group = None, tag: int = 0) -> None:
     """Send ``tensor`` to global rank ``dst`` (blocking)."""
     check_args("send", group, tensor=tensor, dst=dst, tag=tag)
-    _p2p("send", dst, group, lambda: dist.send(tensor, dst, group, tag))
+    _p2p("send", dst, lambda: dist.send(tensor, dst, group, tag))
 
 
 def recv(tensor: torch.Tensor, src: int | None = None, group: Group = None, tag: int = 0) -> int:
     """Receive into ``tensor`` from global rank ``src`` (any rank when None); return the sender."""
     check_args("recv", group, tensor=tensor, tag=tag, **({} if src is None else {"src": src}))
     peer = -1 if src is None else src
-    return int(_p2p("recv", peer, group, lambda: dist.recv(tensor, src, group, tag)))
+    return int(_p2p("recv", peer, lambda: dist.recv(tensor, src, group, tag)))
 
 
 def isend(tensor: torch.Tensor, dst: int, group: Group = None, tag: int = 0) -> Any:
     """Start sending ``tensor`` to ``dst``; returns a work handle with ``wait()``."""
     check_args("isend", group, tensor=tensor, dst=dst, tag=tag)
-    return _p2p("isend", dst, group, lambda: dist.isend(tensor, dst, group, tag))
+    return _p2p("isend", dst, lambda: dist.isend(tensor, dst, group, tag))
 
 
 def irecv(tensor: torch.Tensor, src: int | None = None, group: Group = None, tag: int = 0) -> Any:
     """Start receiving into ``tensor`` from ``src``; returns a work handle with ``wait()``."""
     check_args("irecv", group, tensor=tensor, tag=tag, **({} if src is None else {"src": src}))
     peer = -1 if src is None else src
-    return _p2p("irecv", peer, group, lambda: dist.irecv(tensor, src, group, tag))
+    return _p2p("irecv", peer, lambda: dist.irecv(tensor, src, group, tag))
 
 
 def batch_isend_irecv(p2p_op_list: list[dist.P2POp]) -> list[Any]:
@@ -64,4 +64,4 @@ def batch_isend_irecv(p2p_op_list: list[dist.P2POp]) -> list[Any]:
         check_instance(
             f"p2p_op_list[{i}]", op, dist.P2POp, "a torch.distributed.P2POp", where=where
         )
-    return list(_p2p("batch_isend_irecv", -1, None, lambda: dist.batch_isend_irecv(p2p_op_list)))
+    return list(_p2p("batch_isend_irecv", -1, lambda: dist.batch_isend_irecv(p2p_op_list)))

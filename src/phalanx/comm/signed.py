@@ -9,8 +9,10 @@ requests, progress, fingerprints, heartbeats) is one frame::
 
 where ``tag`` is the hex HMAC-SHA256, under the job secret (``PHALANX_JOB_SECRET``), of the
 store's *scope* (a per-job, per-generation nonce), the full key name and the JSON. So a value
-cannot be forged without the secret, nor replayed under another key, into another generation or
-into another job. Without a secret (``init_process_group`` called by hand, no
+cannot be forged without the secret, nor replayed under another key or into another generation;
+nor into another job where the scope holds a per-job nonce (a join record's). Scopes without one
+(the agent store's config, torchrun-hosted stores) only name the run id: a later job that reuses
+the secret and run id can be fed recorded values (README, Security). Without a secret (``init_process_group`` called by hand, no
 ``PHALANX_JOB_SECRET``) the tag is ``-``: values are still framed and validated, so junk is
 rejected, but nothing is authenticated. A process with a secret rejects unsigned values, and a
 process without one rejects signed values: a mixed job fails instead of trusting anyone.
