@@ -12,10 +12,12 @@ store's *scope* (a per-job, per-generation nonce), the full key name and the JSO
 cannot be forged without the secret, nor replayed under another key or into another generation;
 nor into another job where the scope holds a per-job nonce (a join record's). Scopes without one
 (the agent store's config, torchrun-hosted stores) only name the run id: a later job that reuses
-the secret and run id can be fed recorded values (README, Security). Without a secret (``init_process_group`` called by hand, no
-``PHALANX_JOB_SECRET``) the tag is ``-``: values are still framed and validated, so junk is
-rejected, but nothing is authenticated. A process with a secret rejects unsigned values, and a
-process without one rejects signed values: a mixed job fails instead of trusting anyone.
+the secret and run id can be fed recorded values (README, Security).
+
+Without a secret (``init_process_group`` called by hand, no ``PHALANX_JOB_SECRET``) the tag is
+``-``: values are still framed and validated, so junk is rejected, but nothing is authenticated.
+A process with a secret rejects unsigned values, and a process without one rejects signed
+values: a mixed job fails instead of trusting anyone.
 
 A rejected value is treated as absent and logged once per key (logger ``phalanx.comm.signed``); it
 never raises out of :meth:`SignedStore.get`.
