@@ -37,6 +37,11 @@ from typing import Any
 PACKAGE = "torch.testing._internal.distributed"
 TEST_DEADLINE = 240.0
 """Seconds for one test on every rank; then the ranks are killed and the test fails."""
+RETRIED_SUITES = ("ddp_under_dist_autograd_test",)
+"""Suites whose failed test runs once more. Their fixture starts 4-6 RPC processes with
+TensorPipe and races on start-up ("Default process group has not been initialized" on the
+master, or the 240 s deadline) when a 2-core machine is loaded, with torch's class as with
+phalanx's; a test that fails twice fails, and a retry is named in the outcome's detail."""
 
 
 @dataclass(frozen=True)
@@ -298,7 +303,12 @@ def run_suite(impl: str, cases: list[Case], verbose: bool = False) -> dict[str, 
     ctx = _context()
     results = {}
     for case in cases:
-        results[case.id] = o = run_test(case, impl, ctx)
+        o = run_test(case, impl, ctx)
+        if o.status == "failed" and case.suite in RETRIED_SUITES:
+            first = o.detail.strip().splitlines()[-1:] or [""]
+            o = run_test(case, impl, ctx)
+            o = Outcome(o.status, f"{o.detail} (retried once; first run: {first[0]})", o.seconds)
+        results[case.id] = o
         if verbose:
             print(f"{impl:8} {o.status:8} {o.seconds:6.2f}s {case.id}", flush=True)
     return results
