@@ -21,8 +21,8 @@ commands:
            results in DIR, default a new runs/bench-SUITE-<timestamp>/)
   plan     model-state memory per device for DDP and ZeRO-1/2/3 (the ZeRO paper's formulas)
   doctor   check torch, backends, GPUs, network interfaces and ports
-  diagnose DIR: merge the ranks' flight records (PHALANX_DUMP_DIR) and print the first
-           collective where they diverge
+  diagnose DIR: merge the ranks' flight records (PHALANX_DUMP_DIR, or torch's Flight Recorder
+           dumps: their directory or files) and print the first collective where they diverge
 """
 
 

@@ -1,17 +1,19 @@
 """``phalanx diagnose DIR``: merge the ranks' flight records and name the first divergence.
 
 Ranks write ``DIR/rank-<r>.json`` when ``PHALANX_DUMP_DIR=DIR`` is set and a hang is reported
-or a collective fails (see :mod:`.watchdog`). Exit code 0 when the records agree, 1 when they
-diverge, 2 for a directory without dumps.
+or a collective fails (see :mod:`.watchdog`). torch's Flight Recorder dumps (``<prefix><rank>``,
+pickle or JSON; see :mod:`.torch_flight`) in DIR, or named as files, are read too, so a torch
+job (NCCL included) gets the same analysis. Exit code 0 when the records agree, 1 when they
+diverge, 2 without dumps or for an unreadable one.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-from phalanx.comm.flight import first_divergence, load_dump
+from phalanx.comm.dumps import read_dumps
+from phalanx.comm.flight import first_divergence
 
 __all__ = ["main"]
 
@@ -19,13 +21,25 @@ __all__ = ["main"]
 def main(argv: list[str] | None = None) -> int:
     """Print each rank's last collective and the first diverging one; returns the exit code."""
     parser = argparse.ArgumentParser(prog="phalanx diagnose", description=__doc__.splitlines()[0])
-    parser.add_argument("dir", help="the PHALANX_DUMP_DIR the ranks wrote to")
+    parser.add_argument(
+        "paths",
+        nargs="+",
+        metavar="DIR",
+        help="the PHALANX_DUMP_DIR the ranks wrote to, or torch's dump files or their directory",
+    )
     args = parser.parse_args(argv)
-    paths = sorted(Path(args.dir).glob("rank-*.json"))
-    if not paths:
-        print(f"phalanx diagnose: no rank-*.json dumps in {args.dir}", file=sys.stderr)
+    try:
+        records, notes = read_dumps(args.paths)
+    except (OSError, ValueError) as exc:
+        sys.stderr.write(f"phalanx diagnose: {exc}\n")
         return 2
-    records = dict(load_dump(p) for p in paths)
+    if not records:
+        sys.stderr.write(
+            f"phalanx diagnose: no dumps in {' '.join(args.paths)} (phalanx's rank-<r>.json, "
+            "or torch Flight Recorder files <prefix><rank>)\n"
+        )
+        return 2
+    sys.stdout.write("".join(f"{line}\n" for line in notes))
     for rank, recs in sorted(records.items()):
         last = recs[-1] if recs else None
         state = (
