@@ -95,6 +95,13 @@ class FlightRecorder:
         if rec is not None:
             rec.end = time.time()
 
+    def forget_in_flight(self) -> None:
+        """Stop watching every open record (its process group is gone: it can never complete).
+
+        The records stay in the ring, without an end."""
+        with self._lock:
+            self._open.clear()
+
     def in_flight(self) -> Record | None:
         """The oldest operation that entered and has not completed, if any (idle waits aside)."""
         with self._lock:

@@ -183,6 +183,7 @@ def stop() -> None:
             _T.thread.join(timeout=PUBLISH_STORE_TIMEOUT_S + 5)
     _T = None
     _RANKS.clear()
+    _RECORDER.forget_in_flight()  # a group re-made later must not inherit stale waits
 
 
 def _group_ranks(group: dist.ProcessGroup | None) -> tuple[str, list[int]]:

@@ -5,15 +5,20 @@ One mechanism for collectives and point-to-point operations alike: a :class:`Tra
 torch's ``Work`` with an *entry*, the operation's flight record. A collective's record opens when
 it is launched (:func:`tracking.enter`); a point-to-point record (:class:`P2PEntry`) opens when
 this rank starts to wait for it (``wait()``, or the return of a blocking call), because a receive
-posted ahead of need is not a stuck rank until someone waits on it. Either closes when
-``wait()`` returns, when ``get_future()``'s future completes (DDP's communication hooks), or when
-``is_completed()`` first says True. On gloo a send or receive completes only inside ``wait()``
-(its ``is_completed()`` stays False until then) and has no future.
+posted ahead of need is not a stuck rank until someone waits on it.
+
+The record closes when the backend completes the work, whoever consumes it: a callback on the
+work's own future closes it (even for a handle nobody waits on), and so do ``wait()`` returning,
+``get_future()``'s future (DDP's communication hooks) and ``is_completed()`` first saying True.
+On gloo a send or receive has no future and completes only inside ``wait()`` (its
+``is_completed()`` stays False until then), so ``wait()`` closes its record.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -83,9 +88,14 @@ class P2PEntry:
         self.site = tracking.call_site()  # where it was posted, not where it is waited for
         self.seq: int | None = None
         self._closed = False
+        self._lock = threading.Lock()  # a future's callback may close it on another thread
 
     def begin(self) -> None:
         """Open the record (once)."""
+        with self._lock:
+            self._open()
+
+    def _open(self) -> None:
         recorder = tracking.recorder()
         if self.seq is not None or self._closed or recorder is None:
             return
@@ -96,16 +106,28 @@ class P2PEntry:
 
     def end(self) -> None:
         """Close the record (opening it first if nobody waited: completed when first polled)."""
-        self.begin()
-        recorder = tracking.recorder()
-        if self.seq is not None and not self._closed and recorder is not None:
-            recorder.finish(tracking.P2P, self.seq)
-        self._closed = True
+        with self._lock:
+            self._open()
+            recorder = tracking.recorder()
+            if self.seq is not None and not self._closed and recorder is not None:
+                recorder.finish(tracking.P2P, self.seq)
+            self._closed = True
 
     def error(self, exc: RuntimeError) -> Exception:
         """The failure closes the record: this rank no longer waits."""
         self.end()
         return self._fail(exc)
+
+
+def _closer(entry: Entry) -> Callable[[torch.futures.Future[Any]], None]:
+    def close(fut: torch.futures.Future[Any]) -> None:
+        try:
+            fut.value()
+        except Exception:  # failed: the record stays open, wait() raises the failure
+            return
+        entry.end()
+
+    return close
 
 
 def run_blocking(entry: Entry, call: Callable[[], Any]) -> Any:
@@ -130,6 +152,8 @@ class TrackedWork:
     def __init__(self, work: Any, entry: Entry, post: Callable[[], None] | None = None) -> None:
         self._work, self._entry, self._post = work, entry, post
         self._future: torch.futures.Future[Any] | None = None
+        with contextlib.suppress(RuntimeError):  # gloo's send / recv: no future, wait() closes
+            work.get_future().then(_closer(entry))
 
     def wait(self, timeout: Any = None) -> bool:
         """Block until the operation completes; raise a phalanx error if it failed."""
