@@ -134,7 +134,8 @@ def zero_cases() -> dict[str, Step]:
     return {"zero1": _zero(1), "zero2": _zero(2), "zero3": _zero3()}
 
 
-def _pipeline(schedule: str, chunks: int = 1, p2p: str | None = None) -> Step:
+def pipeline_step(schedule: str, chunks: int = 1, p2p: str | None = None) -> Step:
+    """A 2-stage pipeline of 8 layers with its optimizer, on a group of its own."""
     torch.manual_seed(0)
     layers: list[nn.Module] = [nn.Linear(16, 16) if k % 2 == 0 else nn.Tanh() for k in range(8)]
     group = dist.new_group([0, 1])  # one group per pipeline: their tags never meet
@@ -162,10 +163,10 @@ def _pipeline(schedule: str, chunks: int = 1, p2p: str | None = None) -> Step:
 def pipeline_cases() -> dict[str, Step]:
     """Each schedule over 2 stages (eager P2P, gloo's default), and 1F1B with grouped P2P."""
     return {
-        "gpipe": _pipeline("gpipe"),
-        "1f1b": _pipeline("1f1b"),
-        "interleaved": _pipeline("interleaved", chunks=2),
-        "1f1b.grouped": _pipeline("1f1b", p2p="grouped"),
+        "gpipe": pipeline_step("gpipe"),
+        "1f1b": pipeline_step("1f1b"),
+        "interleaved": pipeline_step("interleaved", chunks=2),
+        "1f1b.grouped": pipeline_step("1f1b", p2p="grouped"),
     }
 
 

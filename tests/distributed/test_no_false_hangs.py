@@ -7,8 +7,8 @@ in turn until more than 6.5 s have passed, so each case's first step and last st
 workers), run back to back. Then every rank checks three things: it printed no hang report
 (``tracking.hang_reports()``), its stderr (fd 2, Python's and native writes alike) holds no
 "hang report" text, and its flight recorder holds nothing in flight (a record left open would
-be reported by the next tick). The control, a receive whose sender is late as a pipeline stage
-waits for its neighbour, is reported by the same checks.
+be reported by the next tick). The control, a pipeline stage whose neighbour sends its
+activations late, is reported by the same checks.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import phalanx
-from phalanx.comm import p2p, tracking
+from phalanx.comm import tracking
 from phalanx.testing import run_distributed
 from tests.distributed import no_hang_cases as cases
 
@@ -120,23 +120,23 @@ def test_no_false_hang_report(family: str) -> None:
                 assert res["steps"][case] >= 3, f"rank {rank}: {case}: {res['steps'][case]}"
 
 
-def _late_neighbour() -> dict[str, Any]:
-    """Rank 1 waits for rank 0's activations, which come THRESHOLD + 2 s late."""
-    act = torch.zeros(4)
+def _late_stage() -> dict[str, Any]:
+    """Pipeline stage 0 sends its activations THRESHOLD + 2 s late: stage 1 waits for them."""
+    step = cases.pipeline_step("1f1b")
+    step(0)
     if dist.get_rank() == 0:
         time.sleep(THRESHOLD + 2.0)
-        p2p.send(act, 1)
-    else:
-        p2p.irecv(act, 0).wait()
+    step(1)
     return {}
 
 
-def test_a_late_neighbour_is_reported_by_the_same_checks() -> None:
-    results = run_distributed(_verdict, _late_neighbour, world_size=2, env=ENV)
+def test_a_late_pipeline_stage_is_reported_by_the_same_checks() -> None:
+    results = run_distributed(_verdict, _late_stage, world_size=2, env=ENV)
     for res in results:
         assert len(res["reports"]) == 1 and res["stderr_reports"] == 1, res["reports"]
         text = res["reports"][0]
-        assert "rank 1 has waited" in text and "recv [4] float32 from rank 0 at" in text
-        assert "It waits for rank(s) [0]" in text and "in _late_neighbour" in text
-        assert "time.sleep(THRESHOLD + 2.0)" in text  # rank 0's stack
-        assert res["in_flight"] is None  # the record closed once the send came
+        assert "rank 1 has waited" in text and "from rank 0 at" in text, text
+        assert "pipeline/ports.py" in text and "It waits for rank(s) [0]" in text, text
+        assert "rank 0: last completed operation with rank 1: send" in text, text
+        assert "time.sleep(THRESHOLD + 2.0)" in text  # rank 0's stack: where it is late
+        assert res["in_flight"] is None  # the record closed once the activations came

@@ -162,10 +162,16 @@ def build_report(
         lines.append(f"Rank(s) {behind} never reached it.")
     if silent:
         lines.append(f"Rank(s) {silent} did not answer (dead, or stuck holding the GIL).")
+    # A collective's laggard: its last collective; a P2P peer: its last operation with the waiter.
+    what = "collective" if stuck.peer is None else f"operation with rank {requester}"
     for r in behind:
-        done = [x for x in records[r] if x.end is not None and x.peer is None]
+        done = [
+            x
+            for x in records[r]
+            if x.end is not None and (x.peer is None if stuck.peer is None else x.peer == requester)
+        ]
         last = f"{done[-1].where()} (#{done[-1].seq})" if done else "none"
-        lines.append(f"rank {r}: last completed collective: {last}")
+        lines.append(f"rank {r}: last completed {what}: {last}")
         lines.append(f"rank {r} main thread stack (most recent call last):")
         lines.extend("  " + ln.rstrip() for ln in "".join(states[r]["stack"]).splitlines())
     div = first_divergence(records)
