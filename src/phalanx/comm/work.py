@@ -7,11 +7,12 @@ it is launched (:func:`tracking.enter`); a point-to-point record (:class:`P2PEnt
 this rank starts to wait for it (``wait()``, or the return of a blocking call), because a receive
 posted ahead of need is not a stuck rank until someone waits on it.
 
-The record closes when the backend completes the work, whoever consumes it: a callback on the
-work's own future closes it (even for a handle nobody waits on), and so do ``wait()`` returning,
-``get_future()``'s future (DDP's communication hooks) and ``is_completed()`` first saying True.
-On gloo a send or receive has no future and completes only inside ``wait()`` (its
-``is_completed()`` stays False until then), so ``wait()`` closes its record.
+A collective's record closes when the backend completes the work, whoever consumes it: a
+callback on the work's own future closes it (even for a handle nobody waits on), and so do
+``wait()`` returning, ``get_future()``'s future (DDP's communication hooks) and
+``is_completed()`` first saying True. A point-to-point record is open only while someone waits,
+and the wait's end closes it (on gloo a send or receive has no future and completes only inside
+``wait()``: its ``is_completed()`` stays False until then).
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ _P2P_SEQ = itertools.count(1)  # atomic: a parameter server records from one thr
 class Entry(Protocol):
     """One operation's flight record, as a work handle drives it."""
 
+    closes_from_future: bool
+    """Close the record from the work's own future (an open record that nobody may wait on)."""
+
     def begin(self) -> None:
         """This rank starts waiting for the operation."""
 
@@ -47,6 +51,8 @@ class Entry(Protocol):
 
 class CollectiveEntry:
     """A collective's record, opened by :func:`tracking.enter` at launch."""
+
+    closes_from_future = True
 
     def __init__(self, op: str, seq: int, group: dist.ProcessGroup | None) -> None:
         self.op, self.seq, self.group = op, seq, group
@@ -75,6 +81,8 @@ class P2PEntry:
         fail: Builds the error for a backend failure (naming this rank, the op and the peer).
     """
 
+    closes_from_future = False  # open only while someone waits: the wait closes it
+
     def __init__(
         self,
         op: str,
@@ -84,8 +92,9 @@ class P2PEntry:
         fail: Callable[[RuntimeError], Exception],
     ) -> None:
         self.op, self.peer, self.idle, self._fail = op, peer, idle, fail
-        self.shape = tracking.shape_text(tensor)
-        self.site = tracking.call_site()  # where it was posted, not where it is waited for
+        on = tracking.recorder() is not None  # tracking off (no phalanx group): nothing to pay
+        self.shape = tracking.shape_text(tensor) if on else "-"
+        self.site = tracking.call_site() if on else "?"  # where it was posted, not waited for
         self.seq: int | None = None
         self._closed = False
         self._lock = threading.Lock()  # a future's callback may close it on another thread
@@ -152,8 +161,9 @@ class TrackedWork:
     def __init__(self, work: Any, entry: Entry, post: Callable[[], None] | None = None) -> None:
         self._work, self._entry, self._post = work, entry, post
         self._future: torch.futures.Future[Any] | None = None
-        with contextlib.suppress(RuntimeError):  # gloo's send / recv: no future, wait() closes
-            work.get_future().then(_closer(entry))
+        if entry.closes_from_future:
+            with contextlib.suppress(RuntimeError):  # a backend without futures: wait() closes
+                work.get_future().then(_closer(entry))
 
     def wait(self, timeout: Any = None) -> bool:
         """Block until the operation completes; raise a phalanx error if it failed."""
