@@ -203,9 +203,10 @@ def horovod_cases() -> dict[str, Step]:
     return {"DistributedOptimizer": _trainer(model, opt), "allreduce_async": handles}
 
 
-def parameter_server(mode: str, seconds: float) -> tuple[float, int]:
-    """One parameter-server job (rank 0 serves, ranks 1-2 work) for ``seconds``: its span, and
-    the steps this rank took."""
+def parameter_server(mode: str, seconds: float, extra: float = 0.0) -> tuple[float, int]:
+    """One parameter-server job (rank 0 serves, ranks 1-2 work) for ``seconds``, rank 2 for
+    ``extra`` seconds more (rank 1 waits for the final parameters meanwhile): its span, and the
+    steps this rank took."""
     model = _mlp()
     make = lambda ps: torch.optim.SGD(ps.values(), lr=0.01)  # noqa: E731
     bound = 2 if mode == "ssp" else None
@@ -215,6 +216,8 @@ def parameter_server(mode: str, seconds: float) -> tuple[float, int]:
         ps.serve()
         return time.monotonic() - start, 0
     assert ps.worker is not None
+    if dist.get_rank() == 2:
+        seconds += extra
     while time.monotonic() - start < seconds and ps.pull():
         x, y = _batch(ps.worker.clock)
         model.zero_grad()

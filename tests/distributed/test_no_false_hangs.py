@@ -2,13 +2,13 @@
 more than 3x the threshold and no rank reports a hang, while a late peer is reported.
 
 One ``run_distributed`` job per family. Its cases (``no_hang_cases``) are built once and stepped
-in turn until more than 6.5 s have passed, so each case's first step and last step are more than
-3x the threshold apart; the parameter-server modes, each a job of its own shape (1 server and 2
-workers), run back to back. Then every rank checks three things: it printed no hang report
-(``tracking.hang_reports()``), its stderr (fd 2, Python's and native writes alike) holds no
-"hang report" text, and its flight recorder holds nothing in flight (a record left open would
-be reported by the next tick). The control, a pipeline stage whose neighbour sends its
-activations late, is reported by the same checks.
+in turn until each case's first and last step are more than 6.5 s (3x the threshold) apart; the
+parameter-server modes, each a job of its own shape (1 server and 2 workers), run back to back
+(in async mode one worker finishes 3 s early and waits for the final parameters). Then every
+rank checks three things: it printed no hang report (``tracking.hang_reports()``), its stderr
+(fd 2, Python's and native writes alike) holds no "hang report" text, and its flight recorder
+holds nothing in flight (a record left open would be reported by the next tick). The control,
+a pipeline stage whose neighbour sends its activations late, is reported by the same checks.
 """
 
 from __future__ import annotations
@@ -84,7 +84,11 @@ def _step_in_turn(steps: dict[str, cases.Step]) -> dict[str, Any]:
 
 
 def _parameter_server_modes() -> dict[str, Any]:
-    runs = {mode: cases.parameter_server(mode, SECONDS) for mode in PS_MODES}
+    # In async mode one worker finishes THRESHOLD + 1 s early and waits for the final parameters.
+    runs = {
+        mode: cases.parameter_server(mode, SECONDS, THRESHOLD + 1.0 if mode == "async" else 0.0)
+        for mode in PS_MODES
+    }
     return {
         "spans": {mode: span for mode, (span, _) in runs.items()},
         "steps": {mode: steps for mode, (_, steps) in runs.items()},

@@ -17,7 +17,9 @@ Which waits may be long (the rule of the hang detector, ``PHALANX_HANG_TIMEOUT``
 - **Idle** (recorded, never reported): a receive from any rank (``src=None``: a server waiting
   for whichever worker speaks next), and a wait the caller marks ``idle=True`` because its
   length is the peer's business: a parameter server's per-worker request loop waits as long as
-  that worker computes, or as long as it is silent between heartbeats.
+  that worker computes or is silent between heartbeats, and a worker that has finished waits
+  for the final parameters until the last worker finishes. Liveness there is the heartbeats'
+  job (a silent worker is declared lost), not the hang detector's.
 """
 
 from __future__ import annotations

@@ -13,8 +13,10 @@ but drop it.
 The sends and receives are phalanx's tracked point-to-point calls (:mod:`phalanx.comm.p2p`):
 each leaves a flight record on the ``p2p`` channel, apart from the collectives' sequence
 numbers. A server's wait for a worker's next request is ``idle`` (it lasts as long as the worker
-computes, or is silent between heartbeats); everything else, a worker's wait for its server's
-reply included, is watched by the hang detector.
+computes, or is silent between heartbeats), and so is a finished worker's wait for the final
+parameters (they come when the last worker finishes); everything else, a worker's wait for its
+server's reply to a pull included, is watched by the hang detector. A worker that stops
+answering is the server's to find, by its heartbeats.
 """
 
 from __future__ import annotations
