@@ -186,8 +186,27 @@ def tensor_cases() -> dict[str, Step]:
     return {"tensor": step}
 
 
+def _hvd_join() -> Step:
+    """Uneven inputs: rank r takes 1 + r optimizer steps per round, then ``hvd.join()``."""
+    model = _mlp()
+    named = [(f"join.{n}", p) for n, p in model.named_parameters()]
+    train = _trainer(
+        model,
+        hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=named
+        ),
+    )
+
+    def step(i: int) -> None:
+        for j in range(1 + dist.get_rank()):
+            train(10 * i + j)
+        hvd.join()
+
+    return step
+
+
 def horovod_cases() -> dict[str, Step]:
-    """Horovod's DistributedOptimizer, and allreduce_async / poll / synchronize."""
+    """Horovod's DistributedOptimizer, allreduce_async / poll / synchronize, and join."""
     model = _mlp()
     opt = hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters()
@@ -200,7 +219,11 @@ def horovod_cases() -> dict[str, Step]:
             time.sleep(0.001)
         hvd.synchronize(handle)
 
-    return {"DistributedOptimizer": _trainer(model, opt), "allreduce_async": handles}
+    return {
+        "DistributedOptimizer": _trainer(model, opt),
+        "allreduce_async": handles,
+        "join": _hvd_join(),
+    }
 
 
 def parameter_server(mode: str, seconds: float, extra: float = 0.0) -> tuple[float, int]:
