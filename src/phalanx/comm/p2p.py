@@ -6,14 +6,16 @@ Every operation leaves a flight record (op ``send`` / ``recv``, peer, shape, cal
 ``p2p`` channel, apart from the collectives' sequence numbers and never lined up across ranks.
 Its clock starts when this rank begins to *wait*: the call of a blocking ``send`` / ``recv``, or
 ``wait()`` on the handle of ``isend`` / ``irecv`` (a receive posted ahead of need is not a stuck
-rank), and it closes when the wait returns (see :mod:`phalanx.comm.work`).
+rank), and it closes when the wait returns (see :mod:`phalanx.comm.work`). The ring and tree
+algorithms (:mod:`.algorithms`) send through the process group directly: their messages are
+covered by the one record of the collective they implement.
 
 Which waits may be long (the rule of the hang detector, ``PHALANX_HANG_TIMEOUT``):
 
 - **Watched**: a wait on a named peer. A pipeline stage waiting for its neighbour's activations
-  or gradients, a ring step, a parameter-server worker waiting for its server's reply, a send
-  that the receiver never takes: longer than the threshold is a hang, reported on every rank
-  with the peer's stack.
+  or gradients, a parameter-server worker waiting for its server's reply to a pull, a send that
+  the receiver never takes: longer than the threshold is a hang, reported on every rank with
+  the peer's stack.
 - **Idle** (recorded, never reported): a receive from any rank (``src=None``: a server waiting
   for whichever worker speaks next), and a wait the caller marks ``idle=True`` because its
   length is the peer's business: a parameter server's per-worker request loop waits as long as
