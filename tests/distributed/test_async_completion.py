@@ -4,6 +4,7 @@ hang reports on every job with fp16_compress_hook)."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -43,6 +44,19 @@ def _future_and_polling() -> dict[str, Any]:
     while not work.is_completed():
         pass
     return {"future": after_future, "avg": averaged, "polled": _in_flight()}
+
+
+def _dropped_handle() -> str | None:
+    phalanx.all_reduce(torch.ones(4), async_op=True)  # nobody waits, polls or asks its future
+    phalanx.barrier()  # after the all-reduce in the group's order: it has completed
+    deadline = time.monotonic() + 2.0
+    while _in_flight() is not None and time.monotonic() < deadline:
+        time.sleep(0.01)  # the work's future runs its callback on gloo's thread
+    return _in_flight()
+
+
+def test_a_handle_nobody_consumes_is_recorded_as_complete() -> None:
+    assert run_distributed(_dropped_handle, timeout=60) == [None, None]
 
 
 def test_ddp_with_compression_hooks_leaves_nothing_in_flight() -> None:

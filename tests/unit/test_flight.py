@@ -75,3 +75,22 @@ def test_hang_timeout_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PHALANX_HANG_TIMEOUT", "0")
     with pytest.raises(ValueError, match="must be > 0 seconds"):
         hang_timeout()
+
+
+def test_p2p_records_show_their_peer_and_idle_ones_are_not_in_flight() -> None:
+    fr = FlightRecorder()
+    fr.start("p2p", 1, "recv", "[4] float32", "s.py:3 in serve", peer=-1, idle=True)
+    assert fr.in_flight() is None  # an idle wait is never a hang
+    fr.start("p2p", 2, "recv", "[4] float32", "p.py:9 in stage", peer=0)
+    stuck = fr.in_flight()
+    assert stuck is not None and stuck.where() == "recv [4] float32 from rank 0 at p.py:9 in stage"
+    assert fr.records()[0].where() == "recv [4] float32 from any rank at s.py:3 in serve"
+
+
+def test_stopping_tracking_forgets_what_was_in_flight() -> None:
+    from phalanx.comm import tracking
+
+    tracking._RECORDER.start("0", 7, "all_reduce", "[2]", "x.py:1")
+    tracking.stop()  # destroy_process_group: a later group must not inherit this wait
+    assert tracking._RECORDER.in_flight() is None
+    assert tracking._RECORDER.records()[-1].end is None  # still in the ring, never completed

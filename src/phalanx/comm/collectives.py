@@ -19,7 +19,7 @@ from torch.distributed import ReduceOp
 from phalanx._check import check_bool, check_choice, check_group, check_instance, check_int
 from phalanx.comm import tracking
 from phalanx.comm.errors import CollectiveError
-from phalanx.comm.work import TrackedWork
+from phalanx.comm.work import CollectiveEntry, TrackedWork
 
 __all__ = [
     "all_gather",
@@ -101,7 +101,7 @@ def _run(
         if post is not None:
             post()
         return None
-    return TrackedWork(work, op, seq, group, post)
+    return TrackedWork(work, CollectiveEntry(op, seq, group), post)
 
 
 def _avg_on_gloo(op: Any, group: Group) -> bool:

@@ -3,6 +3,8 @@
 Every collective issued through :mod:`phalanx.comm.collectives` leaves a :class:`Record`
 (group, sequence number, op, shape, call site, start and end time) in a fixed-size ring, so a
 hang or a crash can say what each rank was doing without any cost beyond appending a tuple.
+Point-to-point operations (:mod:`phalanx.comm.p2p`) leave records too, on their own channel
+(group ``p2p``, with the ``peer``): they are shown in reports but never lined up across ranks.
 :func:`first_divergence` (pure) lines up several ranks' records by group and sequence number
 and finds the first collective the ranks disagree on: a different op, shape or call site at the
 same position (ranks on different code paths, e.g. an all-reduce inside ``if rank == 0:``), or
@@ -40,10 +42,23 @@ class Record:
     """``time.time()`` when the rank entered it."""
     end: float | None = None
     """When it completed (None: still in flight, or an async op never waited on)."""
+    peer: int | None = None
+    """Point-to-point only: the other global rank (-1: a receive from any rank). A P2P record
+    starts when this rank begins to wait for the operation, not when it was posted."""
+    idle: bool = False
+    """A wait that is expected to be long (a server waiting for its next request): recorded,
+    never reported as a hang."""
 
     def where(self) -> str:
-        """``all_reduce [4, 2] at train.py:12 in step``."""
-        return f"{self.op} {self.shape} at {self.site}"
+        """``all_reduce [4, 2] at train.py:12 in step`` (``recv [4] from rank 0 at ...``)."""
+        return f"{self.op} {self.shape}{self.peer_text()} at {self.site}"
+
+    def peer_text(self) -> str:
+        """`` from rank 0`` / `` to rank 1`` / `` from any rank`` (empty for a collective)."""
+        if self.peer is None:
+            return ""
+        side = {"send": "to", "recv": "from"}.get(self.op, "with")
+        return f" {side} any rank" if self.peer < 0 else f" {side} rank {self.peer}"
 
 
 class FlightRecorder:
@@ -54,9 +69,19 @@ class FlightRecorder:
         self._open: dict[tuple[str, int], Record] = {}
         self._lock = threading.Lock()
 
-    def start(self, group: str, seq: int, op: str, shape: str, site: str) -> None:
-        """Record that this rank entered collective ``seq`` of ``group``."""
-        rec = Record(group, seq, op, shape, site, time.time())
+    def start(
+        self,
+        group: str,
+        seq: int,
+        op: str,
+        shape: str,
+        site: str,
+        *,
+        peer: int | None = None,
+        idle: bool = False,
+    ) -> None:
+        """Record that this rank entered collective ``seq`` of ``group`` (or P2P, with ``peer``)."""
+        rec = Record(group, seq, op, shape, site, time.time(), peer=peer, idle=idle)
         with self._lock:
             self._ring.append(rec)
             self._open[(group, seq)] = rec
@@ -70,10 +95,18 @@ class FlightRecorder:
         if rec is not None:
             rec.end = time.time()
 
-    def in_flight(self) -> Record | None:
-        """The oldest collective that entered and has not completed, if any."""
+    def forget_in_flight(self) -> None:
+        """Stop watching every open record (its process group is gone: it can never complete).
+
+        The records stay in the ring, without an end."""
         with self._lock:
-            return min(self._open.values(), key=lambda r: r.start, default=None)
+            self._open.clear()
+
+    def in_flight(self) -> Record | None:
+        """The oldest operation that entered and has not completed, if any (idle waits aside)."""
+        with self._lock:
+            waiting = (r for r in self._open.values() if not r.idle)
+            return min(waiting, key=lambda r: r.start, default=None)
 
     def records(self) -> list[Record]:
         """The ring, oldest first (copies)."""
@@ -125,7 +158,9 @@ def first_divergence(records: Mapping[int, Sequence[Record]]) -> Divergence | No
 
     Only positions every rank could still hold in its ring are compared (a ring forgets its
     oldest records). Among groups, the divergence that started earliest in time is returned.
+    Point-to-point records are left out: a send and its receive differ by design.
     """
+    records = {rank: [r for r in recs if r.peer is None] for rank, recs in records.items()}
     found: list[tuple[float, Divergence]] = []
     groups = {r.group for recs in records.values() for r in recs}
     for group in sorted(groups):

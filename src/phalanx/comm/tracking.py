@@ -9,6 +9,9 @@ With validation on (``validate=True`` / ``PHALANX_DEBUG=1``) each rank also writ
 (op, reduce op, shape, dtype, root, call site) under ``fp/<group>/<seq>/<rank>`` before the
 collective and compares all of them; every rank raises the same
 :class:`~phalanx.comm.errors.CollectiveMismatchError` instead of aborting or hanging.
+
+Point-to-point operations are recorded on their own channel (group :data:`P2P`, a counter of
+their own, see :mod:`phalanx.comm.work`): they never move the collectives' sequence numbers.
 """
 
 from __future__ import annotations
@@ -33,12 +36,16 @@ from phalanx.comm.flight import FlightRecorder
 from phalanx.comm.signed import SignedStore
 
 __all__ = [
+    "P2P",
+    "call_site",
     "comm_stats",
     "enter",
     "failure",
     "hang_reports",
     "leave",
+    "recorder",
     "reset_comm_stats",
+    "shape_text",
     "start",
     "stop",
 ]
@@ -49,6 +56,10 @@ STORE_LOST_S = 10.0
 """The progress thread stops (and says so) once the store has failed this long in a row."""
 POLL = timedelta(seconds=1)
 RETRY_S = 0.01
+P2P = "p2p"
+"""The flight record's channel of point-to-point operations."""
+TRANSPORTS = ("phalanx/comm/", "torch/", "phalanx/pipeline/p2p.py", "phalanx/parameter_server/wire")
+"""Frames a record's call site skips: the code that only moves tensors for its caller."""
 log = logging.getLogger(__name__)
 
 
@@ -172,6 +183,7 @@ def stop() -> None:
             _T.thread.join(timeout=PUBLISH_STORE_TIMEOUT_S + 5)
     _T = None
     _RANKS.clear()
+    _RECORDER.forget_in_flight()  # a group re-made later must not inherit stale waits
 
 
 def _group_ranks(group: dist.ProcessGroup | None) -> tuple[str, list[int]]:
@@ -204,13 +216,8 @@ def enter(
     seq = t.seq.get(name, 0) + 1
     t.seq[name] = seq
     t.last_op[name] = op
-    site = _call_site()
-    shape = (
-        "-"
-        if tensor is None
-        else f"{list(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
-    )
-    _RECORDER.start(name, seq, op, shape, site)
+    site = call_site()
+    _RECORDER.start(name, seq, op, shape_text(tensor), site)
     if t.validate:
         fp = fpr.make(op, name, seq, tensor, reduce_op, root, compare_shape, site)
         _validate(t, name, ranks, seq, fp)
@@ -223,11 +230,24 @@ def leave(group: dist.ProcessGroup | None, seq: int) -> None:
         _RECORDER.finish(_group_ranks(group)[0], seq)
 
 
-def _call_site() -> str:
-    frame = sys._getframe(2)
+def recorder() -> FlightRecorder | None:
+    """This process's flight recorder while tracking is on (from ``init_process_group``)."""
+    return None if _T is None else _RECORDER
+
+
+def shape_text(tensor: torch.Tensor | None) -> str:
+    """``[4, 2] float32`` (``-`` for no tensor), as records show a tensor."""
+    if tensor is None:
+        return "-"
+    return f"{list(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
+
+
+def call_site() -> str:
+    """``file:line in function`` of the first caller outside the transports (:data:`TRANSPORTS`)."""
+    frame = sys._getframe(1)
     while frame is not None:
-        path = frame.f_code.co_filename
-        if "phalanx/comm" not in path and "torch/" not in path:
+        path = frame.f_code.co_filename.replace("\\", "/")
+        if not any(part in path for part in TRANSPORTS):
             return f"{path}:{frame.f_lineno} in {frame.f_code.co_name}"
         frame = frame.f_back  # type: ignore[assignment]
     return "?"

@@ -8,8 +8,9 @@ and prints one report to stderr (so the launcher, which forwards the ranks' outp
 too) while the ranks are still alive. The report names the collective, the ranks that never
 reached it with their last completed collective and their main thread's stack, and the first
 collective where the ranks' records diverge (a different call site at the same position: ranks
-on different code paths). With ``PHALANX_DUMP_DIR`` each rank also writes its flight record
-there for ``phalanx diagnose DIR``.
+on different code paths). A stuck send or receive (:mod:`.p2p` says which waits are watched)
+names its peer and shows the peer's stack. With ``PHALANX_DUMP_DIR`` each rank also writes its
+flight record there for ``phalanx diagnose DIR``.
 """
 
 from __future__ import annotations
@@ -142,24 +143,35 @@ def build_report(
     """The hang report text from every rank's published state (pure)."""
     waited = time.time() - stuck.start
     records: dict[int, list[Record]] = {r: st["records"] for r, st in states.items()}
+    kind = "collective" if stuck.peer is None else "point-to-point operation"
     lines = [
         f"phalanx hang report (printed by rank {me}): rank {requester} has waited "
-        f"{waited:.0f} s in {stuck.where()} (collective #{stuck.seq} on group {stuck.group})."
+        f"{waited:.0f} s in {stuck.where()} ({kind} #{stuck.seq} on group {stuck.group})."
     ]
-    behind = [
-        r
-        for r, recs in records.items()
-        if not any(x.group == stuck.group and x.seq >= stuck.seq for x in recs)
-    ]
+    if stuck.peer is None:
+        behind = [
+            r
+            for r, recs in records.items()
+            if not any(x.group == stuck.group and x.seq >= stuck.seq for x in recs)
+        ]
+    else:  # the peer never posted the matching send or receive
+        behind = [r for r in records if r == stuck.peer or (stuck.peer < 0 and r != requester)]
+        lines.append(f"It waits for rank(s) {behind} to post the matching operation.")
     silent = sorted(set(range(world_size)) - set(states))
-    if behind:
+    if behind and stuck.peer is None:
         lines.append(f"Rank(s) {behind} never reached it.")
     if silent:
         lines.append(f"Rank(s) {silent} did not answer (dead, or stuck holding the GIL).")
+    # A collective's laggard: its last collective; a P2P peer: its last operation with the waiter.
+    what = "collective" if stuck.peer is None else f"operation with rank {requester}"
     for r in behind:
-        done = [x for x in records[r] if x.end is not None]
+        done = [
+            x
+            for x in records[r]
+            if x.end is not None and (x.peer is None if stuck.peer is None else x.peer == requester)
+        ]
         last = f"{done[-1].where()} (#{done[-1].seq})" if done else "none"
-        lines.append(f"rank {r}: last completed collective: {last}")
+        lines.append(f"rank {r}: last completed {what}: {last}")
         lines.append(f"rank {r} main thread stack (most recent call last):")
         lines.extend("  " + ln.rstrip() for ln in "".join(states[r]["stack"]).splitlines())
     div = first_divergence(records)

@@ -181,7 +181,7 @@ class Server:
         src = self.plan.num_servers + worker
         while True:
             try:
-                msg = wire.receive(src, self.group, self.plan, self.device)
+                msg = wire.receive(src, self.group, self.plan, self.device, idle=True)
             except wire.Unauthenticated as exc:
                 self._inbox.put((worker, "lost", f"failed authentication: {exc}"))
                 return

@@ -10,10 +10,13 @@ decoded, and a payload (sent as bytes) ends with an HMAC of header and payload b
 before the payload is returned. Without the secret a peer can make the receiver do nothing
 but drop it.
 
-These calls go to ``torch.distributed`` directly rather than through phalanx's tracked
-wrappers: a server receives from every worker on its own thread, and the wrappers' per-rank
-sequence numbers describe collectives that all ranks issue in one order, which these messages
-are not.
+The sends and receives are phalanx's tracked point-to-point calls (:mod:`phalanx.comm.p2p`):
+each leaves a flight record on the ``p2p`` channel, apart from the collectives' sequence
+numbers. A server's wait for a worker's next request is ``idle`` (it lasts as long as the worker
+computes, or is silent between heartbeats), and so is a finished worker's wait for the final
+parameters (they come when the last worker finishes); everything else, a worker's wait for its
+server's reply to a pull included, is watched by the hang detector. A worker that stops
+answering is the server's to find, by its heartbeats.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx.comm import p2p
 from phalanx.comm.auth import MAC_BYTES, job_secret, mac, verify
 from phalanx.parameter_server.protocol import (
     HEADER_LEN,
@@ -102,7 +106,7 @@ def send(
     if secret is not None:
         tag_words = torch.frombuffer(bytearray(mac(secret, _bytes(header))), dtype=torch.int64)
     framed = torch.cat([header.cpu(), tag_words])
-    works: list[Any] = [dist.isend(framed, peer, group=group, tag=TAG_HEADER)]
+    works: list[Any] = [p2p.isend(framed, peer, group=group, tag=TAG_HEADER)]
     keep = [framed]
     if payload is not None:
         kind = Kind(int(header[1]))
@@ -112,7 +116,7 @@ def send(
             tag_bytes = mac(secret, _bytes(header), _bytes(body))
             body = torch.cat([body, torch.frombuffer(bytearray(tag_bytes), dtype=torch.uint8)])
         keep.append(body)
-        works.append(dist.isend(body, peer, group=group, tag=tag))
+        works.append(p2p.isend(body, peer, group=group, tag=tag))
     sent = Sent(works, (header, payload, *keep))
     if wait:
         sent.wait()
@@ -129,16 +133,22 @@ def receive(
     group: dist.ProcessGroup,
     plan: ShardPlan | None = None,
     device: torch.device | None = None,
+    *,
+    idle: bool = False,
 ) -> Message:
     """Receive one message from group rank ``src``; the header is validated before the payload.
 
+    ``idle``: the wait for the header may be long by design (a server waiting for a worker's
+    next request), so the hang detector never reports it; the payload follows its header and
+    is always watched.
+
     Raises:
         ProtocolError: for a header that does not decode (the stream cannot be trusted after).
-        RuntimeError: from the backend when the peer is gone or the group's timeout passes.
+        CollectiveError: when the peer is gone or the group's timeout passes.
     """
     peer = _group_peer(src, group)
     framed = torch.empty(HEADER_LEN + MAC_WORDS, dtype=torch.int64)
-    dist.recv(framed, peer, group=group, tag=TAG_HEADER)
+    p2p.recv(framed, peer, group=group, tag=TAG_HEADER, idle=idle)
     raw, tag_words = framed[:HEADER_LEN], framed[HEADER_LEN:]
     secret = job_secret()
     if secret is not None and not verify(secret, _bytes(tag_words), _bytes(raw)):
@@ -157,7 +167,7 @@ def receive(
     size = header.numel * header.dtype.itemsize
     body = torch.empty(size + (MAC_BYTES if secret is not None else 0), dtype=torch.uint8)
     tag = TAG_ERROR if header.kind is Kind.ERROR else TAG_SHARD
-    dist.recv(body, peer, group=group, tag=tag)
+    p2p.recv(body, peer, group=group, tag=tag)
     if secret is not None and not verify(
         secret, _bytes(body[size:]), _bytes(raw), _bytes(body[:size])
     ):

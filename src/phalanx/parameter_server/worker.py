@@ -118,9 +118,9 @@ class Worker:
         flags = FLAG_FINAL if final else 0
         for s in range(self.plan.num_servers):
             self._send(s, Kind.STOP, step=self.clock, flags=flags)
-        if final:
+        if final:  # they come once the last worker finished: when is the others' business
             for s in range(self.plan.num_servers):
-                self._load(s, self._receive(s))
+                self._load(s, self._receive(s, idle=True))
         self.stopped = True
 
     # ---- internals ---------------------------------------------------------------------------
@@ -156,8 +156,8 @@ class Worker:
             last.append(self._receive(s))
         return last
 
-    def _receive(self, server: int) -> wire.Message:
-        msg = wire.receive(server, self.group, self.plan, self.device)
+    def _receive(self, server: int, idle: bool = False) -> wire.Message:
+        msg = wire.receive(server, self.group, self.plan, self.device, idle=idle)
         if msg.header.kind is Kind.ERROR:
             text = msg.text
             self._stop_heartbeats()

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.comm.p2p import batch_isend_irecv, irecv, isend
+from phalanx.comm.work import TrackedWork
 
 __all__ = [
     "DTYPES",
@@ -96,7 +97,8 @@ class _Handle:
     """A send or receive, posted now (eager) or at the next :meth:`Comm.flush` (grouped)."""
 
     def __init__(self, comm: Comm) -> None:
-        self.comm, self.work = comm, None
+        self.comm = comm
+        self.work: TrackedWork | None = None
 
     def wait(self) -> None:
         if self.work is None:
