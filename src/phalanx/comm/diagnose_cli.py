@@ -3,8 +3,10 @@
 Ranks write ``DIR/rank-<r>.json`` when ``PHALANX_DUMP_DIR=DIR`` is set and a hang is reported
 or a collective fails (see :mod:`.watchdog`). torch's Flight Recorder dumps (``<prefix><rank>``,
 pickle or JSON; see :mod:`.torch_flight`) in DIR, or named as files, are read too, so a torch
-job (NCCL included) gets the same analysis. Exit code 0 when the records agree, 1 when they
-diverge, 2 without dumps or for an unreadable one.
+job (NCCL included) gets the same analysis. It prints where each rank's record stops (ranks at
+different steps are behind, not diverged) and the first collective the ranks paired wrongly
+(:mod:`.pairing`). Exit code 0 when the records agree, 1 when they diverge, 2 without dumps or
+for an unreadable one.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import argparse
 import sys
 
 from phalanx.comm.dumps import read_dumps
-from phalanx.comm.flight import first_divergence
+from phalanx.comm.flight import Record, first_divergence
 
 __all__ = ["main"]
 
@@ -51,9 +53,30 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
         print(f"rank {rank}: {len(recs)} collectives recorded; last: {state}")
+    for line in _stops(records):
+        print(line)
     div = first_divergence(records)
     if div is None:
-        print("no divergence: every rank issued the same collectives from the same call sites")
+        print("no divergence: at every position all ranks reached, they issued matching calls")
         return 0
     print("first divergence: " + div.describe())
     return 1
+
+
+def _stops(records: dict[int, list[Record]]) -> list[str]:
+    """Per group where the ranks' records stop, when they stop at different positions."""
+    lines = []
+    for group in sorted({r.group for recs in records.values() for r in recs}):
+        last = {
+            rank: max((r.seq for r in recs if r.group == group), default=0)
+            for rank, recs in records.items()
+        }
+        if len(set(last.values())) > 1:
+            ahead = max(last.values())
+            behind = sorted(r for r, n in last.items() if n < ahead)
+            lines.append(
+                f"group {group}: rank(s) {behind} stop before #{ahead}, which rank(s) "
+                f"{sorted(r for r, n in last.items() if n == ahead)} issued: behind (still "
+                f"working, stuck or dead), not diverged"
+            )
+    return lines

@@ -1,17 +1,48 @@
 """Collective fingerprints: what must agree across ranks, and how to say that it does not.
 
-Pure functions over plain dicts, unit-tested without processes.
+Pure functions over plain dicts, unit-tested without processes. The call site travels with the
+fingerprint but is not one of the compared fields: sites are judged by the skipped-collective
+rule of :mod:`.pairing`, which needs the next call too.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-__all__ = ["describe", "make", "mismatch", "mismatch_message"]
+if TYPE_CHECKING:
+    from phalanx.comm.flight import Record
+
+__all__ = ["args_text", "as_record", "describe", "make", "mismatch", "mismatch_message"]
 
 COMPARED = ("op", "reduce_op", "root", "dtype", "shape")
+
+
+def _op_name(reduce_op: Any) -> str | None:
+    return getattr(reduce_op, "name", None if reduce_op is None else str(reduce_op))
+
+
+def args_text(reduce_op: Any, root: int | None) -> str:
+    """``SUM``, ``root=0``, ``MAX root=1`` or "": the reduce op and root as records show them."""
+    name = _op_name(reduce_op)
+    if root is None:
+        return name or ""
+    return f"root={root}" if name is None else f"{name} root={root}"
+
+
+def as_record(fp: dict[str, Any]) -> Record:
+    """The fingerprint as a flight record (for :func:`~phalanx.comm.pairing.first_mismatch`)."""
+    from phalanx.comm.flight import Record
+
+    shape = "-"
+    if fp.get("dtype") is not None:
+        dims = "[*]" if fp.get("shape") is None else str(fp["shape"])
+        shape = f"{dims} {fp['dtype']}"
+    args = args_text(fp.get("reduce_op"), fp.get("root"))
+    return Record(
+        str(fp["group"]), int(fp["seq"]), str(fp["op"]), shape, str(fp["site"]), 0.0, args=args
+    )
 
 
 def make(
@@ -29,7 +60,7 @@ def make(
         "seq": seq,
         "group": group,
         "op": op,
-        "reduce_op": getattr(reduce_op, "name", None if reduce_op is None else str(reduce_op)),
+        "reduce_op": _op_name(reduce_op),
         "root": root,
         "dtype": None if tensor is None else str(tensor.dtype).removeprefix("torch."),
         "shape": None if tensor is None or not compare_shape else list(tensor.shape),

@@ -1,14 +1,14 @@
 """The flight recorder: this rank's recent collectives, and where ranks' records diverge.
 
 Every collective issued through :mod:`phalanx.comm.collectives` leaves a :class:`Record`
-(group, sequence number, op, shape, call site, start and end time) in a fixed-size ring, so a
-hang or a crash can say what each rank was doing without any cost beyond appending a tuple.
-Point-to-point operations (:mod:`phalanx.comm.p2p`) leave records too, on their own channel
-(group ``p2p``, with the ``peer``): they are shown in reports but never lined up across ranks.
-:func:`first_divergence` (pure) lines up several ranks' records by group and sequence number
-and finds the first collective the ranks disagree on: a different op, shape or call site at the
-same position (ranks on different code paths, e.g. an all-reduce inside ``if rank == 0:``), or
-a position some ranks reached and others never did.
+(group, sequence number, op, shape, reduce op and root, call site, start and end time) in a
+fixed-size ring, so a hang or a crash can say what each rank was doing without any cost beyond
+appending a tuple. Point-to-point operations (:mod:`phalanx.comm.p2p`) leave records too, on their
+own channel (group ``p2p``, with the ``peer``): they are shown in reports but never lined up
+across ranks. :func:`first_divergence` (pure) lines up several ranks' records by group and
+sequence number and finds the first collective the ranks paired wrongly (:mod:`.pairing`): a
+different signature at the same position, or a rank one call ahead of another (an all-reduce
+inside ``if rank == 0:``). A position some ranks have not reached yet is not a divergence.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from phalanx.comm.pairing import Divergence, first_mismatch, sites_compared
 
 __all__ = ["Divergence", "FlightRecorder", "Record", "first_divergence", "load_dump"]
 
@@ -48,10 +50,13 @@ class Record:
     idle: bool = False
     """A wait that is expected to be long (a server waiting for its next request): recorded,
     never reported as a hang."""
+    args: str = ""
+    """The reduce op and root, e.g. ``SUM`` or ``root=0`` (empty when the op has neither)."""
 
     def where(self) -> str:
-        """``all_reduce [4, 2] at train.py:12 in step`` (``recv [4] from rank 0 at ...``)."""
-        return f"{self.op} {self.shape}{self.peer_text()} at {self.site}"
+        """``all_reduce [4, 2] float32 SUM at t.py:12 in f`` (``recv [4] from rank 0 at ...``)."""
+        args = f" {self.args}" if self.args else ""
+        return f"{self.op} {self.shape}{args}{self.peer_text()} at {self.site}"
 
     def peer_text(self) -> str:
         """`` from rank 0`` / `` to rank 1`` / `` from any rank`` (empty for a collective)."""
@@ -79,14 +84,17 @@ class FlightRecorder:
         *,
         peer: int | None = None,
         idle: bool = False,
-    ) -> None:
-        """Record that this rank entered collective ``seq`` of ``group`` (or P2P, with ``peer``)."""
-        rec = Record(group, seq, op, shape, site, time.time(), peer=peer, idle=idle)
+        args: str = "",
+    ) -> Record:
+        """Record that this rank entered collective ``seq`` of ``group`` (or P2P, with ``peer``);
+        returns the record."""
+        rec = Record(group, seq, op, shape, site, time.time(), peer=peer, idle=idle, args=args)
         with self._lock:
             self._ring.append(rec)
             self._open[(group, seq)] = rec
             if len(self._open) > 4 * CAPACITY:  # async works nobody waits on: forget them
                 self._open.pop(next(iter(self._open)))
+        return rec
 
     def finish(self, group: str, seq: int) -> None:
         """Record that collective ``seq`` of ``group`` completed on this rank."""
@@ -113,6 +121,17 @@ class FlightRecorder:
         with self._lock:
             return [Record(**asdict(r)) for r in self._ring]
 
+    def tail(self, group: str, n: int) -> list[Record]:
+        """The last ``n`` records of ``group``, oldest first (shared, not copied: read only)."""
+        out: list[Record] = []
+        with self._lock:
+            for rec in reversed(self._ring):
+                if rec.group == group:
+                    out.append(rec)
+                    if len(out) == n:
+                        break
+        return out[::-1]
+
     def dump(self, path: str | os.PathLike[str], rank: int, **extra: Any) -> None:
         """Write the ring (and ``extra``) as JSON to ``path``, atomically."""
         doc = {"rank": rank, "records": [asdict(r) for r in self.records()], **extra}
@@ -127,56 +146,22 @@ def load_dump(path: str | os.PathLike[str]) -> tuple[int, list[Record]]:
     return int(doc["rank"]), [Record(**r) for r in doc["records"]]
 
 
-@dataclass(frozen=True)
-class Divergence:
-    """The first collective the ranks disagree on."""
-
-    group: str
-    seq: int
-    issued: dict[int, Record]
-    """Rank -> what it issued at that position."""
-    missing: tuple[int, ...]
-    """Ranks whose records stop before this position."""
-
-    def describe(self) -> str:
-        """Which ranks did what, with call sites."""
-        by_where: dict[str, list[int]] = {}
-        for rank, rec in sorted(self.issued.items()):
-            by_where.setdefault(rec.where(), []).append(rank)
-        parts = [f"rank(s) {ranks} issued {where}" for where, ranks in by_where.items()]
-        if self.missing:
-            parts.append(f"rank(s) {list(self.missing)} never issued it")
-        return f"collective #{self.seq} on group {self.group} diverges: " + "; ".join(parts)
-
-
-def _key(rec: Record) -> tuple[str, str, str]:
-    return rec.op, rec.shape, rec.site
-
-
 def first_divergence(records: Mapping[int, Sequence[Record]]) -> Divergence | None:
-    """The first (group, seq) where the ranks' records differ or some ranks stop; else None.
+    """The first collective the ranks paired wrongly (see :mod:`.pairing`); else None.
 
-    Only positions every rank could still hold in its ring are compared (a ring forgets its
-    oldest records). Among groups, the divergence that started earliest in time is returned.
-    Point-to-point records are left out: a send and its receive differ by design.
+    Only positions every rank still holds are compared (a ring forgets its oldest records,
+    and a rank at an earlier step has not reached the later ones). Among groups, the
+    divergence that started earliest in time is returned. Point-to-point records are left
+    out: a send and its receive differ by design.
     """
+    sites = sites_compared()
     records = {rank: [r for r in recs if r.peer is None] for rank, recs in records.items()}
     found: list[tuple[float, Divergence]] = []
-    groups = {r.group for recs in records.values() for r in recs}
-    for group in sorted(groups):
-        by_rank = {
+    for group in sorted({r.group for recs in records.values() for r in recs}):
+        calls = {
             rank: {r.seq: r for r in recs if r.group == group} for rank, recs in records.items()
         }
-        members = {rank: seqs for rank, seqs in by_rank.items() if seqs}
-        if len(members) < 2:
-            continue
-        lowest = max(min(seqs) for seqs in members.values())
-        highest = max(max(seqs) for seqs in members.values())
-        for seq in range(lowest, highest + 1):
-            issued = {rank: seqs[seq] for rank, seqs in members.items() if seq in seqs}
-            missing = tuple(sorted(rank for rank in members if seq not in members[rank]))
-            if missing or len({_key(r) for r in issued.values()}) > 1:
-                first = min(r.start for r in issued.values())
-                found.append((first, Divergence(group, seq, issued, missing)))
-                break
+        div = first_mismatch(calls, group, sites)
+        if div is not None:
+            found.append((min(r.start for r in div.issued.values()), div))
     return min(found, key=lambda f: f[0])[1] if found else None
