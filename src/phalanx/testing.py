@@ -123,7 +123,8 @@ def run_distributed(
         "backend": backend,
         "collective_timeout": collective_timeout,
         "validate": validate,
-        "env": dict(env or {}),
+        # The ranks' per-host files (stacks of stuck or dead ranks) go with the job's temp dir.
+        "env": {"PHALANX_RANK_DIR": tmp, **(env or {})},
     }
     init_method = f"file://{os.path.join(tmp, 'store')}"
     procs, conns = [], []
