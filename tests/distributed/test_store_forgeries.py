@@ -60,14 +60,18 @@ def test_forged_session_answers_change_no_checkpoint(tmp_path: Path) -> None:
     assert "model.json" in files and not any("evil" in name for name in files)
 
 
-def _hang_with_junk() -> tuple[list[str], bool]:
+def _hang_with_junk() -> tuple[list[str], bool, str | None]:
     raw = signed_store().store  # type: ignore[union-attr]
-    if dist.get_rank() == 0:  # issue 14's two writes, and more
+    if dist.get_rank() == 0:  # issue 14's two writes, and every key of the hang protocol
         raw.set("phalanx/hang/who", "x")
         raw.add("phalanx/hang/count", 1)
         raw.add("phalanx/hang/bell", 5)
-        _forge("phalanx/hang/req/1", {"n": 7, "stuck": {}})
-        raw.set("phalanx/hang/req/0", b"\xff\xfe")
+        _forge("phalanx/hang/incident/1", {"n": 1, "opener": 1, "at": 0.0, "stuck": {}})
+        _forge("phalanx/hang/answer/1/1", {"at": 0, "in_flight": None, "stack": [], "records": []})
+        _forge("phalanx/hang/report/1", {"text": "forged report"})
+        raw.set("phalanx/hang/incident/2", b"\xff\xfe")
+        _forge("phalanx/mismatch", {"text": "forged mismatch"})
+        _forge("phalanx/who/1", {"host": "evil", "pid": 1, "dir": "/", "main": 1})
         _forge("phalanx/progress/1", {"0": [10**9, "all_reduce"]})
     t = torch.ones(3)
     phalanx.all_reduce(t)
@@ -76,12 +80,13 @@ def _hang_with_junk() -> tuple[list[str], bool]:
         time.sleep(5.0)
     phalanx.all_reduce(t)
     assert tracking._T is not None and tracking._T.thread is not None
-    return tracking.hang_reports(), tracking._T.thread.is_alive()
+    return tracking.hang_reports(), tracking._T.thread.is_alive(), tracking.mismatch_found()
 
 
 def test_junk_hang_keys_do_not_switch_off_hang_reports() -> None:
     results = run_distributed(_hang_with_junk, world_size=2, timeout=60, env=ENV)
-    for reports, alive in results:
-        assert alive
-        assert len(reports) == 1  # the real hang, once; no report for the forged request
+    for reports, alive, mismatch in results:
+        assert alive and mismatch is None  # the forged finding is not believed
+        assert len(reports) == 1  # the real hang, once; no report for the forged incident
         assert "rank 0 has waited" in reports[0] and "Rank(s) [1] never reached it." in reports[0]
+        assert "forged" not in reports[0]

@@ -1,16 +1,19 @@
-"""Live hang reports: which ranks have not reached a stuck collective, and what they are doing.
+"""Live hang reports: one incident per hang, one text that every rank prints.
 
 Runs on each rank's progress thread (every 0.5 s, see :mod:`.tracking`). When this rank's oldest
 in-flight collective has waited longer than ``PHALANX_HANG_TIMEOUT`` seconds (default 60) it
-raises a signed request in the store. Every rank's watchdog sees the request on its next tick and
-publishes its Python stacks and the tail of its flight record; each then collects everyone's,
-and prints one report to stderr (so the launcher, which forwards the ranks' output, shows it
-too) while the ranks are still alive. The report names the collective, the ranks that never
-reached it with their last completed collective and their main thread's stack, and the first
-collective where the ranks' records diverge (a different call site at the same position: ranks
-on different code paths). A stuck send or receive (:mod:`.p2p` says which waits are watched)
-names its peer and shows the peer's stack. With ``PHALANX_DUMP_DIR`` each rank also writes its
-flight record there for ``phalanx diagnose DIR``.
+opens an *incident*: the first rank to write ``hang/incident/<n>`` (an atomic compare-and-set
+of a signed value, :meth:`~phalanx.comm.signed.SignedStore.first`) is its opener; a rank that
+finds its own collective stuck while incident n is open joins it instead of opening another.
+Every rank sees the incident on its next tick and answers once, with its in-flight record, its
+main thread's stack and the tail of its flight record. The opener collects the answers (until
+every rank has answered or, for ranks that look dead or stuck holding the GIL, ``COLLECT_S``),
+reads the silent ranks' files on its host (:mod:`.rank_files`: a faulthandler stack, the call
+ring, whether the process lives), builds the report (:mod:`.hang_report`) and publishes it;
+every rank prints exactly that text to stderr while the job is still alive (so the launcher
+shows it too). A stuck send or receive (:mod:`.p2p` says which waits are watched) names its
+peer. A rank builds the report itself only if the opener's never comes. With
+``PHALANX_DUMP_DIR`` each rank also writes its flight record there for ``phalanx diagnose DIR``.
 """
 
 from __future__ import annotations
@@ -20,16 +23,24 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from phalanx.comm.flight import FlightRecorder, Record, first_divergence
+from phalanx.comm.flight import FlightRecorder, Record
+from phalanx.comm.hang_report import Answer, Incident, Silent, build_report
+from phalanx.comm.rank_files import Peer, peers
 from phalanx.comm.signed import SignedStore, as_record
 
 __all__ = ["Watchdog", "dump_on_failure", "hang_timeout"]
 
 TAIL = 64
-COLLECT_S = 3.0
+COLLECT_S = 1.2
+"""Answers come within a tick (0.5 s); a rank that looks stuck or dead is not waited longer."""
+MAX_COLLECT_S = 3.0
+"""A silent rank that looks healthy (or cannot be seen from here) is waited for this long."""
+REPORT_WAIT_S = MAX_COLLECT_S + 1.5
+POLL_S = 0.05
 
 
 def hang_timeout() -> float:
@@ -57,126 +68,173 @@ def _main_stack() -> list[str]:
     return [] if frame is None else traceback.format_stack(frame)
 
 
-def _request(value: Any) -> tuple[int, Record]:
-    """A hang request: ``{"n": its number for the requester, "stuck": the Record}``."""
-    n = value["n"]
-    if not isinstance(n, int) or n < 1:
-        raise TypeError(f"a hang request number is a positive integer, got {n!r}")
-    return n, as_record(Record, value["stuck"])
+def _record_or_none(value: Any) -> Record | None:
+    return None if value is None else as_record(Record, value)
 
 
-def _state(value: Any) -> dict[str, Any]:
-    """One rank's answer: its main thread's stack and its last flight records."""
-    stack, records = value["stack"], value["records"]
+def _incident(value: Any) -> Incident:
+    n, opener, at = value["n"], value["opener"], value["at"]
+    if not (isinstance(n, int) and isinstance(opener, int) and isinstance(at, int | float)):
+        raise TypeError("an incident is {n, opener, at, stuck}")
+    return Incident(n, opener, float(at), as_record(Record, value["stuck"]))
+
+
+def _answer(value: Any) -> Answer:
+    stack, records, at = value["stack"], value["records"], value["at"]
     if not (isinstance(stack, list) and all(isinstance(x, str) for x in stack)):
         raise TypeError("a stack is a list of strings")
-    if not isinstance(records, list):
-        raise TypeError("records are a list")
-    return {"stack": stack, "records": [as_record(Record, r) for r in records]}
+    if not (isinstance(records, list) and isinstance(at, int | float)):
+        raise TypeError("an answer is {at, in_flight, stack, records}")
+    recs = [as_record(Record, r) for r in records]
+    return Answer(float(at), _record_or_none(value["in_flight"]), stack, recs)
+
+
+def _report(value: Any) -> str:
+    if not (isinstance(value, dict) and isinstance(value.get("text"), str)):
+        raise TypeError("a report is {text}")
+    return str(value["text"])
+
+
+def silent_rank(rank: int, peer: Peer | None) -> Silent:
+    """What this host can say about a rank that did not answer."""
+    if peer is None:
+        return Silent([f"rank {rank} did not answer and never published where it runs."])
+    who = f"rank {rank} (host {peer.host}, pid {peer.pid})"
+    if not peer.here():
+        return Silent(
+            [
+                f"{who} did not answer (dead, or stuck holding the GIL); faulthandler writes "
+                f"its stacks to {peer.where('stuck')} (stuck) and {peer.where('fatal')} (fatal)."
+            ]
+        )
+    calls, death = peer.calls(), peer.death()
+    if not peer.alive():
+        sig = death[0] if death else None
+        how = f"killed by {sig}" if sig else "without a fatal-signal record (SIGKILL or exit)"
+        return Silent([f"{who} is dead, {how}."], calls, death[1] if death else [])
+    stuck = peer.stuck()
+    if stuck is not None:
+        line = (
+            f"{who} did not answer: its progress thread has not run for a second or more "
+            f"(the GIL is held, e.g. by a native call)."
+        )
+        return Silent([line], calls, stuck)
+    return Silent([f"{who} did not answer in time, though it lives and is not stuck."], calls)
 
 
 class Watchdog:
     """One rank's hang detector and report writer.
 
-    Store keys (signed, see :mod:`.signed`): ``hang/req/<r>`` holds rank r's latest request
-    with its number; ``hang/<r>/<n>/<rank>`` each rank's answer to it. ``hang/bell`` is a
-    counter that only says "look at the requests": a stranger who rings it costs one scan.
+    Store keys (signed, see :mod:`.signed`): ``hang/incident/<n>`` the incident,
+    ``hang/answer/<n>/<r>`` each rank's answer, ``hang/report/<n>`` the published text.
     """
 
-    def __init__(self, recorder: FlightRecorder, rank: int, world_size: int) -> None:
+    def __init__(
+        self,
+        recorder: FlightRecorder,
+        rank: int,
+        world_size: int,
+        keepalive: Callable[[], None] = lambda: None,
+    ) -> None:
         self.recorder, self.rank, self.world_size = recorder, rank, world_size
+        self.keepalive = keepalive
+        """Called while the watchdog blocks the progress thread (re-arms the stuck dump)."""
         self.timeout = hang_timeout()
-        self._requested: set[tuple[str, int]] = set()
-        self._asked = 0
-        self._bell = 0
-        self._answered: dict[int, int] = {}
-        """Per requester, the number of the last request this rank answered."""
+        self.next = 1
+        """The number of the next incident this rank has not seen."""
+        self._covered: set[tuple[str, int]] = set()
         self.reports: list[str] = []
         """Reports this rank printed (for tests and tools)."""
+        self.printed: list[float] = []
+        """When it printed each (``time.time()``)."""
 
     def tick(self, store: SignedStore) -> None:
-        """Detect this rank's stuck collective; answer and report other ranks' requests."""
+        """Answer incidents others opened; open (or join) one if this rank is stuck."""
+        while self._poll(store):
+            pass
         stuck = self.recorder.in_flight()
-        if stuck is not None and time.time() - stuck.start > self.timeout:
-            key = (stuck.group, stuck.seq)
-            if key not in self._requested:
-                self._requested.add(key)
-                self._asked += 1
-                store.put(f"hang/req/{self.rank}", {"n": self._asked, "stuck": asdict(stuck)})
-                store.bump("hang/bell", 1)
-        bell = store.bump("hang/bell", 0)
-        if bell != self._bell:
-            self._bell = bell
-            for requester in range(self.world_size):
-                request = store.get(f"hang/req/{requester}", _request)
-                if request is not None and request[0] > self._answered.get(requester, 0):
-                    self._answered[requester] = request[0]
-                    self._answer(store, requester, *request)
+        if stuck is None or (stuck.group, stuck.seq) in self._covered:
+            return
+        now = time.time()
+        if now - stuck.start > self.timeout:
+            mine = {"n": self.next, "opener": self.rank, "at": now, "stuck": asdict(stuck)}
+            self._handle(store, store.first(f"hang/incident/{self.next}", mine, _incident))
 
-    def _answer(self, store: SignedStore, requester: int, n: int, stuck: Record) -> None:
+    def _poll(self, store: SignedStore) -> bool:
+        inc = store.get(f"hang/incident/{self.next}", _incident)
+        if inc is None:
+            return False
+        if store.get(f"hang/report/{inc.n}", _report) is not None:
+            self.next = inc.n + 1  # closed while this rank could not look (e.g. GIL held)
+        else:
+            self._handle(store, inc)
+        return True
+
+    def _handle(self, store: SignedStore, inc: Incident) -> None:
+        self.next = inc.n + 1
+        stuck = self.recorder.in_flight()
+        if stuck is not None:
+            self._covered.add((stuck.group, stuck.seq))
         mine = {
+            "at": time.time(),
+            "in_flight": None if stuck is None else asdict(stuck),
             "stack": _main_stack(),
             "records": [asdict(r) for r in self.recorder.records()[-TAIL:]],
         }
-        base = f"hang/{requester}/{n}"
-        store.put(f"{base}/{self.rank}", mine)
+        store.put(f"hang/answer/{inc.n}/{self.rank}", mine)
         dump_on_failure(self.recorder, self.rank)
-        states: dict[int, dict[str, Any]] = {}
-        deadline = time.time() + COLLECT_S
-        while True:
-            for r in set(range(self.world_size)) - set(states):
-                state = store.get(f"{base}/{r}", _state)
-                if state is not None:
-                    states[r] = state
-            if len(states) == self.world_size or time.time() >= deadline:
-                break
-            time.sleep(0.05)
-        report = build_report(self.rank, requester, stuck, states, self.world_size)
-        self.reports.append(report)
-        sys.stderr.write(report + "\n")
+        if inc.opener == self.rank:
+            text = build_report(inc, *self._collect(store, inc))
+            store.put(f"hang/report/{inc.n}", {"text": text})
+        else:
+            text = self._published(store, inc)
+        sys.stderr.write(text + "\n")
         sys.stderr.flush()
+        self.reports.append(text)
+        self.printed.append(time.time())
 
+    def _collect(
+        self, store: SignedStore, inc: Incident
+    ) -> tuple[dict[int, Answer], dict[int, Silent]]:
+        start = time.monotonic()
+        answers: dict[int, Answer] = {}
+        known: dict[int, Peer] = {}
+        while True:
+            for r in sorted(set(range(self.world_size)) - set(answers)):
+                answer = store.get(f"hang/answer/{inc.n}/{r}", _answer)
+                if answer is not None:
+                    answers[r] = answer
+            missing = sorted(set(range(self.world_size)) - set(answers))
+            waited = time.monotonic() - start
+            if not missing or waited >= MAX_COLLECT_S:
+                break
+            if waited >= COLLECT_S:
+                known.update(peers(store, [r for r in missing if r not in known]))
+                if not any(self._healthy(known.get(r)) for r in missing):
+                    break
+            self.keepalive()
+            time.sleep(POLL_S)
+        known.update(peers(store, [r for r in missing if r not in known]))
+        return answers, {r: silent_rank(r, known.get(r)) for r in missing}
 
-def build_report(
-    me: int, requester: int, stuck: Record, states: dict[int, dict[str, Any]], world_size: int
-) -> str:
-    """The hang report text from every rank's published state (pure)."""
-    waited = time.time() - stuck.start
-    records: dict[int, list[Record]] = {r: st["records"] for r, st in states.items()}
-    kind = "collective" if stuck.peer is None else "point-to-point operation"
-    lines = [
-        f"phalanx hang report (printed by rank {me}): rank {requester} has waited "
-        f"{waited:.0f} s in {stuck.where()} ({kind} #{stuck.seq} on group {stuck.group})."
-    ]
-    if stuck.peer is None:
-        behind = [
-            r
-            for r, recs in records.items()
-            if not any(x.group == stuck.group and x.seq >= stuck.seq for x in recs)
-        ]
-    else:  # the peer never posted the matching send or receive
-        behind = [r for r in records if r == stuck.peer or (stuck.peer < 0 and r != requester)]
-        lines.append(f"It waits for rank(s) {behind} to post the matching operation.")
-    silent = sorted(set(range(world_size)) - set(states))
-    if behind and stuck.peer is None:
-        lines.append(f"Rank(s) {behind} never reached it.")
-    if silent:
-        lines.append(f"Rank(s) {silent} did not answer (dead, or stuck holding the GIL).")
-    # A collective's laggard: its last collective; a P2P peer: its last operation with the waiter.
-    what = "collective" if stuck.peer is None else f"operation with rank {requester}"
-    for r in behind:
-        done = [
-            x
-            for x in records[r]
-            if x.end is not None and (x.peer is None if stuck.peer is None else x.peer == requester)
-        ]
-        last = f"{done[-1].where()} (#{done[-1].seq})" if done else "none"
-        lines.append(f"rank {r}: last completed {what}: {last}")
-        lines.append(f"rank {r} main thread stack (most recent call last):")
-        lines.extend("  " + ln.rstrip() for ln in "".join(states[r]["stack"]).splitlines())
-    div = first_divergence(records)
-    if div is not None and (div.group, div.seq) == (stuck.group, stuck.seq) and div.missing:
-        div = None  # only the stuck collective itself, already described above
-    if div is not None:
-        lines.append("First divergence: " + div.describe())
-    return "\n".join(lines)
+    @staticmethod
+    def _healthy(peer: Peer | None) -> bool:
+        """Worth waiting for: not visibly dead or stuck (or not visible from here)."""
+        if peer is None or not peer.here():
+            return True
+        return bool(peer.alive()) and peer.stuck() is None
+
+    def _published(self, store: SignedStore, inc: Incident) -> str:
+        deadline = time.monotonic() + REPORT_WAIT_S
+        while time.monotonic() < deadline:
+            text = store.get(f"hang/report/{inc.n}", _report)
+            if text is not None:
+                return text
+            self.keepalive()
+            time.sleep(POLL_S)
+        answers, silent = self._collect(store, inc)
+        return (
+            build_report(inc, answers, silent)
+            + f"\n(rank {inc.opener}, which opened this incident, published no report within "
+            f"{REPORT_WAIT_S:.1f} s; rank {self.rank} built this one from the answers it found)"
+        )

@@ -4,7 +4,8 @@ Usage: stranger.py AGENT_PORT SECONDS
 
 It does what issue 14's stranger did, and more: junk and forged failure records in the agent
 store; in the worker store (whose port it reads from the agent store), forged checkpoint-session
-answers for every session it sees, junk hang requests, a rung hang bell and junk progress. It
+answers for every session it sees, junk hang incidents, answers and reports, a forged mismatch
+finding, junk rank identities and progress. It
 writes a key that a rank will write only while the key is absent (compare-and-set), so it forges
 first and never merely overwrites: overwriting or deleting keys is a denial of service that
 phalanx does not claim to prevent. Prints the names of the keys it forged, one per line.
@@ -73,10 +74,18 @@ def _round(store: dist.TCPStore, n: int, forged: set[str]) -> None:
         if m:
             for name, value in ANSWERS.items():
                 _preempt(store, m.group(1) + name, value, forged, n)
+    answer = {"at": 0, "in_flight": None, "stack": ["forged"], "records": []}
     for r in (0, 1):
-        _preempt(store, f"phalanx/hang/req/{r}", {"n": 99, "stuck": {}}, forged, n)
-        _preempt(store, f"phalanx/hang/{r}/1/{1 - r}", {"stack": 1}, forged, n)
+        incident = {"n": r + 1, "opener": 1 - r, "at": 0.0, "stuck": {}}
+        _preempt(store, f"phalanx/hang/incident/{r + 1}", incident, forged, n)
+        _preempt(store, f"phalanx/hang/answer/1/{r}", answer, forged, n)
         _preempt(store, f"phalanx/progress/{r}", {"default_pg": [10**9, "x"]}, forged, n)
+        _preempt(
+            store, f"phalanx/who/{r}", {"host": "evil", "pid": 1, "dir": "/", "main": 0}, forged, n
+        )
+    _preempt(store, "phalanx/hang/report/1", {"text": "forged report"}, forged, n)
+    _preempt(store, "phalanx/mismatch", {"text": "forged mismatch"}, forged, n)
+    _preempt(store, "phalanx/files/token", "0123456789abcdef", forged, n)
     store.set("phalanx/hang/who", "x")  # issue 14: two writes that killed the hang thread
     store.add("phalanx/hang/count", 1)
     store.add("phalanx/hang/bell", 1)
