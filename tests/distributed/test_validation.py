@@ -20,6 +20,14 @@ def _catch(fn):  # type: ignore[no-untyped-def]
     return None, "", time.monotonic() - start
 
 
+def _extra() -> None:
+    phalanx.all_reduce(torch.ones(4))  # ranks 0 and 2 only
+
+
+def _common() -> None:
+    phalanx.all_reduce(torch.ones(4))
+
+
 def _mismatch(kind: str):  # type: ignore[no-untyped-def]
     rank = phalanx.world().rank
 
@@ -42,6 +50,12 @@ def _mismatch(kind: str):  # type: ignore[no-untyped-def]
             if rank != 1:
                 phalanx.all_reduce(torch.ones(4))  # rank 1 skips this one ...
             phalanx.barrier()  # ... and meets the others' all_reduce with a barrier
+        elif kind == "skip_same_signature":
+            phalanx.all_reduce(torch.ones(4))
+            if rank != 1:
+                _extra()  # rank 1 skips it: its next call has the same signature
+            _common()
+            _common()
 
     return _catch(body)
 
@@ -54,6 +68,10 @@ def _mismatch(kind: str):  # type: ignore[no-untyped-def]
         ("op", ["differing: op", "all_reduce", "broadcast", "skipped"]),
         ("reduce_op", ["reduce_op", "SUM", "MAX"]),
         ("skip", ["collective #2", "all_reduce", "barrier", "skipped"]),
+        (
+            "skip_same_signature",
+            ["collective #2", "rank 1 skipped all_reduce", "in _extra", "before collective #3"],
+        ),
     ],
 )
 def test_mismatch_raises_on_every_rank_within_2s(kind: str, needles: list[str]) -> None:
@@ -100,5 +118,7 @@ def test_timeout_names_the_rank_that_never_arrived(validate: bool) -> None:
     assert name == "CollectiveTimeoutError", msg
     assert "all_reduce" in msg and "collective #1" in msg
     assert "rank(s) [1] never reached it" in msg, msg
-    assert "rank 1 reported no collective yet" in msg, msg
+    assert (
+        "rank 1 has issued no collective yet" in msg or "rank 1 reported no collective yet" in msg
+    )
     assert elapsed < 6.0
