@@ -1,24 +1,28 @@
-"""Per-rank collective bookkeeping: sequence numbers, progress in the store, validation.
+"""Per-rank collective bookkeeping: sequence numbers, progress, the mismatch check, blame.
 
 Every collective issued through ``phalanx.comm.collectives`` calls :func:`enter`, which bumps a
-per-group sequence number (an integer increment on the hot path). A daemon thread publishes this
-rank's progress to the rendezvous store twice a second, so when a collective fails or times out
-:func:`failure` can name the ranks that never reached it.
+per-group sequence number, leaves a flight record (:mod:`.flight`), folds the call's signature
+into a rolling CRC (:mod:`.mismatch_check`) and writes it into this rank's call ring
+(:mod:`.call_ring`), a few microseconds in all. A daemon thread publishes this rank's progress
+(with its recent calls) to the rendezvous store twice a second, compares it with its
+neighbours', re-arms the stuck-thread dump (:mod:`.rank_files`) and watches for hangs
+(:mod:`.watchdog`). When a collective fails or times out :func:`failure` names the ranks behind,
+the rank that died with its signal and call, and the calls that differ (:mod:`.blame`).
 
-With validation on (``validate=True`` / ``PHALANX_DEBUG=1``) each rank also writes a fingerprint
-(op, reduce op, shape, dtype, root, call site) under ``fp/<group>/<seq>/<rank>`` before the
-collective and compares all of them; every rank raises the same
-:class:`~phalanx.comm.errors.CollectiveMismatchError` instead of aborting or hanging.
+With validation on (``validate=True`` / ``PHALANX_DEBUG=1``) each rank also compares a
+fingerprint of every collective with everyone's before running it (:mod:`.validation`).
+``PHALANX_MISMATCH_CHECK=0`` turns the always-on check (CRCs, call ring, comparison) off.
 
 Point-to-point operations are recorded on their own channel (group :data:`P2P`, a counter of
-their own, see :mod:`phalanx.comm.work`): they never move the collectives' sequence numbers.
+their own, see :mod:`phalanx.comm.work`): they never move the collectives' sequence numbers,
+and the mismatch check does not see them.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
-import re
+import os
 import sys
 import threading
 import time
@@ -29,11 +33,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx.comm import blame, watchdog
 from phalanx.comm import fingerprint as fpr
-from phalanx.comm import watchdog
-from phalanx.comm.errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
+from phalanx.comm.call_ring import read_calls
+from phalanx.comm.errors import CollectiveError, CollectiveMismatchError
 from phalanx.comm.flight import FlightRecorder
+from phalanx.comm.mismatch_check import Checker, neighbours, parse_progress
+from phalanx.comm.pairing import sites_compared
+from phalanx.comm.rank_files import Peer, RankFiles, open_rank_files, peers
 from phalanx.comm.signed import SignedStore
+from phalanx.comm.validation import Validator
 
 __all__ = [
     "P2P",
@@ -43,8 +52,10 @@ __all__ = [
     "failure",
     "hang_reports",
     "leave",
+    "mismatch_found",
     "recorder",
     "reset_comm_stats",
+    "set_mismatch_check",
     "shape_text",
     "start",
     "stop",
@@ -54,8 +65,6 @@ PUBLISH_INTERVAL_S = 0.5
 PUBLISH_STORE_TIMEOUT_S = 10.0
 STORE_LOST_S = 10.0
 """The progress thread stops (and says so) once the store has failed this long in a row."""
-POLL = timedelta(seconds=1)
-RETRY_S = 0.01
 P2P = "p2p"
 """The flight record's channel of point-to-point operations."""
 TRANSPORTS = ("phalanx/comm/", "torch/", "phalanx/pipeline/p2p.py", "phalanx/parameter_server/wire")
@@ -75,11 +84,21 @@ class _Tracker:
     stop_event: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
     watch: watchdog.Watchdog | None = None
+    check: Checker | None = None
+    checking: bool = False
+    """The always-on check (rolling CRCs, call ring, comparison) runs."""
+    files: RankFiles | None = None
+    validator: Validator | None = None
+    peers: dict[int, Peer] = field(default_factory=dict)
 
     def snapshot(self) -> dict[str, list[Any]]:
+        """``{group: [seq, last op]}``, plus ``[crc, window]`` while the check runs."""
         # Copies first: the main thread adds groups while the progress thread reads.
         seq, ops = dict(self.seq), dict(self.last_op)
-        return {g: [n, ops.get(g, "?")] for g, n in seq.items()}
+        snap: dict[str, list[Any]] = {g: [n, ops.get(g, "?")] for g, n in seq.items()}
+        if self.check is not None and self.checking:
+            self.check.extend(snap, _RECORDER)
+        return snap
 
 
 _T: _Tracker | None = None
@@ -110,12 +129,36 @@ def hang_reports() -> list[str]:
     return [] if _T is None or _T.watch is None else list(_T.watch.reports)
 
 
+def mismatch_found() -> str | None:
+    """The always-on check's finding on this rank (raised at its next collective), if any."""
+    return None if _T is None or _T.check is None else _T.check.found
+
+
+def set_mismatch_check(on: bool) -> None:
+    """Turn the always-on check on or off (for A/B benchmarks).
+
+    Call it on every rank at the same point of the program: the ranks' rolling CRCs must
+    cover the same calls.
+    """
+    if _T is not None and _T.check is not None:
+        _T.checking = bool(on)
+
+
+def _compare(t: _Tracker, store: SignedStore, snap: dict[str, list[Any]]) -> None:
+    if t.check is not None and t.checking:
+        groups = [r for r in list(_RANKS.values()) if t.rank in r]
+        t.check.tick(store, snap, neighbours(t.rank, groups), _progress)
+
+
 def _publish(
     t: _Tracker, store: SignedStore, last: dict[str, list[Any]] | None
 ) -> dict[str, list[Any]]:
+    if t.files is not None:
+        t.files.rearm()
     snap = t.snapshot()
     if snap != last:
         store.put(f"progress/{t.rank}", snap)
+    _compare(t, store, snap)
     if t.watch is not None:
         t.watch.tick(store)
     return snap
@@ -147,6 +190,13 @@ def _publisher(t: _Tracker, store: SignedStore) -> None:
                 log.exception("rank %d: the progress thread hit an error; it goes on", t.rank)
 
 
+def _check_enabled() -> bool:
+    raw = os.environ.get("PHALANX_MISMATCH_CHECK", "1").strip().lower()
+    if raw not in ("0", "1", "false", "true", "off", "on"):
+        raise ValueError(f"PHALANX_MISMATCH_CHECK={raw!r} must be 0 or 1")
+    return raw in ("1", "true", "on")
+
+
 def start(
     store: SignedStore | None, rank: int, world_size: int, validate: bool, timeout: timedelta
 ) -> None:
@@ -156,13 +206,19 @@ def start(
     if store is None:
         return
     t = _Tracker(store.sub("phalanx/"), rank, world_size, validate, timeout.total_seconds())
+    if validate:
+        t.validator = Validator(t.store, rank, t.timeout_s)
     if world_size > 1:
+        t.check = Checker(rank, sites_compared())
+        t.checking = _check_enabled()
+        t.files = open_rank_files(t.store, rank)
         raw = store.store.clone()  # type: ignore[attr-defined]
         # Bounded store calls let stop() always join the thread: a daemon thread still inside a
         # store call when the interpreter finalises dies in C++ (std::terminate, SIGABRT).
         raw.set_timeout(timedelta(seconds=PUBLISH_STORE_TIMEOUT_S))
         clone = store.over(raw).sub("phalanx/")
-        t.watch = watchdog.Watchdog(_RECORDER, rank, world_size)
+        keepalive = t.files.rearm if t.files is not None else lambda: None
+        t.watch = watchdog.Watchdog(_RECORDER, rank, world_size, keepalive)
         t.thread = threading.Thread(
             target=_publisher, args=(t, clone), name="phalanx-progress", daemon=True
         )
@@ -175,12 +231,15 @@ def start(
 
 
 def stop() -> None:
-    """Stop the progress thread; collectives are no longer tracked."""
+    """Stop the progress thread; collectives are no longer tracked; this rank's files go."""
     global _T
-    if _T is not None:
-        _T.stop_event.set()
-        if _T.thread is not None:
-            _T.thread.join(timeout=PUBLISH_STORE_TIMEOUT_S + 5)
+    t = _T
+    if t is not None:
+        t.stop_event.set()
+        if t.thread is not None:
+            t.thread.join(timeout=PUBLISH_STORE_TIMEOUT_S + 5)
+        if t.files is not None:
+            t.files.close()
     _T = None
     _RANKS.clear()
     _RECORDER.forget_in_flight()  # a group re-made later must not inherit stale waits
@@ -203,7 +262,11 @@ def enter(
     root: int | None = None,
     compare_shape: bool = True,
 ) -> int:
-    """Record that this rank reached collective ``op``; validate it if enabled. Returns its seq."""
+    """Record that this rank reached collective ``op``; check it. Returns its seq.
+
+    Raises:
+        CollectiveMismatchError: the always-on check found that the ranks' calls differ.
+    """
     _CALLS[op] = _CALLS.get(op, 0) + 1
     if tensor is not None:
         _BYTES[op] = _BYTES.get(op, 0) + tensor.numel() * tensor.element_size()
@@ -213,21 +276,37 @@ def enter(
     name, ranks = _group_ranks(group)
     if t.rank not in ranks:
         return -1
+    check = t.check if t.checking else None
+    if check is not None and check.found is not None:
+        raise CollectiveMismatchError(check.found)
     seq = t.seq.get(name, 0) + 1
     t.seq[name] = seq
     t.last_op[name] = op
     site = call_site()
-    _RECORDER.start(name, seq, op, shape_text(tensor), site)
-    if t.validate:
+    shape = "-"
+    if tensor is not None:
+        dims = list(tensor.shape) if compare_shape else "[*]"
+        shape = f"{dims} {str(tensor.dtype).removeprefix('torch.')}"
+    args = fpr.args_text(reduce_op, root)
+    rec = _RECORDER.start(name, seq, op, shape, site, args=args)
+    if check is not None:
+        check.note(name, seq, op, shape, args)
+        if t.files is not None:
+            t.files.ring.write(rec)
+    if t.validator is not None:
         fp = fpr.make(op, name, seq, tensor, reduce_op, root, compare_shape, site)
-        _validate(t, name, ranks, seq, fp)
+        t.validator.check(name, ranks, seq, fp, lambda missing: _progress_of(t, name, missing))
     return seq
 
 
 def leave(group: dist.ProcessGroup | None, seq: int) -> None:
     """Record that collective ``seq`` (from :func:`enter`) completed on this rank."""
-    if seq >= 0 and _T is not None:
-        _RECORDER.finish(_group_ranks(group)[0], seq)
+    t = _T
+    if seq >= 0 and t is not None:
+        name = _group_ranks(group)[0]
+        _RECORDER.finish(name, seq)
+        if t.files is not None and t.checking:
+            t.files.ring.done(name, seq, time.time())
 
 
 def recorder() -> FlightRecorder | None:
@@ -253,64 +332,7 @@ def call_site() -> str:
     return "?"
 
 
-def _validate(t: _Tracker, name: str, ranks: list[int], seq: int, fp: dict[str, Any]) -> None:
-    def key(s: int, r: int) -> str:
-        return f"fp/{name}/{s}/{r}"
-
-    t.store.put(key(seq, t.rank), fp)
-    keys = [key(seq, r) for r in ranks]
-    start = time.monotonic()
-    while True:
-        try:
-            t.store.wait_exists(keys, POLL)
-            present = dict(zip(ranks, keys))
-        except RuntimeError:  # not every rank has published yet (DistStoreError: timeout)
-            present = {r: k for r, k in zip(ranks, keys) if t.store.exists([k])}
-        seen = _load(t, present)
-        if fpr.mismatch(seen):
-            raise CollectiveMismatchError(fpr.mismatch_message(t.rank, name, seq, seen))
-        if len(seen) == len(ranks):
-            break
-        waited = time.monotonic() - start
-        if waited >= t.timeout_s:
-            missing = [r for r in ranks if r not in seen]
-            raise CollectiveTimeoutError(_timeout_message(t, fp, missing, waited))
-        time.sleep(RETRY_S)  # a forged value sits where a rank's will be: read again
-    if seq > 1:  # everyone has read seq-1 once all of seq is published
-        t.store.delete(key(seq - 1, t.rank))
-
-
-def _fingerprint(value: Any) -> dict[str, Any]:
-    if not isinstance(value, dict) or not isinstance(value.get("seq"), int):
-        raise TypeError("a fingerprint is an object with an integer seq")
-    return value
-
-
-def _load(t: _Tracker, keys: dict[int, str]) -> dict[int, dict[str, Any]]:
-    """The valid fingerprints at ``keys`` (which exist); forged ones are left out."""
-    if not keys:
-        return {}
-    values = t.store.get_present(list(keys.values()), _fingerprint)
-    return {r: v for r, v in zip(keys, values) if v is not None}
-
-
-def _timeout_message(t: _Tracker, fp: dict[str, Any], missing: list[int], waited: float) -> str:
-    return (
-        f"[rank {t.rank}] {fpr.describe(fp)} (collective #{fp['seq']} on group "
-        f"{fp['group']}) timed out after {waited:.0f} s: rank(s) {missing} never reached it. "
-        f"{_progress_of(t, fp['group'], missing)}Check those ranks' logs: they may have crashed, "
-        f"hang in other code, or skipped this collective."
-    )
-
-
-def _progress(value: Any) -> dict[str, list[Any]]:
-    """A published snapshot: ``{group: [seq, last op]}``."""
-    if not isinstance(value, dict):
-        raise TypeError("a progress snapshot is an object")
-    for entry in value.values():
-        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], int)):
-            raise TypeError(f"a progress entry is [seq, op], got {entry!r}")
-    return value
+_progress = parse_progress
 
 
 def _entered(t: _Tracker, rank: int) -> dict[str, list[Any]]:
@@ -332,36 +354,49 @@ def _progress_of(t: _Tracker, name: str, ranks: list[int]) -> str:
 
 
 def failure(op: str, seq: int, group: dist.ProcessGroup | None, exc: BaseException) -> Exception:
-    """Turn a backend error from collective ``op`` #``seq`` into an error naming the laggards."""
+    """Turn a backend error from collective ``op`` #``seq`` into an error with the right blame.
+
+    It names the always-on check's finding, the ranks that never reached the collective, a
+    rank that died (its signal, the call it was in, its stack) and the calls that differ.
+    """
     t = _T
     if t is None or seq < 0:
         return CollectiveError(f"{op} failed: {exc}")
     name, ranks = _group_ranks(group)
-    behind = _ranks_behind(t, name, ranks, seq)
     watchdog.dump_on_failure(_RECORDER, t.rank)
-    text = _backend_text(exc)
-    timed_out = "timeout" in text.lower() or "timed out" in text.lower()
-    kind = CollectiveTimeoutError if timed_out else CollectiveError
-    where = f"[rank {t.rank}] {op} (collective #{seq} on group {name})"
-    if behind:
-        detail = f"rank(s) {behind} never reached it. {_progress_of(t, name, behind)}"
-    else:
-        detail = "every rank had reached it (a peer may have died during it). "
-    verb = "timed out" if timed_out else "failed"
-    return kind(f"{where} {verb}: {detail}Backend said: {text}")
+    text = blame.backend_text(exc)
+    found = _finding(t)
+    account = _account(t, name, ranks, seq, not blame.timed_out(text), found is not None)
+    return blame.error(t.rank, op, seq, name, text, found, account)
 
 
-def _backend_text(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    if not lines:
-        return type(exc).__name__
-    # gloo prefixes its source location: "[/path/to/unbound_buffer.cc:78] Timed out ..."
-    return re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", lines[0])
+def _finding(t: _Tracker) -> str | None:
+    """The always-on check's finding, from this rank or any other (read now)."""
+    check = t.check
+    if check is None or not t.checking:
+        return None
+    if check.found is None:
+        try:
+            check.poll(t.store)
+        except Exception:
+            return None
+    return None if check.found is None else check.finding
 
 
-def _ranks_behind(t: _Tracker, name: str, ranks: list[int], seq: int) -> list[int]:
+def _account(
+    t: _Tracker, name: str, ranks: list[int], seq: int, wait: bool, found: bool
+) -> blame.Account | None:
     try:
         t.store.put(f"progress/{t.rank}", t.snapshot())
-        return [r for r in ranks if _entered(t, r).get(name, [0])[0] < seq]
+        others = [r for r in ranks if r != t.rank]
+        missing = [r for r in others if r not in t.peers]
+        t.peers.update(peers(t.store, missing))
+        known: dict[int, Peer | None] = {r: t.peers.get(r) for r in others}
+        mine = _RECORDER.tail(name, 64)
+        if t.files is not None and t.checking:
+            mine = read_calls(t.files.ring.path) or mine
+        entered = lambda r: _entered(t, r)  # noqa: E731
+        return blame.explain(t.rank, known, name, seq, mine, entered, wait, found)
     except Exception:
-        return []
+        log.exception("rank %d: could not gather the evidence of a failed collective", t.rank)
+        return None
