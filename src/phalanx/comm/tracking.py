@@ -211,7 +211,10 @@ def start(
     if world_size > 1:
         t.check = Checker(rank, sites_compared())
         t.checking = _check_enabled()
-        t.files = open_rank_files(t.store, rank)
+        try:
+            t.files = open_rank_files(t.store, rank)
+        except (dist.DistError, OSError) as exc:  # diagnostics must never stop a job starting
+            log.warning("rank %d: no per-rank files (store: %s)", rank, exc)
         raw = store.store.clone()  # type: ignore[attr-defined]
         # Bounded store calls let stop() always join the thread: a daemon thread still inside a
         # store call when the interpreter finalises dies in C++ (std::terminate, SIGABRT).

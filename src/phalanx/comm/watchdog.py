@@ -100,6 +100,10 @@ def silent_rank(rank: int, peer: Peer | None) -> Silent:
     if peer is None:
         return Silent([f"rank {rank} did not answer and never published where it runs."])
     who = f"rank {rank} (host {peer.host}, pid {peer.pid})"
+    if not peer.dir:
+        return Silent(
+            [f"{who} did not answer (dead, or stuck holding the GIL); it has no rank files."]
+        )
     if not peer.here():
         return Silent(
             [
