@@ -12,7 +12,9 @@ Two gloo ranks (``phalanx.testing.run_distributed``). Cases:
 Short blocks of steps alternate on / off in pairs (ABBA..., ``tracking.set_mismatch_check``,
 switched at the same point on both ranks); each step is timed on the slowest rank. The overhead
 is the median over pairs of (on block median / off block median) - 1, with its interquartile
-range: pairs adjacent in time cancel the drift of a shared machine's load. The progress thread's
+range: pairs adjacent in time cancel the drift of a shared machine's load. The same for the CPU
+time of both ranks' processes (all threads) per block, which neighbours disturb less than wall
+time. The progress thread's
 background work (publishing its windows, comparing with a neighbour every 0.5 s) is measured on
 its own CPU clock, per second of wall time, in each setting. In one process it also times
 ``tracking.enter`` + ``leave`` (the per-collective hot path) both ways. Last line:
@@ -85,26 +87,37 @@ def _thread_cpu() -> float:
     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
 
+def _job_cpu(seconds: float) -> float:
+    """CPU seconds of every rank's process (all threads) together."""
+    import phalanx
+
+    total = torch.tensor([seconds], dtype=torch.float64)
+    phalanx.all_reduce(total)
+    return float(total)
+
+
 def _case(step: Any, pairs: int, per_block: int) -> dict[str, list[float]]:
     """``pairs`` on/off pairs of blocks (ABBA order) of ``per_block`` timed steps each."""
     from phalanx.comm import tracking
 
-    times: dict[str, list[float]] = {"on": [], "off": [], "ratio": []}
+    times: dict[str, list[float]] = {"on": [], "off": [], "ratio": [], "cpu_ratio": []}
     cpu = {"on": [0.0, 0.0], "off": [0.0, 0.0]}
     for _ in range(per_block):  # warm-up
         step()
     for p in range(pairs):
-        block = {}
+        block, used = {}, {}
         for on in (True, False) if p % 2 == 0 else (False, True):
             key = "on" if on else "off"
             tracking.set_mismatch_check(on)
-            cpu0, wall0 = _thread_cpu(), time.perf_counter()
+            cpu0, wall0, proc0 = _thread_cpu(), time.perf_counter(), time.process_time()
             steps = [_timed(step) for _ in range(per_block)]
+            used[key] = _job_cpu(time.process_time() - proc0)
             cpu[key][0] += _thread_cpu() - cpu0
             cpu[key][1] += time.perf_counter() - wall0
             times[key].extend(steps)
             block[key] = statistics.median(steps)
         times["ratio"].append(block["on"] / block["off"])
+        times["cpu_ratio"].append(used["on"] / used["off"])
     tracking.set_mismatch_check(True)
     times["cpu_ms_per_s"] = [1e3 * cpu[k][0] / cpu[k][1] for k in ("off", "on")]
     return times
@@ -151,8 +164,13 @@ def _hot_path(n: int) -> dict[str, float]:
 def _summary(runs: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, float]]:
     out = {}
     for case, t in runs.items():
-        ratios = sorted(t["ratio"])
+        ratios, cpu = sorted(t["ratio"]), sorted(t["cpu_ratio"])
         out[case] = {
+            "cpu_overhead_pct": 100 * (statistics.median(cpu) - 1),
+            "cpu_overhead_iqr_pct": [
+                100 * (cpu[len(cpu) // 4] - 1),
+                100 * (cpu[(3 * len(cpu)) // 4] - 1),
+            ],
             "steps_each": len(t["on"]),
             "off_p50_ms": 1e3 * statistics.median(t["off"]),
             "on_p50_ms": 1e3 * statistics.median(t["on"]),
@@ -178,14 +196,16 @@ def main(argv: list[str]) -> int:
     summary = _summary(runs)
     hot = _hot_path(20_000 if args.quick else 200_000)
     sys.stdout.write(
-        f"{'case':<18}{'steps':>7}{'off p50':>10}{'on p50':>10}{'on/off -1 (IQR)':>24}"
-        f"{'thread ms/s off/on':>20}\n"
+        f"{'case':<18}{'steps':>7}{'off p50':>10}{'on p50':>10}{'wall on/off-1 (IQR)':>26}"
+        f"{'CPU on/off-1 (IQR)':>26}{'thread ms/s off/on':>20}\n"
     )
     for case, s in summary.items():
         lo, hi = s["overhead_iqr_pct"]
+        clo, chi = s["cpu_overhead_iqr_pct"]
         sys.stdout.write(
             f"{case:<18}{s['steps_each']:>7}{s['off_p50_ms']:>10.3f}{s['on_p50_ms']:>10.3f}"
-            f"{s['overhead_pct']:>+9.2f}% ({lo:+.1f}..{hi:+.1f}%)"
+            f"{s['overhead_pct']:>+11.2f}% ({lo:+.1f}..{hi:+.1f}%)"
+            f"{s['cpu_overhead_pct']:>+11.2f}% ({clo:+.1f}..{chi:+.1f}%)"
             f"{s['thread_cpu_ms_per_s_off']:>12.2f}/{s['thread_cpu_ms_per_s_on']:.2f}\n"
         )
     sys.stdout.write(

@@ -36,9 +36,9 @@ def test_a_skipped_call_shows_as_a_shift_to_the_next_call() -> None:
     div = first_divergence({0: a, 1: b})
     assert div is not None and div.seq == 2 and div.skipped and div.ahead == (1,)
     text = div.describe()
-    assert "rank 0 issued all_reduce [2] float32 at t.py:9 in log" in text
-    assert "rank 1 issued all_reduce [2] float32 at t.py:1 in f" in text
-    assert "rank 1 skipped all_reduce [2] float32 at t.py:9 in log" in text
+    assert "rank(s) [0] issued all_reduce [2] float32 at t.py:9 in log" in text
+    assert "rank(s) [1] issued all_reduce [2] float32 at t.py:1 in f" in text
+    assert "rank(s) [1] skipped all_reduce [2] float32 at t.py:9 in log" in text
 
 
 def test_a_rank_at_an_earlier_step_has_not_diverged() -> None:

@@ -25,7 +25,7 @@ def test_differing_signatures_are_wrong_at_their_position() -> None:
     calls[1][2] = _c(2, "b", args="MAX")
     div = first_mismatch(calls, "0")
     assert div is not None and div.seq == 2 and not div.skipped
-    assert "does not match across ranks" in div.describe()
+    assert "collective #2 on group 0 diverges: rank(s) [0] issued" in div.describe()
     assert "(differing: reduce op/root)" in div.describe()
 
 
@@ -43,7 +43,7 @@ def test_each_field_is_named(field: str, named: str) -> None:
 def test_a_rank_one_call_ahead_skipped_one() -> None:
     div = first_mismatch(_calls(["a", "extra", "b", "c"], ["a", "b", "c"]), "0")
     assert div is not None and div.seq == 2 and div.skipped and div.ahead == (1,)
-    assert "rank 1 skipped all_reduce [4] float32 SUM at extra" in div.describe()
+    assert "rank(s) [1] skipped all_reduce [4] float32 SUM at extra" in div.describe()
     assert "The results of #2 are wrong" in div.describe()
 
 
@@ -81,7 +81,7 @@ def test_sites_off_ignores_skips_not_signatures(monkeypatch: pytest.MonkeyPatch)
 def test_three_ranks_two_behind() -> None:
     div = first_mismatch(_calls(["a", "x", "b"], ["a", "b", "c"], ["a", "x", "b"]), "0")
     assert div is not None and div.ahead == (1,) and sorted(div.following) == [0, 2]
-    assert "ranks [0, 2] issued all_reduce [4] float32 SUM at x" in div.describe()
+    assert "rank(s) [0, 2] issued all_reduce [4] float32 SUM at x" in div.describe()
 
 
 def test_fingerprints_pair_by_the_same_rule() -> None:

@@ -50,7 +50,7 @@ def _differing(calls: list[Record]) -> list[str]:
 
 
 def _ranks(ranks: list[int] | tuple[int, ...]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {list(ranks)}"
+    return f"rank(s) {list(ranks)}"
 
 
 @dataclass(frozen=True)
@@ -80,15 +80,15 @@ class Divergence:
 
     def describe(self) -> str:
         """Which ranks did what, with call sites, and what follows for the results."""
-        head = f"collective #{self.seq} on group {self.group}"
+        head = f"collective #{self.seq} on group {self.group} diverges"
         calls = "; ".join(f"{_ranks(r)} issued {w}" for w, r in self.by_call().items())
         if not self.skipped:
             fields = ", ".join(_differing(list(self.issued.values())))
-            return f"{head} does not match across ranks: {calls} (differing: {fields})"
+            return f"{head}: {calls} (differing: {fields})"
         behind = sorted(self.following)
         skipped = self.issued[behind[0]].where()
         return (
-            f"{head} paired different calls: {calls}. {_ranks(self.ahead)} issued there what "
+            f"{head}: {calls}. {_ranks(self.ahead)} issued there what "
             f"{_ranks(behind)} issued next (#{self.seq + 1}): {_ranks(self.ahead)} skipped "
             f"{skipped}, or {_ranks(behind)} made an extra call. The results of #{self.seq} "
             f"are wrong"
