@@ -137,13 +137,7 @@ def explain(
         wait: Wait up to ``EVIDENCE_S`` for a peer on this host to be seen dead.
         known: The mismatch is already stated (by the always-on check): do not repeat it.
     """
-    deadline = time.monotonic() + (EVIDENCE_S if wait else 0.0)
-    local = any(p is not None and p.here() for p in peers.values())
-    while True:
-        states = [peer_state(r, p, group, seq, snapshot) for r, p in sorted(peers.items())]
-        if not local or any(s.dead for s in states) or time.monotonic() >= deadline:
-            break
-        time.sleep(POLL_S)
+    states = _observe(peers, group, seq, snapshot, EVIDENCE_S if wait else 0.0)
     div = _mismatch(me, states, group, mine)
     behind = [s.rank for s in states if s.reached is False]
     lines = [] if div is None or known else [div.describe() + "."]
@@ -158,6 +152,23 @@ def explain(
             stacks.append(f"rank {s.rank} main thread at the signal (most recent call first):")
             stacks.extend("  " + ln for ln in _user_frames(s.stack))
     return Account(" ".join(lines), stacks, div)
+
+
+def _observe(
+    peers: dict[int, Peer | None], group: str, seq: int, snapshot: Snapshot, wait_s: float
+) -> list[PeerState]:
+    """The peers' states, looked at again until one on this host is dead or ``wait_s`` passed.
+
+    A peer that gloo aborted closes its sockets as it dies: the survivor's error can come a
+    moment before the process is gone, so a dying peer still looks alive at first.
+    """
+    deadline = time.monotonic() + wait_s
+    local = any(p is not None and p.here() for p in peers.values())
+    while True:
+        states = [peer_state(r, p, group, seq, snapshot) for r, p in sorted(peers.items())]
+        if not local or any(s.dead for s in states) or time.monotonic() >= deadline:
+            return states
+        time.sleep(POLL_S)
 
 
 def _user_frames(stack: list[str], keep: int = 8) -> list[str]:

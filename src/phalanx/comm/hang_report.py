@@ -14,6 +14,8 @@ from phalanx.comm.flight import Record, first_divergence
 __all__ = ["Answer", "Incident", "Silent", "build_report"]
 
 MAX_STACKS = 8
+ALSO_S = 1.0
+"""Another rank's wait is listed once it is this long (shorter ones are ordinary traffic)."""
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,7 @@ def build_report(inc: Incident, answers: dict[int, Answer], silent: dict[int, Si
     also = [
         _waiting(r, a.in_flight, a.at)
         for r, a in sorted(answers.items())
-        if r != inc.opener and a.in_flight is not None and a.in_flight.seq > 0
+        if r != inc.opener and a.in_flight is not None and a.at - a.in_flight.start >= ALSO_S
     ]
     if also:
         lines.append("Also waiting: " + "; ".join(also) + ".")

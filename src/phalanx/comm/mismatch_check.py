@@ -220,8 +220,9 @@ class Checker:
             text = store.first("mismatch", {"text": text}, _finding)["text"]
         self.finding = text
         self.found = (
-            f"[rank {self.rank}] {text}. This rank raises at its next collective; a collective "
-            f"it is stuck in fails with this error when the backend gives up."
+            f"[rank {self.rank}] {text}. Found after the fact: from that collective on, results "
+            f"are wrong or never come. This rank raises at its next collective; a collective it "
+            f"is stuck in fails with this error when the backend gives up."
         )
         log.error("%s", self.found)
 

@@ -28,6 +28,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import torch
@@ -147,7 +148,7 @@ def set_mismatch_check(on: bool) -> None:
 def _compare(t: _Tracker, store: SignedStore, snap: dict[str, list[Any]]) -> None:
     if t.check is not None and t.checking:
         groups = [r for r in list(_RANKS.values()) if t.rank in r]
-        t.check.tick(store, snap, neighbours(t.rank, groups), _progress)
+        t.check.tick(store, snap, neighbours(t.rank, groups), parse_progress)
 
 
 def _publish(
@@ -286,10 +287,7 @@ def enter(
     t.seq[name] = seq
     t.last_op[name] = op
     site = call_site()
-    shape = "-"
-    if tensor is not None:
-        dims = list(tensor.shape) if compare_shape else "[*]"
-        shape = f"{dims} {str(tensor.dtype).removeprefix('torch.')}"
+    shape = _shape(tensor, compare_shape)
     args = fpr.args_text(reduce_op, root)
     rec = _RECORDER.start(name, seq, op, shape, site, args=args)
     if check is not None:
@@ -298,8 +296,16 @@ def enter(
             t.files.ring.write(rec)
     if t.validator is not None:
         fp = fpr.make(op, name, seq, tensor, reduce_op, root, compare_shape, site)
-        t.validator.check(name, ranks, seq, fp, lambda missing: _progress_of(t, name, missing))
+        t.validator.check(name, ranks, seq, fp)
     return seq
+
+
+def _shape(tensor: torch.Tensor | None, compare_shape: bool) -> str:
+    """``[4, 2] float32``; ``[*] float32`` where ranks may pass different shapes; ``-``."""
+    if tensor is None:
+        return "-"
+    dims = list(tensor.shape) if compare_shape else "[*]"
+    return f"{dims} {str(tensor.dtype).removeprefix('torch.')}"
 
 
 def leave(group: dist.ProcessGroup | None, seq: int) -> None:
@@ -335,25 +341,8 @@ def call_site() -> str:
     return "?"
 
 
-_progress = parse_progress
-
-
 def _entered(t: _Tracker, rank: int) -> dict[str, list[Any]]:
-    return t.store.get(f"progress/{rank}", _progress) or {}
-
-
-def _progress_of(t: _Tracker, name: str, ranks: list[int]) -> str:
-    parts = []
-    for r in ranks:
-        try:
-            seen = _entered(t, r)
-        except Exception:
-            return ""
-        if name not in seen:
-            parts.append(f"rank {r} reported no collective yet")
-        else:
-            parts.append(f"rank {r} last entered #{seen[name][0]} ({seen[name][1]})")
-    return "; ".join(parts) + ". " if parts else ""
+    return t.store.get(f"progress/{rank}", parse_progress) or {}
 
 
 def failure(op: str, seq: int, group: dist.ProcessGroup | None, exc: BaseException) -> Exception:
@@ -398,8 +387,7 @@ def _account(
         mine = _RECORDER.tail(name, 64)
         if t.files is not None and t.checking:
             mine = read_calls(t.files.ring.path) or mine
-        entered = lambda r: _entered(t, r)  # noqa: E731
-        return blame.explain(t.rank, known, name, seq, mine, entered, wait, found)
+        return blame.explain(t.rank, known, name, seq, mine, partial(_entered, t), wait, found)
     except Exception:
         log.exception("rank %d: could not gather the evidence of a failed collective", t.rank)
         return None

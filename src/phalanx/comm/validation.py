@@ -14,12 +14,12 @@ wrongly paired one are already wrong. Differing sites that do not shift (the see
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 from phalanx.comm import fingerprint as fpr
 from phalanx.comm.errors import CollectiveMismatchError, CollectiveTimeoutError
+from phalanx.comm.mismatch_check import parse_progress
 from phalanx.comm.pairing import first_mismatch, sites_compared
 from phalanx.comm.signed import SignedStore
 
@@ -43,19 +43,8 @@ class Validator:
         self.sites = sites_compared()
         self._prev: dict[str, dict[int, dict[str, Any]]] = {}
 
-    def check(
-        self,
-        name: str,
-        ranks: list[int],
-        seq: int,
-        fp: dict[str, Any],
-        progress: Callable[[list[int]], str],
-    ) -> None:
-        """Publish ``fp`` and wait for every rank's; raise on a mismatch or a skip.
-
-        Args:
-            progress: Describes where the given ranks are (for the timeout error).
-        """
+    def check(self, name: str, ranks: list[int], seq: int, fp: dict[str, Any]) -> None:
+        """Publish ``fp`` and wait for every rank's; raise on a mismatch or a skip."""
         keys = [self._key(name, seq, r) for r in ranks]
         self.store.put(keys[ranks.index(self.rank)], fp)
         start = time.monotonic()
@@ -73,7 +62,8 @@ class Validator:
             waited = time.monotonic() - start
             if waited >= self.timeout_s:
                 missing = [r for r in ranks if r not in seen]
-                raise CollectiveTimeoutError(_timeout(self.rank, fp, missing, waited, progress))
+                where = self._progress_of(name, missing)
+                raise CollectiveTimeoutError(_timeout(self.rank, fp, missing, waited, where))
             time.sleep(RETRY_S)  # a forged value sits where a rank's will be: read again
         skip = self._skip(name, seq, seen)
         if skip is not None:
@@ -92,6 +82,20 @@ class Validator:
             return {}
         values = self.store.get_present(list(keys.values()), _fingerprint)
         return {r: v for r, v in zip(keys, values) if v is not None}
+
+    def _progress_of(self, name: str, ranks: list[int]) -> str:
+        """Where ``ranks`` are, from their last progress snapshots."""
+        parts = []
+        for r in ranks:
+            try:
+                seen = self.store.get(f"progress/{r}", parse_progress) or {}
+            except Exception:
+                return ""
+            if name not in seen:
+                parts.append(f"rank {r} reported no collective yet")
+            else:
+                parts.append(f"rank {r} last entered #{seen[name][0]} ({seen[name][1]})")
+        return "; ".join(parts) + ". " if parts else ""
 
     def _skip(self, name: str, seq: int, seen: dict[int, dict[str, Any]]) -> str | None:
         prev = self._prev.get(name, {})
@@ -116,16 +120,10 @@ class Validator:
         return skip if skip is not None else fpr.mismatch_message(self.rank, name, seq, seen)
 
 
-def _timeout(
-    rank: int,
-    fp: dict[str, Any],
-    missing: list[int],
-    waited: float,
-    progress: Callable[[list[int]], str],
-) -> str:
+def _timeout(rank: int, fp: dict[str, Any], missing: list[int], waited: float, where: str) -> str:
     return (
         f"[rank {rank}] {fpr.describe(fp)} (collective #{fp['seq']} on group "
         f"{fp['group']}) timed out after {waited:.0f} s: rank(s) {missing} never reached it. "
-        f"{progress(missing)}Check those ranks' logs: they may have crashed, "
+        f"{where}Check those ranks' logs: they may have crashed, "
         f"hang in other code, or skipped this collective."
     )
