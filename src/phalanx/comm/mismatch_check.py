@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 import zlib
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -36,7 +37,15 @@ from phalanx.comm.flight import FlightRecorder, Record
 from phalanx.comm.pairing import Divergence, first_mismatch
 from phalanx.comm.signed import SignedStore
 
-__all__ = ["Checker", "Comparison", "compare", "neighbours", "parse_progress", "window_from"]
+__all__ = [
+    "Checker",
+    "Comparison",
+    "check_enabled",
+    "compare",
+    "neighbours",
+    "parse_progress",
+    "window_from",
+]
 
 WINDOW = 32
 HISTORY = 4096
@@ -57,6 +66,14 @@ def window_from(entries: Any) -> dict[int, tuple[int, Record]]:
             seq, crc, op, shape, args, site = e
             out[seq] = (crc, Record("", seq, str(op), str(shape), str(site), 0.0, args=str(args)))
     return out
+
+
+def check_enabled() -> bool:
+    """``PHALANX_MISMATCH_CHECK`` (default 1); a malformed value is named."""
+    raw = os.environ.get("PHALANX_MISMATCH_CHECK", "1").strip().lower()
+    if raw not in ("0", "1", "false", "true", "off", "on"):
+        raise ValueError(f"PHALANX_MISMATCH_CHECK={raw!r} must be 0 or 1")
+    return raw in ("1", "true", "on")
 
 
 def parse_progress(value: Any) -> dict[str, list[Any]]:

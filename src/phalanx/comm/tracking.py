@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import sys
 import threading
 import time
@@ -39,7 +38,7 @@ from phalanx.comm import fingerprint as fpr
 from phalanx.comm.call_ring import read_calls
 from phalanx.comm.errors import CollectiveError, CollectiveMismatchError
 from phalanx.comm.flight import FlightRecorder
-from phalanx.comm.mismatch_check import Checker, neighbours, parse_progress
+from phalanx.comm.mismatch_check import Checker, check_enabled, neighbours, parse_progress
 from phalanx.comm.pairing import sites_compared
 from phalanx.comm.rank_files import Peer, RankFiles, open_rank_files, peers
 from phalanx.comm.signed import SignedStore
@@ -191,13 +190,6 @@ def _publisher(t: _Tracker, store: SignedStore) -> None:
                 log.exception("rank %d: the progress thread hit an error; it goes on", t.rank)
 
 
-def _check_enabled() -> bool:
-    raw = os.environ.get("PHALANX_MISMATCH_CHECK", "1").strip().lower()
-    if raw not in ("0", "1", "false", "true", "off", "on"):
-        raise ValueError(f"PHALANX_MISMATCH_CHECK={raw!r} must be 0 or 1")
-    return raw in ("1", "true", "on")
-
-
 def start(
     store: SignedStore | None, rank: int, world_size: int, validate: bool, timeout: timedelta
 ) -> None:
@@ -211,7 +203,7 @@ def start(
         t.validator = Validator(t.store, rank, t.timeout_s)
     if world_size > 1:
         t.check = Checker(rank, sites_compared())
-        t.checking = _check_enabled()
+        t.checking = check_enabled()
         try:
             t.files = open_rank_files(t.store, rank)
         except (dist.DistError, OSError) as exc:  # diagnostics must never stop a job starting
@@ -287,7 +279,7 @@ def enter(
     t.seq[name] = seq
     t.last_op[name] = op
     site = call_site()
-    shape = _shape(tensor, compare_shape)
+    shape = shape_text(tensor, compare_shape)
     args = fpr.args_text(reduce_op, root)
     rec = _RECORDER.start(name, seq, op, shape, site, args=args)
     if check is not None:
@@ -298,14 +290,6 @@ def enter(
         fp = fpr.make(op, name, seq, tensor, reduce_op, root, compare_shape, site)
         t.validator.check(name, ranks, seq, fp)
     return seq
-
-
-def _shape(tensor: torch.Tensor | None, compare_shape: bool) -> str:
-    """``[4, 2] float32``; ``[*] float32`` where ranks may pass different shapes; ``-``."""
-    if tensor is None:
-        return "-"
-    dims = list(tensor.shape) if compare_shape else "[*]"
-    return f"{dims} {str(tensor.dtype).removeprefix('torch.')}"
 
 
 def leave(group: dist.ProcessGroup | None, seq: int) -> None:
@@ -323,11 +307,13 @@ def recorder() -> FlightRecorder | None:
     return None if _T is None else _RECORDER
 
 
-def shape_text(tensor: torch.Tensor | None) -> str:
-    """``[4, 2] float32`` (``-`` for no tensor), as records show a tensor."""
+def shape_text(tensor: torch.Tensor | None, compare_shape: bool = True) -> str:
+    """``[4, 2] float32`` as records show a tensor; ``[*] float32`` where ranks may pass
+    different shapes (``compare_shape=False``); ``-`` for no tensor."""
     if tensor is None:
         return "-"
-    return f"{list(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
+    dims = list(tensor.shape) if compare_shape else "[*]"
+    return f"{dims} {str(tensor.dtype).removeprefix('torch.')}"
 
 
 def call_site() -> str:
