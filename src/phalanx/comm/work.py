@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx.comm import tracking
+from phalanx.comm import tracking, wait_clock
 
 __all__ = ["TrackedWork"]
 
@@ -36,7 +36,8 @@ class TrackedWork:
     def wait(self, timeout: Any = None) -> bool:
         """Block until the operation completes; raise a phalanx error if it failed."""
         try:
-            done = self._work.wait() if timeout is None else self._work.wait(timeout)
+            with wait_clock.blocked():
+                done = self._work.wait() if timeout is None else self._work.wait(timeout)
         except RuntimeError as exc:
             raise tracking.failure(self._op, self._seq, self._group, exc) from exc
         tracking.leave(self._group, self._seq)
