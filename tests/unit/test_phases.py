@@ -61,7 +61,7 @@ def test_relabel_gives_the_open_stretch_to_another_phase() -> None:
 
 def test_bad_phase_names() -> None:
     clock, _ = _clock()
-    with pytest.raises(ValueError, match="phase must be one of .* got 'comm'"):
+    with pytest.raises(ValueError, match=r"phase must be one of .* got 'comm'"):
         clock.enter("comm")
     with pytest.raises(ValueError, match="got None"):
         clock.relabel(None)  # type: ignore[arg-type]

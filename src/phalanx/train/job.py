@@ -79,10 +79,10 @@ class Job(CheckpointMixin, PSMixin, DataMixin, PhaseMixin):
             "ps-async" and "ssp" (server ranks, SSP bound, 1/(1+staleness) scaling, budget).
         straggler: ``(who, factor)``: make rank (or parameter-server worker) ``who``, or a
             random one each step with ``who="random"``, ``factor`` times slower (experiments).
-        straggler_check_every: Steps per window of the straggler detector (0 disables): each
-            window the ranks gather their compute per phase (one small asynchronous all-gather)
-            and a rank standing out in one phase for several windows is named, with the phase,
-            in the log, the metrics and :attr:`straggler_finding` (see ``train/stragglers.py``).
+        straggler_check_every: Every this many steps the ranks gather their per-step compute
+            per phase (one small asynchronous all-gather; 0 disables); a rank standing out in
+            one phase for several steps is named, with the phase, in the log, the metrics and
+            :attr:`straggler_finding` (see ``train/stragglers.py``).
         straggler_rule: The detector's margins and persistence (a ``StragglerRule``).
     """
 

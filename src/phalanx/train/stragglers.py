@@ -117,7 +117,7 @@ class StragglerFinding:
         return (
             f"rank {self.rank} is slow in {self.phase}: {1e3 * column[i]:.1f} ms per step vs "
             f"{1e3 * others:.1f} ms, the median of the other ranks (+{1e3 * self.excess:.1f} ms, "
-            f"margin {1e3 * self.margin:.1f} ms, {self.windows} windows in a row); its compute "
+            f"margin {1e3 * self.margin:.1f} ms, {self.windows} steps in a row); its compute "
             f"is {self.factor:.2f}x theirs; waiting in communication per step: {waits}"
         )
 
