@@ -83,7 +83,7 @@ class Job(CheckpointMixin, PSMixin, DataMixin, PhaseMixin):
             per phase (one small asynchronous all-gather; 0 disables); a rank standing out in
             one phase for several steps is named, with the phase, in the log, the metrics and
             :attr:`straggler_finding` (see ``train/stragglers.py``).
-        straggler_rule: The detector's margins and persistence (a ``StragglerRule``).
+        straggler_rule: The detector's margins and persistence (``phalanx.train.StragglerRule``).
     """
 
     @check_job_args
