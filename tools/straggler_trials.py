@@ -23,7 +23,8 @@ with phalanx DDP (or ``--strategies``, used in turn), ``straggler_check_every=--
 the default ``StragglerRule``. The latency is 4 or 5 steps by construction with ``--every 2``:
 the rule needs steps ``s`` to ``s + 3``, the gather holding step ``s + 3`` starts at the end of
 ``s + 3`` or ``s + 4``, and is collected one step later. ``--dump FILE`` keeps every run's
-per-step reports, to replay a miss through the detector.
+per-step reports, to replay a miss through the detector; ``--patience``, ``--quantile``,
+``--z``, ``--min-ms``, ``--relative`` run the parts with another ``StragglerRule``.
 
 Ends with ``RESULT {json}``.
 """
@@ -94,11 +95,13 @@ class PausingLoader:
 
 @dataclass(frozen=True)
 class Setup:
-    """What every job of a part runs: steps, gather period, model width."""
+    """What every job of a part runs: steps, gather period, model width, detector rule."""
 
     steps: int
     every: int
     width: int
+    rule: dict[str, Any]
+    """``StragglerRule`` fields that differ from the default."""
 
 
 def _model(width: int) -> nn.Module:
@@ -124,7 +127,14 @@ def _run(
     steps = setup.steps
     model.register_forward_pre_hook(lambda _m, _a: injector.pause("forward"))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    job = phalanx.Job(strategy=injection.strategy, straggler_check_every=every, seed=seed)
+    from phalanx.train import StragglerRule
+
+    job = phalanx.Job(
+        strategy=injection.strategy,
+        straggler_check_every=every,
+        straggler_rule=StragglerRule(**setup.rule),
+        seed=seed,
+    )
     model, opt = job.setup(model, opt)
     assert opt is not None
     step = opt.step
@@ -313,7 +323,7 @@ def _trials(args: Any, strategies: list[str]) -> tuple[dict[str, Any], list[Any]
 
     rng = random.Random(args.seed)
     injections = [_draw(rng, strategies, i) for i in range(args.trials)]
-    setup = Setup(STEPS, args.every, args.width)
+    setup = Setup(STEPS, args.every, args.width, _rule(args))
     runs = run_distributed(trials_worker, injections, setup, world_size=WORLD, timeout=7200)[0]
     scored = [_score(inj, r) for inj, r in zip(injections, runs)]
     for s in scored:
@@ -340,7 +350,7 @@ def _trials(args: Any, strategies: list[str]) -> tuple[dict[str, Any], list[Any]
 def _clean(args: Any, strategies: list[str]) -> tuple[dict[str, Any], list[Any]]:
     from phalanx.testing import run_distributed
 
-    setup = Setup(args.clean_steps, args.every, args.width)
+    setup = Setup(args.clean_steps, args.every, args.width, _rule(args))
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         runs = run_distributed(
@@ -360,6 +370,15 @@ def _clean(args: Any, strategies: list[str]) -> tuple[dict[str, Any], list[Any]]
         "median_step_ms": 1e3 * statistics.median(_median_step(r["times"]) for r in runs),
     }
     return summary, [r["reports"] for r in runs]
+
+
+def _rule(args: Any) -> dict[str, Any]:
+    """The ``StragglerRule`` fields given on the command line."""
+    fields = {k: getattr(args, k) for k in ("patience", "quantile", "z", "min_ms", "relative")}
+    rule = {k: v for k, v in fields.items() if v is not None}
+    if "patience" in rule:
+        rule["patience"] = int(rule["patience"])
+    return rule
 
 
 def _print_summary(result: dict[str, Any]) -> None:
@@ -393,6 +412,8 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=768, help="hidden width of the MLP")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dump", help="write every run's per-step reports here (JSON)")
+    for name in ("patience", "quantile", "z", "min_ms", "relative"):  # ablations of the rule
+        parser.add_argument(f"--{name.replace('_', '-')}", type=float, help="StragglerRule")
     args = parser.parse_args()
     from phalanx.testing import run_distributed
 
@@ -403,6 +424,7 @@ def main() -> None:
         "every": args.every,
         "width": args.width,
         "strategies": strategies,
+        "rule": _rule(args),
     }
     start, dumps = time.perf_counter(), {}
     if args.trials:
@@ -410,7 +432,7 @@ def main() -> None:
     if args.clean:
         result["clean_with_hog"], dumps["clean"] = _clean(args, strategies)
     if args.ab_jobs:
-        setup = Setup(args.ab_steps, args.every, args.width)
+        setup = Setup(args.ab_steps, args.every, args.width, _rule(args))
         jobs = run_distributed(
             ab_worker, args.ab_jobs, setup, args.block, world_size=WORLD, timeout=7200
         )[0]
