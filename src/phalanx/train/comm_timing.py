@@ -11,7 +11,8 @@ where:
   DDP's reducer then blocks until every bucket's future completes. The wait is from the last
   launch to the last completion. A hook the user registers afterwards
   (``model.register_comm_hook(state, hook)``) takes the default's place and is timed the same
-  way. Buffer broadcasts in forward (``broadcast_buffers``, models with buffers) are not timed.
+  way; torch's C++ built-in hooks (``_register_builtin_comm_hook``) cannot be added on top.
+  Buffer broadcasts in forward (``broadcast_buffers``, models with buffers) are not timed.
 - **torch ZeroRedundancyOptimizer** (``"torch-zero1"``): the parameter broadcasts that follow
   the local step (its ``_sync_params``), timed whole.
 - **torch FSDP2** (``"torch-fsdp"``): the all-gather and reduce-scatter it issues, through its
