@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from phalanx._check import check_bool, check_choice, check_group, check_instance, check_int
-from phalanx.comm import tracking
+from phalanx.comm import tracking, wait_clock
 from phalanx.comm.errors import CollectiveError
 from phalanx.comm.work import CollectiveEntry, TrackedWork
 
@@ -91,7 +91,8 @@ def _run(
         op, group, tensor, reduce_op=reduce_op, root=root, compare_shape=compare_shape
     )
     try:
-        work = call()
+        with wait_clock.blocked():  # a blocking call's whole time; an async one's launch
+            work = call()
     except CollectiveError:
         raise
     except RuntimeError as exc:

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from phalanx.comm import tracking
+from phalanx.comm import tracking, wait_clock
 
 __all__ = ["CollectiveEntry", "Entry", "P2PEntry", "TrackedWork", "run_blocking"]
 
@@ -143,7 +143,8 @@ def run_blocking(entry: Entry, call: Callable[[], Any]) -> Any:
     """Run a blocking ``call`` as one wait of ``entry``; returns what it returns."""
     entry.begin()
     try:
-        result = call()
+        with wait_clock.blocked():
+            result = call()
     except RuntimeError as exc:
         raise entry.error(exc) from exc
     entry.end()
@@ -169,7 +170,8 @@ class TrackedWork:
         """Block until the operation completes; raise a phalanx error if it failed."""
         self._entry.begin()
         try:
-            done = self._work.wait() if timeout is None else self._work.wait(timeout)
+            with wait_clock.blocked():
+                done = self._work.wait() if timeout is None else self._work.wait(timeout)
         except RuntimeError as exc:
             raise self._entry.error(exc) from exc
         if done is False:  # a timeout that did not raise: still in flight

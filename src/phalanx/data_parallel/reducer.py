@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx.comm import collectives as c
+from phalanx.comm import wait_clock
 from phalanx.data_parallel.bucket_state import Bucket
 from phalanx.data_parallel.buckets import ParamSpec, plan_buckets
 from phalanx.data_parallel.grad_access import GradSite, hook_accumulator
@@ -310,7 +311,8 @@ class Reducer:
         if b.future is None:
             return
         start = time.perf_counter()
-        result = b.future.wait()
+        with wait_clock.blocked():
+            result = b.future.wait()
         self.wait_seconds += time.perf_counter() - start
         b.absorb(result)
 

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx.comm import wait_clock
 from phalanx.comm.p2p import batch_isend_irecv, irecv, isend
 from phalanx.comm.work import TrackedWork
 
@@ -104,7 +105,8 @@ class _Handle:
         if self.work is None:
             self.comm.flush()  # a queued receive: post the group it belongs to
         assert self.work is not None
-        self.work.wait()
+        with wait_clock.blocked():
+            self.work.wait()
 
 
 class Comm:

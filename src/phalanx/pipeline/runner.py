@@ -166,6 +166,9 @@ class Pipeline(nn.Module):
         self._inbound, self._outbound = build_ports(
             self.comm, self.stage_ids, self.num_stages, self.rank, self.device
         )
+        self.on_action: Callable[[str], None] | None = None
+        """Called with "forward" / "backward" before each action of :meth:`step` (the job's
+        phase clock: a receive waited for is then counted in the phase that needed it)."""
 
     @property
     def is_first(self) -> bool:
@@ -221,6 +224,8 @@ class Pipeline(nn.Module):
         live: _Live = {}
         losses: list[torch.Tensor] = []
         for i, a in enumerate(self.actions):
+            if self.on_action is not None:
+                self.on_action("forward" if a.kind == "F" else "backward")
             self._prefetch(i)
             if a.kind == "F":
                 self._forward(a, xs, ys, live, losses)

@@ -30,6 +30,8 @@ from phalanx.comm import group as pg
 from phalanx.mesh.groups import ParallelGroups
 from phalanx.train.job_args import check_epochs, check_job_args
 from phalanx.train.job_checkpoint import CheckpointMixin
+from phalanx.train.job_data import DataMixin
+from phalanx.train.job_phases import PhaseMixin
 from phalanx.train.job_ps import PSMixin
 from phalanx.train.loop_helpers import (
     Timer,
@@ -43,6 +45,7 @@ from phalanx.train.loop_helpers import (
 from phalanx.train.metrics import MetricsLogger
 from phalanx.train.precision import Precision
 from phalanx.train.profiling import profile
+from phalanx.train.stragglers import StragglerRule
 from phalanx.train.strategies import get_optimizer_hook, get_strategy
 
 __all__ = ["Job"]
@@ -50,7 +53,7 @@ __all__ = ["Job"]
 log = logging.getLogger(__name__)
 
 
-class Job(CheckpointMixin, PSMixin):
+class Job(CheckpointMixin, PSMixin, DataMixin, PhaseMixin):
     """One distributed training job: process group, strategy, data, steps, metrics, checkpoints.
 
     Args:
@@ -76,9 +79,11 @@ class Job(CheckpointMixin, PSMixin):
             "ps-async" and "ssp" (server ranks, SSP bound, 1/(1+staleness) scaling, budget).
         straggler: ``(who, factor)``: make rank (or parameter-server worker) ``who``, or a
             random one each step with ``who="random"``, ``factor`` times slower (experiments).
-        straggler_check_every: Every this many steps compare the ranks' compute times (one
-            small all-gather) and report a rank that is consistently slower, in the log and
-            the metrics, and as :attr:`straggler_finding`; 0 disables.
+        straggler_check_every: Every this many steps the ranks gather their per-step compute
+            per phase (one small asynchronous all-gather; 0 disables); a rank standing out in
+            one phase for several steps is named, with the phase, in the log, the metrics and
+            :attr:`straggler_finding` (see ``train/stragglers.py``).
+        straggler_rule: The detector's margins and persistence (``phalanx.train.StragglerRule``).
     """
 
     @check_job_args
@@ -108,7 +113,8 @@ class Job(CheckpointMixin, PSMixin):
         staleness_lr: bool = False,
         max_updates: int | None = None,
         straggler: tuple[int | str, float] | None = None,
-        straggler_check_every: int = 10,
+        straggler_check_every: int = 5,
+        straggler_rule: StragglerRule | None = None,
     ) -> None:
         self._wrap = get_strategy(strategy)
         self.strategy = strategy
@@ -143,7 +149,7 @@ class Job(CheckpointMixin, PSMixin):
                 checkpoint_dir=checkpoint_dir,
                 precision=precision,
             )
-            self._init_roles(straggler, straggler_check_every)
+            self._init_roles(straggler)
         except ValueError:
             if self.owns_group:
                 pg.destroy_process_group()
@@ -160,6 +166,7 @@ class Job(CheckpointMixin, PSMixin):
             from phalanx.mesh import make_groups
 
             self.groups = make_groups(self.parallel.topology(self.world.world_size))
+        self._init_phases(straggler_check_every, straggler_rule)
         self.grad_accum = grad_accum
         self.checkpoint_dir = checkpoint_dir
         self.keep_last = keep_last
@@ -239,41 +246,8 @@ class Job(CheckpointMixin, PSMixin):
             repoint(scheduler, optimizer)
         self.model, self.optimizer, self.scheduler = wrapped, optimizer, scheduler
         self._arm_sync()
+        self._attach_phases()
         return wrapped, optimizer
-
-    def loader(
-        self,
-        dataset: Any,
-        batch_size: int,
-        *,
-        shuffle: bool = True,
-        drop_last: bool = False,
-        even_batches: bool = True,
-        **kwargs: Any,
-    ) -> torch.utils.data.DataLoader[Any]:
-        """A DataLoader over this rank's shard (``phalanx.DistributedSampler``)."""
-        from phalanx.data import DistributedSampler
-
-        # Ranks of one replica (its pipeline stages, its tensor shards) read the same samples.
-        replicas, replica = self.world.world_size, self.world.rank
-        if self.groups is not None:
-            replicas, replica = self.groups.topology.dp, self.groups.index("dp")
-        replicas, replica = self._replicas() or (replicas, replica)
-        if "sampler" in kwargs or "batch_sampler" in kwargs:
-            raise ValueError("Job.loader() builds its own sampler; drop sampler=/batch_sampler=")
-        self.sampler = DistributedSampler(
-            dataset,
-            num_replicas=replicas,
-            rank=replica,
-            shuffle=shuffle,
-            seed=self.seed,
-            drop_last=drop_last,
-            even_batches=even_batches,
-            batch_size=batch_size,
-        )
-        return torch.utils.data.DataLoader(
-            dataset, batch_size=batch_size, sampler=self.sampler, drop_last=drop_last, **kwargs
-        )
 
     # ---- the loop ------------------------------------------------------------------------------
     def epochs(self, n: int) -> Iterator[int]:
@@ -302,16 +276,22 @@ class Job(CheckpointMixin, PSMixin):
             loader, desc=desc or f"epoch {self.epoch}", total=total, enabled=self._draws_progress()
         )
         self._timer.start_epoch()
-        for i, batch in enumerate(bar):
-            self._last_batch = total is not None and i == total - 1
-            self._arm_sync()
-            if not self._before_batch():
-                break
-            yield to_device(batch, self.world.device)
-            if self.sampler is not None and hasattr(self.sampler, "advance"):
-                self.sampler.advance(batch_len(batch))
-            self._timer.count(batch_len(batch))
-            self.profiler.step()
+        self.phases.enter("data")
+        try:
+            for i, batch in enumerate(bar):
+                self._last_batch = total is not None and i == total - 1
+                self._arm_sync()
+                if not self._before_batch():
+                    break
+                batch = to_device(batch, self.world.device)
+                self._mark_batch()
+                yield batch
+                if self.sampler is not None and hasattr(self.sampler, "advance"):
+                    self.sampler.advance(batch_len(batch))
+                self._timer.count(batch_len(batch))
+                self.profiler.step()
+        finally:  # evaluation and checkpoints between epochs are no step's phase
+            self.phases.enter(None)
 
     def _arm_sync(self) -> None:
         # DDP decides at *forward* time whether the coming backward communicates (torch's and
@@ -330,14 +310,18 @@ class Job(CheckpointMixin, PSMixin):
         if self.model is None or self.loss_fn is None:
             raise ValueError("Job.forward_backward() needs Job.setup(model, ..., loss_fn=...)")
         if getattr(self.model, "pipelined", False):
-            return cast(torch.Tensor, self.model.train_step(inputs, targets))  # type: ignore[operator]
+            loss = cast(torch.Tensor, self.model.train_step(inputs, targets))  # type: ignore[operator]
+            self.phases.enter("optimizer")
+            return loss
         loss = self.loss_fn(self.model(inputs), targets)
         self.backward(loss)
         return loss.detach()
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss / grad_accum``; gradients sync only on the last micro-step."""
+        self._mark_backward()
         self.precision.backward(loss / self.grad_accum if self.grad_accum > 1 else loss)
+        self.phases.enter("optimizer")
 
     def step(self, optimizer: torch.optim.Optimizer | None = None) -> bool:
         """Step the optimizer (and scheduler) at the end of an accumulation window.
@@ -352,7 +336,9 @@ class Job(CheckpointMixin, PSMixin):
         self._micro = 0 if self._last_batch else (self._micro + 1) % self.grad_accum
         self._arm_sync()
         if self._micro:
+            self.phases.enter("data")  # the next micro-batch
             return False
+        self.phases.enter("optimizer")
         self._slow_down(self.step_count)
         if not self._ps_step():  # parameter servers step the optimizer (and the scheduler)
             assert opt is not None
@@ -361,7 +347,7 @@ class Job(CheckpointMixin, PSMixin):
             if self.scheduler is not None:
                 self.scheduler.step()
         self.step_count += 1
-        self._check_stragglers()
+        self._end_step()
         return True
 
     # ---- metrics and checkpoints -----------------------------------------------------------------
@@ -380,13 +366,15 @@ class Job(CheckpointMixin, PSMixin):
         return averaged
 
     def summary(self) -> dict[str, float]:
-        """Samples/s over the job and the share of step time spent waiting for communication."""
-        comm = getattr(getattr(self.model, "reducer", None), "wait_seconds", 0.0)  # DDP's
-        return self._timer.summary(comm, self.world.world_size)
+        """Samples/s over the job, and the share of this rank's time spent waiting for
+        communication (``comm_share``, every strategy; :meth:`phase_shares` has each phase's)."""
+        comm = self.phases.shares()["communication_share"]
+        return {**self._timer.summary(self.world.world_size), "comm_share": comm}
 
     def close(self) -> None:
         """Flush metrics; leave the process group if the job created it."""
         self._finish_roles()
+        self._close_phases()
         self.metrics.close()
         self.profiler.stop()
         if self.owns_group:

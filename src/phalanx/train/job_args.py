@@ -13,6 +13,7 @@ from phalanx._check import (
     FLAG,
     check_choice,
     check_float,
+    check_instance,
     check_int,
     check_path,
     checked,
@@ -55,6 +56,13 @@ def _straggler(name: str, value: Any, where: str) -> object:
     return value
 
 
+def _straggler_rule(name: str, value: Any, where: str) -> object:
+    from phalanx.train.stragglers import StragglerRule
+
+    what = "a phalanx.train.stragglers.StragglerRule"
+    return check_instance(name, value, StragglerRule, what, where=where)
+
+
 _path = optional(rule(check_path))
 _degree = optional(rule(check_int, min=1))
 
@@ -83,6 +91,7 @@ check_job_args = checked(
     max_updates=_degree,
     straggler=optional(_straggler),
     straggler_check_every=rule(check_int, min=0),
+    straggler_rule=optional(_straggler_rule),
 )
 """Decorates ``Job.__init__``: every argument the caller passed, checked by its row."""
 

@@ -1,4 +1,4 @@
-"""The parameter-server, straggler and straggler-detection hooks of :class:`phalanx.Job`.
+"""The parameter-server and deliberate-straggler hooks of :class:`phalanx.Job`.
 
 Kept apart from ``job.py`` so the data-parallel loop reads without them: the job calls
 :meth:`PSMixin._before_batch` before yielding a batch and :meth:`PSMixin._ps_step` instead of
@@ -7,22 +7,18 @@ stepping a local optimizer.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from phalanx.comm import wait_clock
 from phalanx.comm.group import World
 from phalanx.train.ps_strategies import PSConfig, PSRunner
 from phalanx.train.straggler import Straggler
-from phalanx.train.straggler_monitor import StragglerMonitor
-from phalanx.train.stragglers import StragglerFinding
 
 __all__ = ["PSMixin"]
-
-log = logging.getLogger(__name__)
 
 
 class PSMixin:
@@ -40,14 +36,9 @@ class PSMixin:
     precision: Any
     step_count: int
 
-    def _init_roles(self, straggler: tuple[int | str, float] | None, check_every: int = 0) -> None:
+    def _init_roles(self, straggler: tuple[int | str, float] | None) -> None:
         self.ps = None
         self.straggler = None
-        self._monitor: StragglerMonitor | None = None
-        # Parameter-server workers are not in step: a collective among them would re-couple
-        # them, so they are not compared.
-        if check_every and self.world.world_size > 1 and self.ps_config is None:
-            self._monitor = StragglerMonitor(check_every)
         if straggler is None:
             return
         who, factor = straggler
@@ -107,8 +98,10 @@ class PSMixin:
 
     def _before_batch(self) -> bool:
         """Pull fresh parameters (parameter servers) and start the step's clock; False: stop."""
-        if self.ps is not None and not self.ps.pull():
-            return False
+        if self.ps is not None:
+            with wait_clock.blocked():  # the servers' answer is communication wait
+                if not self.ps.pull():
+                    return False
         if self.straggler is not None:
             self.straggler.begin()
         return True
@@ -121,25 +114,10 @@ class PSMixin:
         """Push the gradients to the parameter servers; False when the job has none."""
         if self.ps is None:
             return False
-        self.ps.ps.push()
+        with wait_clock.blocked():
+            self.ps.ps.push()
         self.model.zero_grad(set_to_none=True)
         return True
-
-    @property
-    def straggler_finding(self) -> StragglerFinding | None:
-        """The latest rank found consistently slower than the others (every rank knows it)."""
-        return None if self._monitor is None else self._monitor.finding
-
-    def _check_stragglers(self) -> None:
-        if self._monitor is None:
-            return
-        reducer = getattr(self.model, "reducer", None)
-        found = self._monitor.step(float(getattr(reducer, "wait_seconds", 0.0)))
-        if found is not None and self.world.rank == 0:
-            log.warning("straggler: %s", found.describe())
-            self.metrics.log_local(
-                self.step_count, straggler_rank=found.rank, straggler_factor=found.factor
-            )
 
     def _finish_roles(self) -> None:
         if self.ps is not None:

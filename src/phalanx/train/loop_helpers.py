@@ -42,13 +42,9 @@ class Timer:
         self._t = now
         self.samples += n
 
-    def summary(self, comm_seconds: float, world_size: int) -> dict[str, float]:
+    def summary(self, world_size: int) -> dict[str, float]:
         secs = max(self.seconds, 1e-9)
-        return {
-            "samples_per_s": self.samples * world_size / secs,
-            "comm_share": min(1.0, comm_seconds / secs),
-            "train_seconds": self.seconds,
-        }
+        return {"samples_per_s": self.samples * world_size / secs, "train_seconds": self.seconds}
 
 
 def repoint(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:

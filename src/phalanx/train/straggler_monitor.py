@@ -1,72 +1,122 @@
-"""Per-step timings of this rank, gathered every N steps, fed to the straggler detector.
+"""Per-phase timings of this rank, gathered every N steps, fed to the straggler detector.
 
-The communication half of :mod:`.stragglers`: one all-gather of two float64 numbers per rank
-every ``every`` steps (a few microseconds of a step), on the group the job trains over.
+The communication half of :mod:`.stragglers`. Every ``every`` steps each rank contributes its
+last ``every`` steps' five numbers (compute per phase, then wait) to one all-gather on a side
+gloo group of its own: it never orders against the training's collectives (so it can run
+asynchronously), never touches an accelerator (no device synchronisation), and is not recorded
+by the hang detector. A gather is started at the end of its window and collected at the end of
+the first later step by which it has completed (``is_completed()``: no waiting; a few may be in
+flight): the ranks never wait for each other here. The detector then sees every step of the
+window, one by one, so a longer ``every`` makes the gathers rarer (cheaper) without coarsening
+the statistic; a verdict comes ``every`` steps later at most, plus about one.
 """
 
 from __future__ import annotations
 
-import time
+import contextlib
+import logging
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from phalanx.comm.collectives import all_gather_into_tensor
-from phalanx.train.stragglers import StragglerDetector, StragglerFinding
+from phalanx.train.phases import PHASES
+from phalanx.train.stragglers import StragglerDetector, StragglerFinding, StragglerRule
 
 __all__ = ["StragglerMonitor"]
 
+log = logging.getLogger(__name__)
+# torch 2.13 renamed all_gather_into_tensor (and deprecated the old name); older torch has only it.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+MAX_IN_FLIGHT = 4
+"""Gathers started and not yet collected; one more waits for the oldest."""
+
 
 class StragglerMonitor:
-    """Accumulates this rank's compute and wait time; every ``every`` steps compares ranks.
+    """Sums this rank's per-phase times; every ``every`` steps compares ranks doing equal work.
+
+    Collective to construct: every rank of the world makes its monitor at the same point.
 
     Args:
-        every: Steps between comparisons (>= 1).
-        group: The ranks to compare (default: the world).
-        threshold, patience: See :class:`StragglerDetector`.
+        every: Steps per window (>= 1).
+        peers: Sets of global ranks doing the same work, compared among themselves (default:
+            the whole world); sets of one rank are not compared.
+        rule: The detector's margins and persistence.
     """
 
     def __init__(
         self,
         every: int,
-        group: dist.ProcessGroup | None = None,
-        *,
-        threshold: float = 1.2,
-        patience: int = 2,
+        peers: Sequence[Sequence[int]] | None = None,
+        rule: StragglerRule | None = None,
     ) -> None:
         if every < 1:
             raise ValueError(f"straggler_check_every must be >= 1 (0 disables), got {every}")
-        self.every, self.group = every, group
-        self.detector = StragglerDetector(dist.get_world_size(group), threshold, patience)
+        self.every = every
+        self.world_size = dist.get_world_size()
+        self.group: Any = dist.new_group(backend="gloo")
+        sets = peers if peers is not None else [range(self.world_size)]
+        self.detectors = [StragglerDetector(list(s), rule) for s in sets if len(s) >= 2]
         self.finding: StragglerFinding | None = None
-        self._last = time.perf_counter()
-        self._compute = self._wait = 0.0
-        self._wait_total: float | None = None
-        self._steps = 0
+        """The latest finding (kept after the rank recovers)."""
+        self._rows: list[list[float]] = []
+        self._pending: deque[tuple[Any, torch.Tensor]] = deque()
 
-    def step(self, wait_total: float) -> StragglerFinding | None:
-        """Count one step; ``wait_total`` is this rank's cumulative seconds in collectives.
+    def step(self, values: Sequence[float]) -> StragglerFinding | None:
+        """Count one step's seconds (compute per compute phase, then wait).
 
-        Returns the finding when this step's comparison named a straggler.
+        Returns a finding when the gathers collected now named a straggler.
         """
-        now = time.perf_counter()
-        before = wait_total if self._wait_total is None else self._wait_total
-        wait = max(0.0, wait_total - before)
-        self._wait_total = wait_total
-        self._compute += max(0.0, now - self._last - wait)
-        self._wait += wait
-        self._last = now
-        self._steps += 1
-        if self._steps < self.every:
+        self._rows.append(list(values))
+        found = None
+        if len(self._rows) >= self.every and self.group is not None:
+            if len(self._pending) >= MAX_IN_FLIGHT:  # a peer far behind: wait for the oldest
+                found = self._collect()
+            mine = torch.tensor(self._rows, dtype=torch.float64).flatten()
+            out = torch.empty(self.world_size * mine.numel(), dtype=torch.float64)
+            self._pending.append((_all_gather_single(out, mine, self.group, True), out))
+            self._rows = []
+        while self._pending and self._pending[0][0].is_completed():
+            found = self._collect() or found
+        return found
+
+    def _collect(self) -> StragglerFinding | None:
+        """Wait for the oldest gather in flight and feed its steps to the detectors."""
+        work, out = self._pending.popleft()
+        try:
+            work.wait()
+        except RuntimeError as exc:  # a peer died: training's own collectives will say so
+            log.warning(
+                "rank %d: the straggler monitor's gather failed (%s); straggler detection is "
+                "off for the rest of this job",
+                dist.get_rank(),
+                str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
+            )
+            self.group = None
+            self._pending.clear()
             return None
-        mine = torch.tensor([self._compute, self._wait], dtype=torch.float64) / self._steps
-        gathered = torch.empty(2 * self.detector.world_size, dtype=torch.float64)
-        all_gather_into_tensor(gathered, mine, group=self.group)
-        per_rank = gathered.view(-1, 2)
-        self._compute = self._wait = 0.0
-        self._steps = 0
-        self._last = time.perf_counter()  # the gather is not anyone's compute
-        found = self.detector.observe(per_rank[:, 0].tolist(), per_rank[:, 1].tolist())
+        steps = out.view(self.world_size, -1, len(PHASES)).transpose(0, 1).tolist()
+        found = None
+        for rows in steps:  # one step at a time, all ranks
+            for detector in self.detectors:
+                found = detector.observe([rows[r] for r in detector.ranks]) or found
         if found is not None:
             self.finding = found
         return found
+
+    @property
+    def current(self) -> StragglerFinding | None:
+        """The finding that still stands out in the latest window, if any."""
+        return next((d.current for d in self.detectors if d.current is not None), None)
+
+    def close(self) -> None:
+        """Wait for the gathers in flight and release the side group (idempotent)."""
+        while self._pending:
+            work, _ = self._pending.popleft()
+            with contextlib.suppress(RuntimeError):  # a peer died; the job is ending anyway
+                work.wait()
+        if self.group is not None:
+            group, self.group = self.group, None
+            dist.destroy_process_group(group)

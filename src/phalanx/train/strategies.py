@@ -80,9 +80,12 @@ def _ddp(model: nn.Module, world: World) -> nn.Module:
 
 
 def _torch_ddp(model: nn.Module, world: World) -> nn.Module:
+    from phalanx.train.comm_timing import time_torch_ddp
+
     if world.world_size == 1:
         return model
-    return torch.nn.parallel.DistributedDataParallel(model, device_ids=_device_ids(world))
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=_device_ids(world))
+    return time_torch_ddp(ddp)  # its backward wait, for the phase clock
 
 
 def _dp(model: nn.Module, world: World) -> nn.Module:

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from phalanx.comm.group import World
-from phalanx.train.strategies import _device_ids, register_strategy
+from phalanx.train.comm_timing import time_torch_fsdp, time_torch_zero
+from phalanx.train.strategies import _torch_ddp, register_strategy
 
 __all__ = ["unit_policy"]
 
@@ -102,9 +103,7 @@ def _zero3_optimizer(
 
 
 def _torch_zero1(model: nn.Module, world: World) -> nn.Module:
-    if world.world_size == 1:
-        return model
-    return torch.nn.parallel.DistributedDataParallel(model, device_ids=_device_ids(world))
+    return _torch_ddp(model, world)
 
 
 def _torch_zero1_optimizer(
@@ -114,7 +113,8 @@ def _torch_zero1_optimizer(
 
     groups = [{**_options(g), "params": g["params"]} for g in opt.param_groups]
     defaults = _accepted(type(opt), opt.defaults)
-    return ZeroRedundancyOptimizer(groups, optimizer_class=type(opt), **defaults)
+    zero = ZeroRedundancyOptimizer(groups, optimizer_class=type(opt), **defaults)
+    return time_torch_zero(zero)
 
 
 def _torch_fsdp(model: nn.Module, world: World) -> nn.Module:
@@ -123,7 +123,7 @@ def _torch_fsdp(model: nn.Module, world: World) -> nn.Module:
     for unit in unit_policy(model):
         fully_shard(unit)
     fully_shard(model)
-    return model
+    return time_torch_fsdp(model)
 
 
 def _torch_fsdp_optimizer(
