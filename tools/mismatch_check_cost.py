@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from phalanx.bench.common import timed
+
 
 def _mlp() -> nn.Module:
     return nn.Sequential(
@@ -67,17 +69,6 @@ def _all_reduce_step() -> Any:
     return step
 
 
-def _timed(step: Any) -> float:
-    import phalanx
-
-    phalanx.barrier()
-    start = time.perf_counter()
-    step()
-    took = torch.tensor([time.perf_counter() - start])
-    phalanx.all_reduce(took, phalanx.ReduceOp.MAX)
-    return float(took)
-
-
 def _thread_cpu() -> float:
     """CPU seconds of this rank's progress thread so far."""
     from phalanx.comm import tracking
@@ -110,7 +101,7 @@ def _case(step: Any, pairs: int, per_block: int) -> dict[str, list[float]]:
             key = "on" if on else "off"
             tracking.set_mismatch_check(on)
             cpu0, wall0, proc0 = _thread_cpu(), time.perf_counter(), time.process_time()
-            steps = [_timed(step) for _ in range(per_block)]
+            steps = [timed(step) for _ in range(per_block)]
             used[key] = _job_cpu(time.process_time() - proc0)
             cpu[key][0] += _thread_cpu() - cpu0
             cpu[key][1] += time.perf_counter() - wall0
