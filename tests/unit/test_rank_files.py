@@ -61,7 +61,9 @@ def test_a_long_call_site_is_cut_not_spilled(tmp_path: Path) -> None:
     ring.write(long)
     ring.write(_rec(2))
     calls = read_calls(tmp_path / "r")
-    assert calls is not None and [c.seq for c in calls] == [2]  # the cut slot is dropped
+    assert calls is not None and [c.seq for c in calls] == [1, 2]  # cut, still readable
+    assert calls[0].start == 1.0 and calls[0].site.startswith("xxx")
+    assert len(calls[0].site) < call_ring.SLOT and calls[1].site == "t.py:2 in f"
 
 
 DUMP = """Fatal Python error: Aborted
@@ -124,3 +126,36 @@ def test_a_dead_rank_leaves_its_signal_stack_and_calls(tmp_path: Path) -> None:
     elsewhere = Peer(3, "another-host", 1, str(tmp_path), 0)
     assert not elsewhere.here() and elsewhere.alive() is None and elsewhere.calls() is None
     assert elsewhere.where("fatal") == f"another-host:{tmp_path}/rank-3.fatal"
+
+
+FORKING = """
+import ctypes, faulthandler, os, sys, time
+from pathlib import Path
+from phalanx.comm.rank_files import RankFiles
+
+files = RankFiles(Path(sys.argv[1]), 0)
+for _ in range(5):  # the stuck dump is armed: a child must neither hang nor touch our files
+    pid = os.fork()
+    if pid == 0:
+        faulthandler.dump_traceback_later(5)
+        faulthandler.cancel_dump_traceback_later()
+        files.close()
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+assert files.path("calls").exists()
+ctypes.PyDLL(None).sleep(2)  # still armed in the parent: the stuck dump is written
+print(files.path("stuck").read_text().count("Thread"), flush=True)
+files.close()
+"""
+
+
+def test_a_forked_child_neither_hangs_nor_removes_the_files(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", FORKING, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.strip()) >= 1
+    assert not (tmp_path / "rank-0.calls").exists()

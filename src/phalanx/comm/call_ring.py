@@ -8,12 +8,13 @@ slice assignment into an ``mmap``, about a microsecond), and marks it done when 
 :class:`~phalanx.comm.flight.Record` s.
 
 Slot layout: one state byte (``E`` entered, ``D`` done, 0 being written), the end time as a
-float64, then ``n \\t group \\t seq \\t op \\t shape \\t args \\t site \\t start`` in UTF-8, NUL
-padded (a long call site is cut).
+float64, then ``n \\t group \\t seq \\t op \\t shape \\t args \\t start \\t site`` in UTF-8, NUL
+padded (a long call site is cut at the end of the slot; the call stays readable).
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
@@ -48,8 +49,8 @@ class CallRing:
         n = self._n = self._n + 1
         off = (n % SLOTS) * SLOT
         text = (
-            f"{n}\t{rec.group}\t{rec.seq}\t{rec.op}\t{rec.shape}\t{rec.args}\t{rec.site}\t"
-            f"{rec.start!r}"
+            f"{n}\t{rec.group}\t{rec.seq}\t{rec.op}\t{rec.shape}\t{rec.args}\t{rec.start!r}\t"
+            f"{rec.site}"
         ).encode()[: SLOT - _TEXT - 1]
         mm = self._mm
         mm[off] = 0
@@ -58,7 +59,9 @@ class CallRing:
         slots = self._slot_of
         slots[(rec.group, rec.seq)] = n
         if len(slots) > 4 * SLOTS:  # async works nobody waits on: forget them
-            slots.pop(next(iter(slots)))
+            # done() pops from a future's callback thread meanwhile: the oldest may be gone
+            with contextlib.suppress(KeyError, RuntimeError, StopIteration):
+                slots.pop(next(iter(slots)))
 
     def done(self, group: str, seq: int, end: float) -> None:
         """Mark collective ``seq`` of ``group`` complete, if its slot still holds it."""
@@ -80,7 +83,7 @@ def _parse(slot: bytes) -> tuple[int, Record] | None:
     fields = slot[_TEXT:].split(b"\0", 1)[0].decode("utf-8", "replace").split("\t")
     if len(fields) != 8:
         return None
-    n, group, seq, op, shape, args, site, start = fields
+    n, group, seq, op, shape, args, start, site = fields
     try:
         end = _END.unpack_from(slot, 1)[0] if state == 68 else None
         rec = Record(group, int(seq), op, shape, site, float(start), end, args=args)

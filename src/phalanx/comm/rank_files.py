@@ -75,12 +75,16 @@ class RankFiles:
     """This rank's files: the fatal-signal stack, the stuck-thread stack, the call ring."""
 
     def __init__(self, directory: Path, rank: int) -> None:
+        global _CURRENT
         self.dir, self.rank = directory, rank
+        self._owner = os.getpid()
         self.ring = CallRing(self.path("calls"))
         self._fatal = _private_file(self.path("fatal"))
         self._stuck = _private_file(self.path("stuck"))
         self._was_enabled = faulthandler.is_enabled()
         faulthandler.enable(self._fatal, all_threads=True)
+        _install_fork_hooks()
+        _CURRENT = self
         self.rearm()
 
     def path(self, kind: str) -> Path:
@@ -89,6 +93,10 @@ class RankFiles:
 
     def rearm(self) -> None:
         """Push the stuck dump ``STUCK_S`` into the future; empty a dump written meanwhile."""
+        with _ARMING:
+            self._arm()
+
+    def _arm(self) -> None:
         faulthandler.cancel_dump_traceback_later()
         fd = self._stuck.fileno()
         if os.fstat(fd).st_size:
@@ -96,12 +104,25 @@ class RankFiles:
             os.lseek(fd, 0, os.SEEK_SET)
         faulthandler.dump_traceback_later(STUCK_S, file=self._stuck)
 
-    def close(self) -> None:
-        """Stop faulthandler (restoring a previous stderr handler) and delete the files."""
-        faulthandler.cancel_dump_traceback_later()
+    def _release_faulthandler(self) -> None:
         faulthandler.disable()
-        if self._was_enabled:
-            faulthandler.enable()
+        if self._was_enabled:  # the previous stderr handler; stderr may have no file (Jupyter)
+            with contextlib.suppress(AttributeError, OSError, RuntimeError, ValueError):
+                faulthandler.enable()
+
+    def close(self) -> None:
+        """Stop faulthandler (restoring a previous stderr handler) and delete the files.
+
+        Only in the process that opened them: a forked child that exits leaves them alone.
+        """
+        global _CURRENT
+        if os.getpid() != self._owner:
+            return
+        with _ARMING:
+            faulthandler.cancel_dump_traceback_later()
+        self._release_faulthandler()
+        if _CURRENT is self:
+            _CURRENT = None
         self.ring.close()
         for f in (self._fatal, self._stuck):
             f.close()
@@ -111,13 +132,48 @@ class RankFiles:
             self.dir.rmdir()  # the last rank of this host to leave removes it
 
 
-def _after_fork_in_child() -> None:
-    files = _CURRENT
-    if files is not None:
+_ARMING = threading.Lock()
+"""Held while the stuck dump is (re-)armed, and across a fork (see :func:`_install_fork_hooks`)."""
+
+
+def _install_fork_hooks() -> None:
+    """Make ``fork()`` safe while the stuck dump is armed.
+
+    A child forked while faulthandler's watchdog thread waits would itself wait forever for that
+    thread (it does not exist in the child) as soon as the dump is cancelled or re-armed there,
+    so a DataLoader worker would hang at its start. The dump is therefore cancelled just before
+    the fork and re-armed in the parent just after; the child only lets go of faulthandler.
+    """
+    global _FORK_HOOK
+    if not _FORK_HOOK:
+        os.register_at_fork(
+            before=_before_fork,
+            after_in_parent=_after_fork_in_parent,
+            after_in_child=_after_fork_in_child,
+        )
+        _FORK_HOOK = True
+
+
+def _before_fork() -> None:
+    _ARMING.acquire()
+    if _CURRENT is not None:
         faulthandler.cancel_dump_traceback_later()
-        faulthandler.disable()
-        if files._was_enabled:
-            faulthandler.enable()
+
+
+def _after_fork_in_parent() -> None:
+    try:
+        if _CURRENT is not None:
+            _CURRENT._arm()
+    finally:
+        _ARMING.release()
+
+
+def _after_fork_in_child() -> None:
+    global _CURRENT
+    _ARMING.release()
+    files, _CURRENT = _CURRENT, None
+    if files is not None:
+        files._release_faulthandler()
 
 
 def _token(value: Any) -> str:
@@ -128,7 +184,6 @@ def _token(value: Any) -> str:
 
 def open_rank_files(store: SignedStore, rank: int) -> RankFiles | None:
     """Open this rank's files in the job's directory and publish ``who/<rank>``."""
-    global _CURRENT, _FORK_HOOK
     token = store.first("files/token", secrets.token_hex(8), _token)
     base = Path(os.environ.get("PHALANX_RANK_DIR") or tempfile.gettempdir())
     directory = base / f"phalanx-{os.getuid()}-{token}"
@@ -152,10 +207,6 @@ def open_rank_files(store: SignedStore, rank: int) -> RankFiles | None:
         "main": threading.main_thread().ident or 0,
     }
     store.put(f"who/{rank}", who)
-    _CURRENT = files
-    if not _FORK_HOOK:
-        os.register_at_fork(after_in_child=_after_fork_in_child)
-        _FORK_HOOK = True
     return files
 
 
