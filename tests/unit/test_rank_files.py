@@ -126,6 +126,9 @@ def test_a_dead_rank_leaves_its_signal_stack_and_calls(tmp_path: Path) -> None:
     elsewhere = Peer(3, "another-host", 1, str(tmp_path), 0)
     assert not elsewhere.here() and elsewhere.alive() is None and elsewhere.calls() is None
     assert elsewhere.where("fatal") == f"another-host:{tmp_path}/rank-3.fatal"
+    # a container with the same host name but its own PID namespace / boot: not readable here
+    twin = Peer(3, socket.gethostname(), peer.pid, str(tmp_path), 0, machine="other/pid:[1]")
+    assert not twin.here() and twin.alive() is None and twin.calls() is None
 
 
 FORKING = """

@@ -202,12 +202,28 @@ def open_rank_files(store: SignedStore, rank: int) -> RankFiles | None:
         files = None
     who = {
         "host": socket.gethostname(),
+        "machine": machine_id(),
         "pid": os.getpid(),
         "dir": "" if files is None else str(directory),
         "main": threading.main_thread().ident or 0,
     }
     store.put(f"who/{rank}", who)
     return files
+
+
+def machine_id() -> str:
+    """What tells this machine and PID namespace apart from another with the same host name.
+
+    Containers sharing a host name (host networking) have their own ``/tmp`` and PIDs: a peer's
+    files and ``kill(pid, 0)`` only mean something with the same boot id and PID namespace.
+    """
+    parts = []
+    for path in ("/proc/sys/kernel/random/boot_id", "/proc/self/ns/pid"):
+        try:
+            parts.append(os.readlink(path) if path.endswith("ns/pid") else Path(path).read_text())
+        except OSError:
+            parts.append("?")
+    return "/".join(p.strip() for p in parts)
 
 
 def fatal_signal(text: str) -> str | None:
@@ -257,10 +273,14 @@ class Peer:
     pid: int
     dir: str
     main: int
+    machine: str = ""
+    """:func:`machine_id` of its machine ("" when it did not say)."""
 
     def here(self) -> bool:
-        """True when this process can read the peer's files (same host, directory present)."""
-        return self.host == socket.gethostname() and bool(self.dir) and Path(self.dir).is_dir()
+        """True when this process can read the peer's files: same host name, machine and PID
+        namespace, and its ring file present."""
+        same = self.host == socket.gethostname() and self.machine in ("", machine_id())
+        return same and bool(self.dir) and self.file("calls").exists()
 
     def file(self, kind: str) -> Path:
         """Its ``rank-<r>.<kind>`` file."""
@@ -310,5 +330,6 @@ def peers(store: SignedStore, ranks: list[int]) -> dict[int, Peer]:
     for r in ranks:
         who = store.get(f"who/{r}", _who)
         if who is not None:
-            out[r] = Peer(r, who["host"], who["pid"], who["dir"], who["main"])
+            machine = who.get("machine")
+            out[r] = Peer(r, who["host"], who["pid"], who["dir"], who["main"], str(machine or ""))
     return out
