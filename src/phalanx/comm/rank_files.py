@@ -307,8 +307,8 @@ class Peer:
 
     def stuck(self) -> list[str] | None:
         """Its main thread's stack from a stuck dump it has now; None if none."""
-        text = self._read("stuck")
-        return thread_stack(text, self.main) if text.strip() else None
+        stack = thread_stack(self._read("stuck"), self.main)
+        return stack or None  # nothing yet, or faulthandler is still writing its first lines
 
     def calls(self) -> list[Record] | None:
         """Its last calls from its ring file; None when not readable from here."""
