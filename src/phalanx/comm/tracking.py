@@ -12,6 +12,7 @@ the rank that died with its signal and call, and the calls that differ (:mod:`.b
 With validation on (``validate=True`` / ``PHALANX_DEBUG=1``) each rank also compares a
 fingerprint of every collective with everyone's before running it (:mod:`.validation`).
 ``PHALANX_MISMATCH_CHECK=0`` turns the always-on check (CRCs, call ring, comparison) off.
+The environment flags are read by ``init_process_group`` before rendezvous (:mod:`.flags`).
 
 Point-to-point operations are recorded on their own channel (group :data:`P2P`, a counter of
 their own, see :mod:`phalanx.comm.work`): they never move the collectives' sequence numbers,
@@ -37,11 +38,12 @@ from phalanx.comm import blame, watchdog
 from phalanx.comm import fingerprint as fpr
 from phalanx.comm.call_ring import read_calls
 from phalanx.comm.errors import CollectiveError, CollectiveMismatchError
+from phalanx.comm.flags import TrackingFlags
 from phalanx.comm.flight import FlightRecorder
-from phalanx.comm.mismatch_check import Checker, check_enabled, neighbours, parse_progress
-from phalanx.comm.pairing import sites_compared
+from phalanx.comm.mismatch_check import Checker, neighbours
 from phalanx.comm.rank_files import Peer, RankFiles, open_rank_files, peers
 from phalanx.comm.signed import SignedStore
+from phalanx.comm.snapshot import parse_progress
 from phalanx.comm.validation import Validator
 
 __all__ = [
@@ -191,19 +193,29 @@ def _publisher(t: _Tracker, store: SignedStore) -> None:
 
 
 def start(
-    store: SignedStore | None, rank: int, world_size: int, validate: bool, timeout: timedelta
+    store: SignedStore | None,
+    rank: int,
+    world_size: int,
+    validate: bool,
+    timeout: timedelta,
+    flags: TrackingFlags | None = None,
 ) -> None:
-    """Begin tracking for the default group (called by ``init_process_group``)."""
+    """Begin tracking for the default group (called by ``init_process_group``).
+
+    ``flags`` are the environment's (:func:`~phalanx.comm.flags.tracking_flags`, read before
+    rendezvous); None means the defaults.
+    """
     global _T
     stop()
     if store is None:
         return
+    flags = flags or TrackingFlags()
     t = _Tracker(store.sub("phalanx/"), rank, world_size, validate, timeout.total_seconds())
     if validate:
-        t.validator = Validator(t.store, rank, t.timeout_s)
+        t.validator = Validator(t.store, rank, t.timeout_s, flags.sites)
     if world_size > 1:
-        t.check = Checker(rank, sites_compared())
-        t.checking = check_enabled()
+        t.check = Checker(rank, flags.sites)
+        t.checking = flags.check
         try:
             t.files = open_rank_files(t.store, rank)
         except (dist.DistError, OSError) as exc:  # diagnostics must never stop a job starting
@@ -214,7 +226,7 @@ def start(
         raw.set_timeout(timedelta(seconds=PUBLISH_STORE_TIMEOUT_S))
         clone = store.over(raw).sub("phalanx/")
         keepalive = t.files.rearm if t.files is not None else lambda: None
-        t.watch = watchdog.Watchdog(_RECORDER, rank, world_size, keepalive)
+        t.watch = watchdog.Watchdog(_RECORDER, rank, world_size, keepalive, flags.hang_timeout_s)
         t.thread = threading.Thread(
             target=_publisher, args=(t, clone), name="phalanx-progress", daemon=True
         )
