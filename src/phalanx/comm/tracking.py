@@ -11,7 +11,8 @@ the rank that died with its signal and call, and the calls that differ (:mod:`.b
 
 With validation on (``validate=True`` / ``PHALANX_DEBUG=1``) each rank also compares a
 fingerprint of every collective with everyone's before running it (:mod:`.validation`).
-``PHALANX_MISMATCH_CHECK=0`` turns the always-on check (CRCs, call ring, comparison) off.
+``PHALANX_MISMATCH_CHECK=0`` turns the always-on check (CRCs, comparison) off; the call ring
+is written whenever the rank files exist: it is the failure report's evidence (about 1 µs).
 The environment flags are read by ``init_process_group`` before rendezvous (:mod:`.flags`).
 
 Point-to-point operations are recorded on their own channel (group :data:`P2P`, a counter of
@@ -88,7 +89,7 @@ class _Tracker:
     watch: watchdog.Watchdog | None = None
     check: Checker | None = None
     checking: bool = False
-    """The always-on check (rolling CRCs, call ring, comparison) runs."""
+    """The always-on check (rolling CRCs, comparison) runs."""
     files: RankFiles | None = None
     validator: Validator | None = None
     peers: dict[int, Peer] = field(default_factory=dict)
@@ -296,8 +297,8 @@ def enter(
     rec = _RECORDER.start(name, seq, op, shape, site, args=args)
     if check is not None:
         check.note(name, seq, op, shape, args)
-        if t.files is not None:
-            t.files.ring.write(rec)
+    if t.files is not None:  # blame's evidence, check or not
+        t.files.ring.write(rec)
     if t.validator is not None:
         fp = fpr.make(op, name, seq, tensor, reduce_op, root, compare_shape, site)
         t.validator.check(name, ranks, seq, fp)
@@ -310,7 +311,7 @@ def leave(group: dist.ProcessGroup | None, seq: int) -> None:
     if seq >= 0 and t is not None:
         name = _group_ranks(group)[0]
         _RECORDER.finish(name, seq)
-        if t.files is not None and t.checking:
+        if t.files is not None:
             t.files.ring.done(name, seq, time.time())
 
 
@@ -383,7 +384,7 @@ def _account(
         t.peers.update(peers(t.store, missing))
         known: dict[int, Peer | None] = {r: t.peers.get(r) for r in others}
         mine = _RECORDER.tail(name, 64)
-        if t.files is not None and t.checking:
+        if t.files is not None:
             mine = read_calls(t.files.ring.path) or mine
         return blame.explain(t.rank, known, name, seq, mine, partial(_entered, t), wait, found)
     except Exception:
