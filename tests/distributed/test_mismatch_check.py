@@ -76,9 +76,9 @@ def _mismatch(kind: str) -> Outcome:
     return "", "", time.monotonic() - t0, seen[0] if seen else None
 
 
-def _survivors(kind: str) -> dict[int, Outcome]:
+def _survivors(kind: str, env: dict[str, str] | None = None) -> dict[int, Outcome]:
     results = run_distributed(
-        _mismatch, kind, world_size=2, timeout=60, collective_timeout=4, may_die=(0, 1)
+        _mismatch, kind, world_size=2, timeout=60, collective_timeout=4, may_die=(0, 1), env=env
     )
     return {r: out for r, out in enumerate(results) if out is not None}
 
@@ -97,6 +97,18 @@ def test_gloo_abort_names_the_dead_rank_its_signal_and_both_calls(kind: str, sho
     assert "(collective #2, which it had entered)" in msg and "never reached" not in msg
     assert f"rank {dead} main thread at the signal" in msg and "in _body" in msg
     assert elapsed < 3.0
+
+
+def test_with_the_check_off_the_dead_rank_s_call_ring_still_blames_it() -> None:
+    """``PHALANX_MISMATCH_CHECK=0`` stops the comparison, not the call ring (blame's evidence)."""
+    alive = _survivors("shape", {"PHALANX_MISMATCH_CHECK": "0"})
+    assert len(alive) == 1, alive
+    ((me, (name, msg, _, found_after)),) = alive.items()
+    dead = 1 - me
+    assert name.endswith("Error") and found_after is None, msg  # no check ran
+    assert f"rank {dead} (pid " in msg and "died, killed by SIGABRT, in all_reduce" in msg
+    assert "(collective #2, which it had entered)" in msg, msg
+    assert "never reached" not in msg and "no collective yet" not in msg, msg
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ from torch import nn
 import phalanx
 from phalanx.testing import run_distributed
 from phalanx.train.phases import PHASES
+from phalanx.train.straggler_monitor import StragglerMonitor
 
 ONSET, STEPS, DELAY = 8, 16, 0.03
 
@@ -83,3 +84,26 @@ def test_no_straggler_no_report(tmp_path: Path) -> None:
     r = run_distributed(_train, None, str(tmp_path / "m.jsonl"), world_size=2, timeout=60)
     assert r[0]["named"] is None and r[1]["named"] is None
     assert r[0]["lines"] == []
+
+
+def _uneven_close(steps: list[int]) -> tuple[float, float]:
+    """Ranks step different numbers of times (gathers left unmatched); rank 0 closes first."""
+    rank = phalanx.world().rank
+    monitor = StragglerMonitor(every=1)
+    side = monitor.group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    for _ in range(steps[rank]):
+        monitor.step([0.001] * len(PHASES))
+    start = time.monotonic()
+    if rank == 0:
+        monitor.close()  # its peer is still alive and never starts the gathers it waits for
+    closed = time.monotonic() - start
+    phalanx.barrier()  # the default group still works after the abandoned gathers
+    monitor.close()
+    return closed, side
+
+
+def test_close_abandons_unmatched_gathers_and_the_side_group_has_the_job_timeout() -> None:
+    results = run_distributed(_uneven_close, [3, 1], world_size=2, timeout=30, collective_timeout=7)
+    for closed, side in results:
+        assert closed < 1.0  # was: a wait for the side group's timeout (torch's 30 minutes)
+        assert side == 7.0

@@ -52,7 +52,15 @@ CLI_DEADLINE_S = 60.0
 FOREIGN = tuple(Path(m.__file__).resolve().parent for m in (torch, urllib))
 """Packages no frame of a raised exception may be in (phalanx's own frames must raise)."""
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-OTHER_ENV = ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PHALANX_BACKEND", "PHALANX_DEBUG")
+OTHER_ENV = (
+    "SLURM_PROCID",
+    "OMPI_COMM_WORLD_RANK",
+    "PHALANX_BACKEND",
+    "PHALANX_DEBUG",
+    "PHALANX_MISMATCH_CHECK",
+    "PHALANX_CALL_SITES",
+    "PHALANX_HANG_TIMEOUT",
+)
 NOWHERE = str(Path(tempfile.gettempdir()) / "phalanx-bad-input-never-written")
 
 
@@ -215,6 +223,35 @@ CASES = [
     ),
     row(bad(init, **TWO, init_method="env://"), ValueError, "MASTER_ADDR"),
     row(bad(init), ValueError, "PHALANX_BACKEND='foo' | unset", env={"PHALANX_BACKEND": "foo"}),
+    # ---- init_process_group(): a bad tracking flag, refused before rendezvous, at any size ----
+    row(
+        bad(init),
+        ValueError,
+        "PHALANX_MISMATCH_CHECK='maybe' | 1/0",
+        env={"PHALANX_MISMATCH_CHECK": "maybe"},
+    ),
+    row(bad(init), ValueError, "PHALANX_CALL_SITES='2' | on/off", env={"PHALANX_CALL_SITES": "2"}),
+    row(
+        bad(init),
+        ValueError,
+        "PHALANX_DEBUG='verbose' | true/false",
+        env={"PHALANX_DEBUG": "verbose"},
+    ),
+    row(
+        bad(init),
+        ValueError,
+        "PHALANX_HANG_TIMEOUT='soon' | seconds",
+        env={"PHALANX_HANG_TIMEOUT": "soon"},
+    ),
+    row(
+        bad(init), ValueError, "PHALANX_HANG_TIMEOUT='-1' | > 0", env={"PHALANX_HANG_TIMEOUT": "-1"}
+    ),
+    row(
+        bad(init, "gloo", NOBODY),
+        ValueError,
+        "PHALANX_MISMATCH_CHECK='Nope' | yes/no",
+        env={"RANK": "1", "WORLD_SIZE": "2", "PHALANX_MISMATCH_CHECK": "Nope"},
+    ),
     row(
         bad(init, "gloo", NOBODY, rank=1, world_size=2, timeout=1),
         ConnectionError,
@@ -253,6 +290,8 @@ CASES = [
     row(bad(Job, "ps-sync", servers="1"), TypeError, "str '1'"),
     row(bad(Job, "ps-sync", max_updates=0), ValueError, "int >= 1"),
     row(bad(Job, "single", straggler_check_every=-1), ValueError, "int >= 0"),
+    row(bad(Job, "single", straggler_rule=5), TypeError, "StragglerRule | int 5"),
+    row(bad(Job, "single", straggler_rule={"z": 3.0}), TypeError, "StragglerRule | dict"),
     row(bad(Job, backend="tpu"), ValueError, "'gloo'"),
     row(bad(_epochs, n="3"), TypeError, "Job.epochs | str '3'"),
     row(bad(register_strategy, "mine", wrap=3), TypeError, "callable"),

@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from phalanx.comm.flight import FlightRecorder
-from phalanx.comm.mismatch_check import Checker, compare, neighbours, parse_progress
+from phalanx.comm.mismatch_check import Checker, compare, neighbours
+from phalanx.comm.snapshot import parse_progress
 
 Call = tuple[str, str, str, str]  # op, shape, args, site
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import threading
 import time
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from phalanx.comm import wait_clock
+from phalanx.comm.work import run_blocking
 from phalanx.train.phases import PhaseClock
 
 
@@ -74,3 +78,63 @@ def test_wait_clock_counts_nested_waits_once() -> None:
     assert 0.05 <= wait_clock.waited() - before < 0.095  # twice would be >= 0.1
     wait_clock.add(0.25)
     assert 0.3 <= wait_clock.waited() - before < 0.345
+
+
+def _wait_on_a_thread(idle: bool = False) -> float:
+    before = wait_clock.waited()
+    thread = threading.Thread(target=_sleep_blocked, args=(idle,))
+    thread.start()
+    thread.join(5)
+    return wait_clock.waited() - before
+
+
+def _sleep_blocked(idle: bool = False) -> None:
+    with wait_clock.blocked(idle=idle):
+        time.sleep(0.05)
+
+
+def test_only_the_owner_thread_s_waits_count() -> None:
+    assert _wait_on_a_thread() == 0.0  # a heartbeat's or a server thread's wait
+    done = threading.Event()
+
+    def owner() -> None:
+        wait_clock.claim()
+        done.set()
+
+    try:
+        threading.Thread(target=owner).start()
+        assert done.wait(5)
+        before = wait_clock.waited()
+        _sleep_blocked()  # the main thread no longer owns the clock
+        assert wait_clock.waited() == before
+    finally:
+        wait_clock.claim()  # back to this (the main) thread
+    before = wait_clock.waited()
+    _sleep_blocked()
+    assert wait_clock.waited() - before >= 0.05
+
+
+def test_idle_waits_never_count() -> None:
+    before = wait_clock.waited()
+    _sleep_blocked(idle=True)
+    entry = SimpleNamespace(idle=True, begin=lambda: None, end=lambda: None)
+    run_blocking(entry, lambda: time.sleep(0.05))  # type: ignore[arg-type]
+    assert wait_clock.waited() == before
+    with wait_clock.blocked(), wait_clock.blocked(idle=True):  # the outermost decides
+        time.sleep(0.02)
+    assert wait_clock.waited() - before >= 0.02
+
+
+def _backward_with_a_wait() -> None:
+    x = torch.ones(2, requires_grad=True)
+    x.register_hook(lambda g: _sleep_blocked() or g)
+    (2 * x).sum().backward()
+
+
+def test_a_wait_inside_backward_counts_on_any_thread() -> None:
+    """An accelerator's backward hooks run on autograd's device threads, not the owner."""
+    before = wait_clock.waited()
+    thread = threading.Thread(target=_backward_with_a_wait)
+    thread.start()
+    thread.join(5)
+    assert wait_clock.waited() - before >= 0.05

@@ -24,6 +24,7 @@ from phalanx._check import check_bool, check_choice, check_group, check_int, che
 from phalanx.comm import join, tracking
 from phalanx.comm.auth import job_secret
 from phalanx.comm.env import LaunchEnv, discover_env
+from phalanx.comm.flags import tracking_flags
 from phalanx.comm.init_method import InitMethod, parse_init_method
 from phalanx.comm.signed import SignedStore
 from phalanx.comm.store import connect_store, host_store
@@ -205,7 +206,9 @@ def init_process_group(
         world_size: Number of processes; default from the environment.
         timeout: Collective timeout (seconds or timedelta); default 300 s.
         validate: Compare a fingerprint of every collective across ranks before running it;
-            default from ``PHALANX_DEBUG=1``.
+            default from ``PHALANX_DEBUG=1``. The tracking flags (``PHALANX_DEBUG``,
+            ``PHALANX_MISMATCH_CHECK``, ``PHALANX_CALL_SITES``, ``PHALANX_HANG_TIMEOUT``) are read
+            and checked before rendezvous.
 
     Returns:
         The frozen :class:`World` record.
@@ -220,6 +223,7 @@ def init_process_group(
     limit = DEFAULT_TIMEOUT if timeout is None else check_timeout("timeout", timeout, where=WHERE)
     if validate is not None:
         check_bool("validate", validate, where=WHERE)
+    flags = tracking_flags()  # a malformed PHALANX_* flag is refused before rendezvous
     env = discover_env()
     rank, world_size = _rank_and_size(method, env, rank, world_size)
     name = resolve_backend(backend, env.local_rank)
@@ -255,8 +259,8 @@ def init_process_group(
         device=device,
         backend=name,
     )
-    debug = os.environ.get("PHALANX_DEBUG", "") not in ("", "0")
-    tracking.start(_SIGNED, rank, world_size, debug if validate is None else validate, limit)
+    checked = flags.debug if validate is None else validate
+    tracking.start(_SIGNED, rank, world_size, checked, limit, flags)
     return _WORLD
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-import os
 import zlib
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -40,10 +39,8 @@ from phalanx.comm.signed import SignedStore
 __all__ = [
     "Checker",
     "Comparison",
-    "check_enabled",
     "compare",
     "neighbours",
-    "parse_progress",
     "window_from",
 ]
 
@@ -66,24 +63,6 @@ def window_from(entries: Any) -> dict[int, tuple[int, Record]]:
             seq, crc, op, shape, args, site = e
             out[seq] = (crc, Record("", seq, str(op), str(shape), str(site), 0.0, args=str(args)))
     return out
-
-
-def check_enabled() -> bool:
-    """``PHALANX_MISMATCH_CHECK`` (default 1); a malformed value is named."""
-    raw = os.environ.get("PHALANX_MISMATCH_CHECK", "1").strip().lower()
-    if raw not in ("0", "1", "false", "true", "off", "on"):
-        raise ValueError(f"PHALANX_MISMATCH_CHECK={raw!r} must be 0 or 1")
-    return raw in ("1", "true", "on")
-
-
-def parse_progress(value: Any) -> dict[str, list[Any]]:
-    """A published snapshot: ``{group: [seq, last op]}`` or ``[seq, last op, crc, window]``."""
-    if not isinstance(value, dict):
-        raise TypeError("a progress snapshot is an object")
-    for entry in value.values():
-        if not (isinstance(entry, list) and len(entry) in (2, 4) and isinstance(entry[0], int)):
-            raise TypeError(f"a progress entry is [seq, op] or [seq, op, crc, window]: {entry!r}")
-    return value
 
 
 def neighbours(rank: int, groups: list[list[int]]) -> list[int]:

@@ -19,10 +19,11 @@ steps have not diverged.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from phalanx.comm.flags import env_flag
 
 if TYPE_CHECKING:
     from phalanx.comm.flight import Record
@@ -32,10 +33,7 @@ __all__ = ["Divergence", "first_mismatch", "sites_compared"]
 
 def sites_compared() -> bool:
     """``PHALANX_CALL_SITES`` (default 1): 0 turns the skipped-collective rule off."""
-    raw = os.environ.get("PHALANX_CALL_SITES", "1").strip().lower()
-    if raw not in ("0", "1", "false", "true", "no", "yes", "off", "on"):
-        raise ValueError(f"PHALANX_CALL_SITES={raw!r} must be 0 or 1")
-    return raw in ("1", "true", "yes", "on")
+    return env_flag("PHALANX_CALL_SITES", True)
 
 
 def signature(rec: Record) -> tuple[str, str, str]:

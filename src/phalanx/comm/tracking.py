@@ -11,7 +11,9 @@ the rank that died with its signal and call, and the calls that differ (:mod:`.b
 
 With validation on (``validate=True`` / ``PHALANX_DEBUG=1``) each rank also compares a
 fingerprint of every collective with everyone's before running it (:mod:`.validation`).
-``PHALANX_MISMATCH_CHECK=0`` turns the always-on check (CRCs, call ring, comparison) off.
+``PHALANX_MISMATCH_CHECK=0`` turns the always-on check (CRCs, comparison) off; the call ring
+is written whenever the rank files exist: it is the failure report's evidence (about 1 µs).
+The environment flags are read by ``init_process_group`` before rendezvous (:mod:`.flags`).
 
 Point-to-point operations are recorded on their own channel (group :data:`P2P`, a counter of
 their own, see :mod:`phalanx.comm.work`): they never move the collectives' sequence numbers,
@@ -37,11 +39,12 @@ from phalanx.comm import blame, watchdog
 from phalanx.comm import fingerprint as fpr
 from phalanx.comm.call_ring import read_calls
 from phalanx.comm.errors import CollectiveError, CollectiveMismatchError
+from phalanx.comm.flags import TrackingFlags
 from phalanx.comm.flight import FlightRecorder
-from phalanx.comm.mismatch_check import Checker, check_enabled, neighbours, parse_progress
-from phalanx.comm.pairing import sites_compared
+from phalanx.comm.mismatch_check import Checker, neighbours
 from phalanx.comm.rank_files import Peer, RankFiles, open_rank_files, peers
 from phalanx.comm.signed import SignedStore
+from phalanx.comm.snapshot import parse_progress
 from phalanx.comm.validation import Validator
 
 __all__ = [
@@ -86,7 +89,7 @@ class _Tracker:
     watch: watchdog.Watchdog | None = None
     check: Checker | None = None
     checking: bool = False
-    """The always-on check (rolling CRCs, call ring, comparison) runs."""
+    """The always-on check (rolling CRCs, comparison) runs."""
     files: RankFiles | None = None
     validator: Validator | None = None
     peers: dict[int, Peer] = field(default_factory=dict)
@@ -191,19 +194,29 @@ def _publisher(t: _Tracker, store: SignedStore) -> None:
 
 
 def start(
-    store: SignedStore | None, rank: int, world_size: int, validate: bool, timeout: timedelta
+    store: SignedStore | None,
+    rank: int,
+    world_size: int,
+    validate: bool,
+    timeout: timedelta,
+    flags: TrackingFlags | None = None,
 ) -> None:
-    """Begin tracking for the default group (called by ``init_process_group``)."""
+    """Begin tracking for the default group (called by ``init_process_group``).
+
+    ``flags`` are the environment's (:func:`~phalanx.comm.flags.tracking_flags`, read before
+    rendezvous); None means the defaults.
+    """
     global _T
     stop()
     if store is None:
         return
+    flags = flags or TrackingFlags()
     t = _Tracker(store.sub("phalanx/"), rank, world_size, validate, timeout.total_seconds())
     if validate:
-        t.validator = Validator(t.store, rank, t.timeout_s)
+        t.validator = Validator(t.store, rank, t.timeout_s, flags.sites)
     if world_size > 1:
-        t.check = Checker(rank, sites_compared())
-        t.checking = check_enabled()
+        t.check = Checker(rank, flags.sites)
+        t.checking = flags.check
         try:
             t.files = open_rank_files(t.store, rank)
         except (dist.DistError, OSError) as exc:  # diagnostics must never stop a job starting
@@ -214,7 +227,7 @@ def start(
         raw.set_timeout(timedelta(seconds=PUBLISH_STORE_TIMEOUT_S))
         clone = store.over(raw).sub("phalanx/")
         keepalive = t.files.rearm if t.files is not None else lambda: None
-        t.watch = watchdog.Watchdog(_RECORDER, rank, world_size, keepalive)
+        t.watch = watchdog.Watchdog(_RECORDER, rank, world_size, keepalive, flags.hang_timeout_s)
         t.thread = threading.Thread(
             target=_publisher, args=(t, clone), name="phalanx-progress", daemon=True
         )
@@ -284,8 +297,8 @@ def enter(
     rec = _RECORDER.start(name, seq, op, shape, site, args=args)
     if check is not None:
         check.note(name, seq, op, shape, args)
-        if t.files is not None:
-            t.files.ring.write(rec)
+    if t.files is not None:  # blame's evidence, check or not
+        t.files.ring.write(rec)
     if t.validator is not None:
         fp = fpr.make(op, name, seq, tensor, reduce_op, root, compare_shape, site)
         t.validator.check(name, ranks, seq, fp)
@@ -298,7 +311,7 @@ def leave(group: dist.ProcessGroup | None, seq: int) -> None:
     if seq >= 0 and t is not None:
         name = _group_ranks(group)[0]
         _RECORDER.finish(name, seq)
-        if t.files is not None and t.checking:
+        if t.files is not None:
             t.files.ring.done(name, seq, time.time())
 
 
@@ -371,7 +384,7 @@ def _account(
         t.peers.update(peers(t.store, missing))
         known: dict[int, Peer | None] = {r: t.peers.get(r) for r in others}
         mine = _RECORDER.tail(name, 64)
-        if t.files is not None and t.checking:
+        if t.files is not None:
             mine = read_calls(t.files.ring.path) or mine
         return blame.explain(t.rank, known, name, seq, mine, partial(_entered, t), wait, found)
     except Exception:

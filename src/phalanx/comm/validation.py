@@ -19,9 +19,9 @@ from typing import Any
 
 from phalanx.comm import fingerprint as fpr
 from phalanx.comm.errors import CollectiveMismatchError, CollectiveTimeoutError
-from phalanx.comm.mismatch_check import parse_progress
-from phalanx.comm.pairing import first_mismatch, sites_compared
+from phalanx.comm.pairing import first_mismatch
 from phalanx.comm.signed import SignedStore
+from phalanx.comm.snapshot import parse_progress
 
 __all__ = ["Validator"]
 
@@ -38,9 +38,10 @@ def _fingerprint(value: Any) -> dict[str, Any]:
 class Validator:
     """One rank's side of validation: publish, compare, remember the previous position."""
 
-    def __init__(self, store: SignedStore, rank: int, timeout_s: float) -> None:
+    def __init__(self, store: SignedStore, rank: int, timeout_s: float, sites: bool) -> None:
         self.store, self.rank, self.timeout_s = store, rank, timeout_s
-        self.sites = sites_compared()
+        self.sites = sites
+        """Compare call sites too (``PHALANX_CALL_SITES``, see :mod:`.pairing`)."""
         self._prev: dict[str, dict[int, dict[str, Any]]] = {}
 
     def check(self, name: str, ranks: list[int], seq: int, fp: dict[str, Any]) -> None:

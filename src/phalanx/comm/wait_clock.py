@@ -1,15 +1,21 @@
-"""How long this process has been blocked on communication: one counter for every wait site.
+"""How long the training thread has been blocked on communication: one counter for every wait site.
 
 A rank that is ahead of its peers does not compute less; it waits longer, inside a collective's
 ``wait()``, a blocking collective, a pipeline receive. Every place where phalanx blocks on
-communication runs inside :func:`blocked`, which adds the time to one process-wide counter;
-:func:`waited` reads it. The job's phase clock samples the counter at each phase boundary, so
-the wait is attributed to the phase it happened in and subtracted from that phase's compute.
+communication runs inside :func:`blocked`, which adds the time to one counter; :func:`waited`
+reads it. The job's phase clock samples the counter at each phase boundary, so the wait is
+attributed to the phase it happened in and subtracted from that phase's compute.
+
+Only the waits of the thread that owns the clock count: the main thread, or the thread that
+called :func:`claim` (the job's training thread), and code that thread's backward runs on
+autograd's own threads (an accelerator's backward hooks). Waits on other threads (a parameter
+server's heartbeats and serving threads) are not the training's, and neither is an *idle* wait
+(``blocked(idle=True)``: a server waiting for its next request), wherever it runs.
 
 Wait sites are nested (DDP's bucket future wraps a tracked work's ``wait()``): only the outermost
-``blocked()`` of a thread counts, so nesting never counts a wait twice. Waits that phalanx does
-not see itself (torch's own DDP reducer, FSDP2) are added by their timing hooks with :func:`add`
-(see ``phalanx.train.comm_timing``).
+``blocked()`` of a thread decides and counts, so nesting never counts a wait twice. Waits that
+phalanx does not see itself (torch's own DDP reducer, FSDP2) are added by their timing hooks with
+:func:`add`, on behalf of the training thread (see ``phalanx.train.comm_timing``).
 """
 
 from __future__ import annotations
@@ -18,22 +24,39 @@ import threading
 import time
 from types import TracebackType
 
-__all__ = ["add", "blocked", "waited"]
+import torch
+
+__all__ = ["add", "blocked", "claim", "waited"]
 
 _lock = threading.Lock()
 _total = [0.0]
 _depth = threading.local()
+_owner = [threading.main_thread().ident]
+
+
+def claim() -> None:
+    """Make the calling thread the one whose waits count (the job's training thread)."""
+    _owner[0] = threading.get_ident()
+
+
+def _counts_here() -> bool:
+    """The owner, or autograd running the owner's backward (graph task ids are per backward)."""
+    return threading.get_ident() == _owner[0] or torch._C._current_graph_task_id() != -1
 
 
 class _Blocked:
     """The context manager :func:`blocked` returns (a class: cheaper than a generator)."""
 
-    __slots__ = ("_start",)
+    __slots__ = ("_idle", "_start")
+
+    def __init__(self, idle: bool) -> None:
+        self._idle = idle
 
     def __enter__(self) -> None:
         depth = getattr(_depth, "n", 0)
         _depth.n = depth + 1
-        self._start = time.perf_counter() if depth == 0 else -1.0
+        counted = depth == 0 and not self._idle and _counts_here()
+        self._start = time.perf_counter() if counted else -1.0
 
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -43,17 +66,21 @@ class _Blocked:
             add(time.perf_counter() - self._start)
 
 
-def blocked() -> _Blocked:
-    """``with blocked(): work.wait()`` counts the time spent inside as communication wait."""
-    return _Blocked()
+def blocked(idle: bool = False) -> _Blocked:
+    """``with blocked(): work.wait()`` counts the time spent inside as communication wait.
+
+    Args:
+        idle: A wait for work to arrive (a server's next request), never counted.
+    """
+    return _Blocked(idle)
 
 
 def add(seconds: float) -> None:
-    """Count ``seconds`` of communication wait measured elsewhere (a timing hook)."""
+    """Count ``seconds`` of the training thread's communication wait measured elsewhere."""
     with _lock:
         _total[0] += seconds
 
 
 def waited() -> float:
-    """Seconds this process has been blocked on communication since it started."""
+    """Seconds the training thread has been blocked on communication since the process started."""
     return _total[0]

@@ -27,12 +27,13 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
+from phalanx.comm.flags import hang_timeout
 from phalanx.comm.flight import FlightRecorder, Record
 from phalanx.comm.hang_report import Answer, Incident, Silent, build_report
 from phalanx.comm.rank_files import Peer, peers
 from phalanx.comm.signed import SignedStore, as_record
 
-__all__ = ["Watchdog", "dump_on_failure", "hang_timeout"]
+__all__ = ["Watchdog", "dump_on_failure"]
 
 TAIL = 64
 COLLECT_S = 1.2
@@ -41,18 +42,6 @@ MAX_COLLECT_S = 3.0
 """A silent rank that looks healthy (or cannot be seen from here) is waited for this long."""
 REPORT_WAIT_S = MAX_COLLECT_S + 1.5
 POLL_S = 0.05
-
-
-def hang_timeout() -> float:
-    """``PHALANX_HANG_TIMEOUT`` seconds (default 60); a malformed value is named."""
-    raw = os.environ.get("PHALANX_HANG_TIMEOUT", "60")
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"PHALANX_HANG_TIMEOUT={raw!r} is not a number of seconds") from None
-    if value <= 0:
-        raise ValueError(f"PHALANX_HANG_TIMEOUT={raw!r} must be > 0 seconds")
-    return value
 
 
 def dump_on_failure(recorder: FlightRecorder, rank: int) -> None:
@@ -139,11 +128,13 @@ class Watchdog:
         rank: int,
         world_size: int,
         keepalive: Callable[[], None] = lambda: None,
+        timeout_s: float | None = None,
     ) -> None:
         self.recorder, self.rank, self.world_size = recorder, rank, world_size
         self.keepalive = keepalive
         """Called while the watchdog blocks the progress thread (re-arms the stuck dump)."""
-        self.timeout = hang_timeout()
+        self.timeout = hang_timeout() if timeout_s is None else timeout_s
+        """Seconds a collective waits before it is a hang (default ``PHALANX_HANG_TIMEOUT``)."""
         self.next = 1
         """The number of the next incident this rank has not seen."""
         self._covered: set[tuple[str, int]] = set()

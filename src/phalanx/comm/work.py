@@ -38,6 +38,8 @@ class Entry(Protocol):
 
     closes_from_future: bool
     """Close the record from the work's own future (an open record that nobody may wait on)."""
+    idle: bool
+    """A wait for work to arrive: never a hang, never the training's communication wait."""
 
     def begin(self) -> None:
         """This rank starts waiting for the operation."""
@@ -53,6 +55,7 @@ class CollectiveEntry:
     """A collective's record, opened by :func:`tracking.enter` at launch."""
 
     closes_from_future = True
+    idle = False
 
     def __init__(self, op: str, seq: int, group: dist.ProcessGroup | None) -> None:
         self.op, self.seq, self.group = op, seq, group
@@ -143,7 +146,7 @@ def run_blocking(entry: Entry, call: Callable[[], Any]) -> Any:
     """Run a blocking ``call`` as one wait of ``entry``; returns what it returns."""
     entry.begin()
     try:
-        with wait_clock.blocked():
+        with wait_clock.blocked(entry.idle):
             result = call()
     except RuntimeError as exc:
         raise entry.error(exc) from exc
@@ -170,7 +173,7 @@ class TrackedWork:
         """Block until the operation completes; raise a phalanx error if it failed."""
         self._entry.begin()
         try:
-            with wait_clock.blocked():
+            with wait_clock.blocked(self._entry.idle):
                 done = self._work.wait() if timeout is None else self._work.wait(timeout)
         except RuntimeError as exc:
             raise self._entry.error(exc) from exc

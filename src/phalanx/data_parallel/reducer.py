@@ -18,7 +18,6 @@ count is reached.
 from __future__ import annotations
 
 import threading
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -115,8 +114,6 @@ class Reducer:
                 self.where[j] = (b.index, k)
         self.counts = HookCounts(len(self.params)) if self.options.static_graph else None
         self.shadowing = False
-        self.wait_seconds = 0.0
-        """Time spent at the end of backward waiting for communication (exposed comm)."""
         self.hook: Hook | None = None
         self.hook_state: Any = None
         self.enabled = True
@@ -310,10 +307,8 @@ class Reducer:
     def _wait(self, b: Bucket) -> None:
         if b.future is None:
             return
-        start = time.perf_counter()
         with wait_clock.blocked():
             result = b.future.wait()
-        self.wait_seconds += time.perf_counter() - start
         b.absorb(result)
 
     def _write_back(self, b: Bucket, globally_unused: set[int]) -> None:

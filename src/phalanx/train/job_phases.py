@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from phalanx.comm import wait_clock
 from phalanx.comm.group import World
 from phalanx.mesh.groups import ParallelGroups
 from phalanx.train.phases import PHASES, PhaseClock
@@ -35,6 +36,7 @@ class PhaseMixin:
 
     def _init_phases(self, check_every: int, rule: StragglerRule | None) -> None:
         """Start the clock; make the monitor (collective: every rank calls this in turn)."""
+        wait_clock.claim()  # the job's thread trains: its waits are the communication wait
         self.phases = PhaseClock()
         """This rank's time per phase (see :mod:`phalanx.train.phases`)."""
         self._monitor: StragglerMonitor | None = None

@@ -9,6 +9,13 @@ the first later step by which it has completed (``is_completed()``: no waiting; 
 flight): the ranks never wait for each other here. The detector then sees every step of the
 window, one by one, so a longer ``every`` makes the gathers rarer (cheaper) without coarsening
 the statistic; a verdict comes ``every`` steps later at most, plus about one.
+
+The side group gets the default group's timeout (torch's ``new_group`` default is 30 minutes),
+and :meth:`StragglerMonitor.close` abandons the gathers still in flight: ranks may end after
+different numbers of steps, so a gather may never be matched, and nothing waits for it. The
+group is then kept alive (:data:`_ABANDONED`): the last reference to a gloo group blocks until
+its work in flight ends, which an unmatched gather does only when the peers' side groups go
+(their close, their exit) or the timeout passes. A process ends normally meanwhile.
 """
 
 from __future__ import annotations
@@ -17,11 +24,13 @@ import contextlib
 import logging
 from collections import deque
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from phalanx.comm.group import DEFAULT_TIMEOUT
 from phalanx.train.phases import PHASES
 from phalanx.train.stragglers import StragglerDetector, StragglerFinding, StragglerRule
 
@@ -32,6 +41,8 @@ log = logging.getLogger(__name__)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 MAX_IN_FLIGHT = 4
 """Gathers started and not yet collected; one more waits for the oldest."""
+_ABANDONED: list[Any] = []
+"""Side groups released with gathers in flight, kept referenced (see the module's notes)."""
 
 
 class StragglerMonitor:
@@ -56,7 +67,7 @@ class StragglerMonitor:
             raise ValueError(f"straggler_check_every must be >= 1 (0 disables), got {every}")
         self.every = every
         self.world_size = dist.get_world_size()
-        self.group: Any = dist.new_group(backend="gloo")
+        self.group: Any = dist.new_group(backend="gloo", timeout=job_timeout())
         sets = peers if peers is not None else [range(self.world_size)]
         self.detectors = [StragglerDetector(list(s), rule) for s in sets if len(s) >= 2]
         self.finding: StragglerFinding | None = None
@@ -94,8 +105,7 @@ class StragglerMonitor:
                 dist.get_rank(),
                 str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
             )
-            self.group = None
-            self._pending.clear()
+            self._release()
             return None
         steps = out.view(self.world_size, -1, len(PHASES)).transpose(0, 1).tolist()
         found = None
@@ -112,11 +122,29 @@ class StragglerMonitor:
         return next((d.current for d in self.detectors if d.current is not None), None)
 
     def close(self) -> None:
-        """Wait for the gathers in flight and release the side group (idempotent)."""
-        while self._pending:
-            work, _ = self._pending.popleft()
-            with contextlib.suppress(RuntimeError):  # a peer died; the job is ending anyway
-                work.wait()
+        """Release the side group, abandoning the gathers in flight (idempotent, never waits).
+
+        Ranks may stop after different numbers of steps: a gather only some ranks started is
+        never matched, and waiting for it would block until the timeout.
+        """
+        self._release()
+
+    def _release(self) -> None:
+        in_flight = any(not work.is_completed() for work, _ in self._pending)
+        self._pending.clear()
         if self.group is not None:
             group, self.group = self.group, None
             dist.destroy_process_group(group)
+            if in_flight:  # dropping the last reference would wait for the unmatched gathers
+                _ABANDONED.append(group)
+
+
+def job_timeout() -> timedelta:
+    """The default group's collective timeout (phalanx's default if torch does not say)."""
+    pg = dist.distributed_c10d._get_default_group()
+    for device in getattr(pg, "_device_types", ()):
+        with contextlib.suppress(AttributeError, RuntimeError):
+            timeout = pg._get_backend(device).options._timeout
+            if isinstance(timeout, timedelta):
+                return timeout
+    return DEFAULT_TIMEOUT

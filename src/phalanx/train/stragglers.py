@@ -57,9 +57,10 @@ class StragglerRule:
     z: float = 2.0
     """The margin is at least ``z`` times the phase's noise (see ``quantile``)."""
     quantile: float = 0.9
-    """The phase's noise: this quantile of the window-to-window changes of every rank's time in
-    it, over the last ``history`` windows. A high quantile, because the noise that fools a
-    detector is bursty (a rank descheduled for a few steps), not the typical jitter."""
+    """The phase's noise: this quantile of the window-to-window changes of the other ranks'
+    times in it (never the judged rank's own), over the last ``history`` windows. A high
+    quantile, because the noise that fools a detector is bursty (a rank descheduled for a few
+    steps), not the typical jitter."""
     patience: int = 4
     """Consecutive windows the same rank and phase must stand out in before it is named."""
     warmup: int = 5
