@@ -146,6 +146,8 @@ for _ in range(5):  # the stuck dump is armed: a child must neither hang nor tou
         os._exit(0)
     assert os.waitpid(pid, 0)[1] == 0
 assert files.path("calls").exists()
+files._stop.set()  # no more re-arming: the dump armed after the last fork must fire
+files._keeper.join()
 ctypes.PyDLL(None).sleep(2)  # still armed in the parent: the stuck dump is written
 print(files.path("stuck").read_text().count("Thread"), flush=True)
 files.close()

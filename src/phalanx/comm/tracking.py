@@ -156,8 +156,6 @@ def _compare(t: _Tracker, store: SignedStore, snap: dict[str, list[Any]]) -> Non
 def _publish(
     t: _Tracker, store: SignedStore, last: dict[str, list[Any]] | None
 ) -> dict[str, list[Any]]:
-    if t.files is not None:
-        t.files.rearm()
     snap = t.snapshot()
     if snap != last:
         store.put(f"progress/{t.rank}", snap)
@@ -226,8 +224,7 @@ def start(
         # store call when the interpreter finalises dies in C++ (std::terminate, SIGABRT).
         raw.set_timeout(timedelta(seconds=PUBLISH_STORE_TIMEOUT_S))
         clone = store.over(raw).sub("phalanx/")
-        keepalive = t.files.rearm if t.files is not None else lambda: None
-        t.watch = watchdog.Watchdog(_RECORDER, rank, world_size, keepalive, flags.hang_timeout_s)
+        t.watch = watchdog.Watchdog(_RECORDER, rank, world_size, flags.hang_timeout_s)
         t.thread = threading.Thread(
             target=_publisher, args=(t, clone), name="phalanx-progress", daemon=True
         )

@@ -23,7 +23,6 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -127,12 +126,9 @@ class Watchdog:
         recorder: FlightRecorder,
         rank: int,
         world_size: int,
-        keepalive: Callable[[], None] = lambda: None,
         timeout_s: float | None = None,
     ) -> None:
         self.recorder, self.rank, self.world_size = recorder, rank, world_size
-        self.keepalive = keepalive
-        """Called while the watchdog blocks the progress thread (re-arms the stuck dump)."""
         self.timeout = hang_timeout() if timeout_s is None else timeout_s
         """Seconds a collective waits before it is a hang (default ``PHALANX_HANG_TIMEOUT``)."""
         self.next = 1
@@ -207,7 +203,6 @@ class Watchdog:
                 known.update(peers(store, [r for r in missing if r not in known]))
                 if not any(self._healthy(known.get(r)) for r in missing):
                     break
-            self.keepalive()
             time.sleep(POLL_S)
         known.update(peers(store, [r for r in missing if r not in known]))
         return answers, {r: silent_rank(r, known.get(r)) for r in missing}
@@ -225,7 +220,6 @@ class Watchdog:
             text = store.get(f"hang/report/{inc.n}", _report)
             if text is not None:
                 return text
-            self.keepalive()
             time.sleep(POLL_S)
         answers, silent = self._collect(store, inc)
         return (
