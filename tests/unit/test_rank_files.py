@@ -164,3 +164,26 @@ def test_a_forked_child_neither_hangs_nor_removes_the_files(tmp_path: Path) -> N
     assert out.returncode == 0, out.stderr
     assert int(out.stdout.strip()) >= 1
     assert not (tmp_path / "rank-0.calls").exists()
+
+
+BUSY = """
+import sys, time
+from pathlib import Path
+from phalanx.comm.rank_files import RankFiles
+
+files = RankFiles(Path(sys.argv[1]), 0)
+end = time.monotonic() + 2.5
+while time.monotonic() < end:  # Python running, the GIL passed around: not stuck
+    sum(range(1000))
+print(len(files.path("stuck").read_text()), flush=True)
+files.close()
+"""
+
+
+def test_a_rank_running_python_gets_no_stuck_dump(tmp_path: Path) -> None:
+    # a dump taken while the main thread runs Python reads moving frames (it can segfault)
+    out = subprocess.run(
+        [sys.executable, "-c", BUSY, str(tmp_path)], capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "0"
