@@ -57,6 +57,12 @@ def run_ok(cmd: list[str], **env: str) -> tuple[str, str]:
 
 
 def worker_envs(stdout: str) -> dict[str, dict[str, str]]:
-    """The ``ENV {json}`` line each worker of scripts/show_env.py printed, by its RANK."""
-    found = [json.loads(line.split("ENV ", 1)[1]) for line in stdout.splitlines() if "ENV " in line]
+    """The ``ENV {json}`` each worker of scripts/show_env.py printed, by its RANK.
+
+    Each object is decoded where it starts, so two workers' lines run together on one shared
+    pipe (torchrun's) still read as two.
+    """
+    decoder, found = json.JSONDecoder(), []
+    for part in stdout.split("ENV {")[1:]:
+        found.append(decoder.raw_decode("{" + part)[0])
     return {env["RANK"]: env for env in found}
