@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from phalanx.comm import group as pg
+from phalanx.data.sampler import DistributedSampler
 from phalanx.mesh.groups import ParallelGroups
 from phalanx.train.job_args import check_epochs, check_job_args
 from phalanx.train.job_checkpoint import CheckpointMixin
@@ -179,7 +180,7 @@ class Job(CheckpointMixin, PSMixin, DataMixin, PhaseMixin):
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Any = None
-        self.sampler: Any = None
+        self.sampler: DistributedSampler | None = None
         self.step_count = 0
         """Optimizer steps taken (restored on resume)."""
         self.epoch = 0

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from phalanx.comm.group import World
+from phalanx.data.sampler import DistributedSampler
 from phalanx.mesh.groups import ParallelGroups
 
 __all__ = ["DataMixin"]
@@ -18,7 +19,7 @@ class DataMixin:
     world: World
     seed: int
     groups: ParallelGroups | None
-    sampler: Any
+    sampler: DistributedSampler | None
 
     def _replicas(self) -> tuple[int, int] | None:  # parameter servers override
         return None
@@ -34,8 +35,6 @@ class DataMixin:
         **kwargs: Any,
     ) -> torch.utils.data.DataLoader[Any]:
         """A DataLoader over this rank's shard (``phalanx.DistributedSampler``)."""
-        from phalanx.data import DistributedSampler
-
         # Ranks of one replica (its pipeline stages, its tensor shards) read the same samples.
         replicas, replica = self.world.world_size, self.world.rank
         if self.groups is not None:

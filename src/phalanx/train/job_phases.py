@@ -12,10 +12,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from torch import nn
+
 from phalanx.comm import wait_clock
 from phalanx.comm.group import World
 from phalanx.mesh.groups import ParallelGroups
+from phalanx.train.metrics import MetricsLogger
 from phalanx.train.phases import PHASES, PhaseClock
+from phalanx.train.ps_strategies import PSConfig
 from phalanx.train.straggler_monitor import StragglerMonitor
 from phalanx.train.stragglers import StragglerFinding, StragglerRule
 
@@ -28,10 +32,10 @@ class PhaseMixin:
     """Phase marks, ``summary()``'s shares and straggler findings for :class:`phalanx.Job`."""
 
     world: World
-    model: Any
-    metrics: Any
+    model: nn.Module | None
+    metrics: MetricsLogger
     step_count: int
-    ps_config: Any
+    ps_config: PSConfig | None
     groups: ParallelGroups | None
 
     def _init_phases(self, check_every: int, rule: StragglerRule | None) -> None:
