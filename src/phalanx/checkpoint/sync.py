@@ -100,14 +100,17 @@ class Session:
         """Say this rank is done; a rank that sees every rank done deletes the session's keys.
 
         Each rank writes ``closed/<rank>`` and then reads everyone's, so the last one to write
-        sees them all (two may both delete, which is harmless).
+        sees them all (two may both delete, which is harmless; a key that vanishes while it is
+        read means another rank saw them all).
         """
         if self.store is None:
             return
         self.publish(f"closed/{self.rank}", {"ok": True})
         keys = [self._key(f"closed/{r}") for r in range(self.size)]
-        # one round trip while some rank is still open; one multi_get once all have closed
-        if self.store.exists(keys) and all(c is not None for c in self.store.get_present(keys)):
+        # One round trip while some rank is still open. Once all have closed, another rank may
+        # be deleting the keys already, so they are read without blocking (a multi_get of a
+        # deleted key waits out the store's whole timeout: a 4-rank job hung here).
+        if self.store.exists(keys) and all(self.store.get(k) is not None for k in keys):
             names = [*_SHARED, *(f"{k}/{r}" for k in _PER_RANK for r in range(self.size))]
             for name in names:
                 self.store.delete(self._key(name))

@@ -172,7 +172,11 @@ class SignedStore:
         return None if raw is None else self.accept(key, raw, parse)
 
     def get_present(self, keys: list[str], parse: Callable[[Any], T] = _identity) -> list[T | None]:
-        """The values at ``keys``, which must all exist (one round trip); None where rejected."""
+        """The values at ``keys``, which must all exist (one round trip); None where rejected.
+
+        Only for keys nobody deletes meanwhile: the store's ``multi_get`` of a deleted key blocks
+        for its whole timeout (use :meth:`get` for those).
+        """
         raws = self.store.multi_get([self.prefix + k for k in keys])
         return [self.accept(k, raw, parse) for k, raw in zip(keys, raws)]
 
