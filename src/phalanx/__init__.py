@@ -5,6 +5,32 @@ and the collectives. Every subpackage is an attribute (``phalanx.checkpoint.save
 ``import phalanx``) and every name in ``__all__`` works as ``phalanx.Job`` or ``from phalanx import
 Job``; both load their module on first use.
 
+What ``__all__`` exports, and why each name is there (``tests/unit/test_package.py`` checks this
+list against ``__all__``); everything else stays importable from its subpackage:
+
+- Drop-ins for torch's API, so one import line changes (the seeds' examples): the collectives
+  ``init_process_group``, ``destroy_process_group``, ``is_initialized``, ``barrier``,
+  ``broadcast``, ``all_reduce``, ``reduce``, ``all_gather``, ``all_gather_into_tensor``,
+  ``gather``, ``scatter``, ``reduce_scatter``, ``reduce_scatter_tensor``, ``all_to_all``,
+  ``all_to_all_single``, ``send``, ``recv``, ``isend``, ``irecv``, ``batch_isend_irecv``,
+  ``broadcast_object_list``, ``all_gather_object``, ``gather_object``, ``scatter_object_list``,
+  ``ReduceOp``; the wrappers ``DistributedDataParallel``, ``DataParallel``, ``SyncBatchNorm``,
+  ``DistributedSampler``, ``ZeroRedundancyOptimizer``, ``FullyShardedDataParallel``.
+- This process's place in the job: ``world`` (returns a ``World``, exported for annotations),
+  ``is_main``, ``main_first``, ``process_group``.
+- The error every failed collective raises, to catch: ``CollectiveError`` (its kinds live in
+  ``phalanx.comm``).
+- Counting what went on the wire: ``comm_stats``, ``reset_comm_stats``.
+- The job API: ``Job`` and its strategies ``DDP``, ``Zero``, ``Mesh``, ``PS`` (parameter
+  servers: ``phalanx.parameter_server.ParameterServer`` is the low-level object it drives, hence
+  the short name), ``Hogwild``, ``TorchDDP``, ``TorchZero1``, ``TorchFSDP`` (torch's baselines).
+  Single-process ``"single"`` / ``"dp"``, the ``Strategy`` base class and ``register_strategy``
+  are in ``phalanx.train``.
+- Starting workers from Python: ``spawn``, ``SpawnError``.
+- A model over the devices of one process: ``split_across_devices``.
+- Planning: ``memory_report`` (its ``MemoryReport`` is in ``phalanx.plan``).
+- ``__version__``.
+
 Logging: phalanx's modules log to ``logging.getLogger(__name__)``, under "phalanx", and add no
 handlers, so the program's configuration and ``logging.getLogger("phalanx").setLevel(...)`` take
 effect. Unconfigured, Python shows warnings on stderr; ``Job`` shows its info lines on rank 0
@@ -20,8 +46,6 @@ from torch.distributed import ReduceOp
 
 from phalanx.comm import (
     CollectiveError,
-    CollectiveMismatchError,
-    CollectiveTimeoutError,
     World,
     all_gather,
     all_gather_into_tensor,
@@ -75,11 +99,18 @@ if TYPE_CHECKING:  # loaded by __getattr__ on first use; imported here for type 
     from phalanx.launch import SpawnError as SpawnError
     from phalanx.launch import spawn as spawn
     from phalanx.model_parallel import split_across_devices as split_across_devices
-    from phalanx.plan import MemoryReport as MemoryReport
     from phalanx.plan import memory_report as memory_report
     from phalanx.sharding import ZeroRedundancyOptimizer as ZeroRedundancyOptimizer
     from phalanx.sharding.zero3 import FullyShardedDataParallel as FullyShardedDataParallel
+    from phalanx.train import DDP as DDP
+    from phalanx.train import PS as PS
+    from phalanx.train import Hogwild as Hogwild
     from phalanx.train import Job as Job
+    from phalanx.train import Mesh as Mesh
+    from phalanx.train import TorchDDP as TorchDDP
+    from phalanx.train import TorchFSDP as TorchFSDP
+    from phalanx.train import TorchZero1 as TorchZero1
+    from phalanx.train import Zero as Zero
 
 __version__ = "0.1.0"
 
@@ -116,11 +147,18 @@ _LAZY_NAMES = {
     "SpawnError": "phalanx.launch",
     "spawn": "phalanx.launch",
     "split_across_devices": "phalanx.model_parallel",
-    "MemoryReport": "phalanx.plan",
     "memory_report": "phalanx.plan",
     "ZeroRedundancyOptimizer": "phalanx.sharding",
     "FullyShardedDataParallel": "phalanx.sharding.zero3",
     "Job": "phalanx.train",
+    "DDP": "phalanx.train",
+    "Zero": "phalanx.train",
+    "Mesh": "phalanx.train",
+    "PS": "phalanx.train",
+    "Hogwild": "phalanx.train",
+    "TorchDDP": "phalanx.train",
+    "TorchZero1": "phalanx.train",
+    "TorchFSDP": "phalanx.train",
 }
 """Exported names -> the module that defines them, imported on first use: ``import phalanx``
 costs torch and the collectives only (``phalanx run`` starts in about a second less than
@@ -143,19 +181,24 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "DDP",
+    "PS",
     "CollectiveError",
-    "CollectiveMismatchError",
-    "CollectiveTimeoutError",
     "DataParallel",
     "DistributedDataParallel",
     "DistributedSampler",
     "FullyShardedDataParallel",
+    "Hogwild",
     "Job",
-    "MemoryReport",
+    "Mesh",
     "ReduceOp",
     "SpawnError",
     "SyncBatchNorm",
+    "TorchDDP",
+    "TorchFSDP",
+    "TorchZero1",
     "World",
+    "Zero",
     "ZeroRedundancyOptimizer",
     "__version__",
     "all_gather",
@@ -172,7 +215,6 @@ __all__ = [
     "destroy_process_group",
     "gather",
     "gather_object",
-    "hogwild",
     "init_process_group",
     "irecv",
     "is_initialized",

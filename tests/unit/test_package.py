@@ -120,3 +120,22 @@ def test_an_example_names_its_extra_before_it_starts(tmp_path: Path) -> None:
         "not installed: pip install 'phalanx[examples]'"
     ), proc.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_every_export_is_explained_in_the_package_docstring() -> None:
+    doc = phalanx.__doc__ or ""
+    section = doc[doc.index("What ``__all__`` exports") : doc.index("Logging:")]
+    missing = [n for n in phalanx.__all__ if f"``{n}``" not in section]
+    assert not missing, f"say why phalanx exports {missing} (phalanx/__init__.py's docstring)"
+    for name in phalanx.__all__:  # and each one resolves
+        assert getattr(phalanx, name) is not None, name
+
+
+def test_internal_names_are_not_exported_but_stay_importable() -> None:
+    from phalanx.comm import CollectiveMismatchError, CollectiveTimeoutError
+    from phalanx.plan import MemoryReport
+    from phalanx.train import Single, Strategy, register_strategy
+
+    for obj in (CollectiveMismatchError, CollectiveTimeoutError, MemoryReport, Single, Strategy):
+        assert obj.__name__ not in phalanx.__all__
+    assert "register_strategy" not in phalanx.__all__ and callable(register_strategy)

@@ -13,7 +13,7 @@ budget of ``U`` gradients in total:
 
 Each worker step is padded to ``--step-ms`` (default 5 ms) of wall time with a sleep: a stand-in
 for a model whose compute, not messaging, dominates a step (on this 2-core machine the MLP itself
-takes ~0.3 ms, less than a message round trip). The straggler (``phalanx.train.straggler``)
+takes ~0.3 ms, less than a message round trip). The straggler (``phalanx.train.slowdown``)
 then sleeps ``factor - 1`` times the step: ``none``, ``2x`` and ``4x`` slow worker 1 on every
 step (a persistently slower machine); ``4x-random`` slows a randomly drawn worker each step
 (transient slowness). Sleeping frees the CPU, so the slowdown does not also slow the others.
@@ -84,12 +84,12 @@ class _Steps:
     """One worker's batches, padded step time and straggler."""
 
     def __init__(self, cfg: dict[str, Any], index: int, workers: int) -> None:
-        from phalanx.train.straggler import Straggler
+        from phalanx.train.slowdown import Slowdown
 
         self.x, self.y, _, _ = _data()
         self.g = torch.Generator().manual_seed(100 + index)
         factor, who = STRAGGLERS[cfg["straggler"]]
-        self.slow = Straggler(factor, who, index=index, count=workers, seed=7)
+        self.slow = Slowdown(factor, who, index=index, count=workers, seed=7)
         self.step_s = cfg["step_ms"] / 1000.0
 
     def grad(self, model: nn.Module, step: int) -> torch.Tensor:

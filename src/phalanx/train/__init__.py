@@ -6,13 +6,40 @@ from phalanx.train.job import Job
 from phalanx.train.metrics import MetricsLogger
 from phalanx.train.profiling import profile
 from phalanx.train.progress import progress
-from phalanx.train.stragglers import StragglerRule
-from phalanx.train.strategies import register_strategy, strategy_names
+from phalanx.train.straggler_rule import StragglerRule
+from phalanx.train.strategies import (
+    DDP,
+    DP,
+    PS,
+    Hogwild,
+    Mesh,
+    Runner,
+    Single,
+    Strategy,
+    TorchDDP,
+    TorchFSDP,
+    TorchZero1,
+    Zero,
+    register_strategy,
+    strategy_names,
+)
 
 __all__ = [
+    "DDP",
+    "DP",
+    "PS",
+    "Hogwild",
     "Job",
+    "Mesh",
     "MetricsLogger",
+    "Runner",
+    "Single",
     "StragglerRule",
+    "Strategy",
+    "TorchDDP",
+    "TorchFSDP",
+    "TorchZero1",
+    "Zero",
     "profile",
     "progress",
     "register_strategy",

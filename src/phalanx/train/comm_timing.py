@@ -21,7 +21,7 @@ where:
   the wait; on an accelerator it issues them on side streams and the call is only the launch.
 
 Where a torch version lacks the private hook used here, a warning says that strategy's wait is
-not measured (its comm share then reads 0).
+not measured, and ``Job.summary()["comm_share"]`` is NaN (not a silent 0).
 """
 
 from __future__ import annotations
@@ -30,13 +30,16 @@ import functools
 import logging
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from phalanx.comm import wait_clock
+
+if TYPE_CHECKING:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
 __all__ = ["time_torch_ddp", "time_torch_fsdp", "time_torch_zero"]
 
@@ -98,10 +101,8 @@ class _DDPWait:
         self.hook, self.state, self.user_hook = hook, state, True
 
 
-def time_torch_ddp(model: nn.Module) -> nn.Module:
-    """Install the timing hook on a ``torch.nn.parallel.DistributedDataParallel``; returns it."""
-    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        return model
+def time_torch_ddp(model: torch.nn.parallel.DistributedDataParallel) -> bool:
+    """Install the timing hook on a ``torch.nn.parallel.DistributedDataParallel``; True: timed."""
     timer = _DDPWait()
 
     def timed_allreduce(
@@ -117,15 +118,17 @@ def time_torch_ddp(model: nn.Module) -> nn.Module:
     }
     model.register_comm_hook(None, timed_allreduce)
     model.register_comm_hook = timer.register  # type: ignore[method-assign]
-    return model
+    return True
 
 
-def time_torch_zero(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """Time torch ZeroRedundancyOptimizer's parameter broadcasts; returns the optimizer."""
+def time_torch_zero(optimizer: ZeroRedundancyOptimizer) -> bool:
+    """Time torch ZeroRedundancyOptimizer's parameter broadcasts; True: timed."""
+    # A private method of torch's (no public hook exists): where a torch version lacks it,
+    # the wait is said to be not measured rather than read as 0.
     sync = getattr(optimizer, "_sync_params", None)
     if not callable(sync):
         _not_measured("torch ZeroRedundancyOptimizer's parameter broadcast")
-        return optimizer
+        return False
 
     @functools.wraps(sync)
     def timed(*args: Any, **kwargs: Any) -> Any:
@@ -133,17 +136,18 @@ def time_torch_zero(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
             return sync(*args, **kwargs)
 
     optimizer._sync_params = timed  # type: ignore[attr-defined]
-    return optimizer
+    return True
 
 
-def time_torch_fsdp(model: nn.Module) -> nn.Module:
-    """Time FSDP2's all-gathers and reduce-scatters on every ``fully_shard`` module of ``model``."""
+def time_torch_fsdp(model: nn.Module) -> bool:
+    """Time FSDP2's all-gathers and reduce-scatters on every ``fully_shard`` module of ``model``;
+    True: timed."""
     try:
         from torch.distributed.fsdp import FSDPModule
         from torch.distributed.fsdp._fully_shard import _fsdp_collectives as fc
     except ImportError as exc:
         _not_measured("FSDP2's communication", exc)
-        return model
+        return False
 
     class TimedAllGather(fc.DefaultAllGather):
         def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -159,4 +163,4 @@ def time_torch_fsdp(model: nn.Module) -> nn.Module:
         if isinstance(module, FSDPModule):
             module.set_custom_all_gather(TimedAllGather())
             module.set_custom_reduce_scatter(TimedReduceScatter())
-    return model
+    return True

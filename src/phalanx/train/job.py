@@ -1,6 +1,6 @@
 """``phalanx.Job``: a whole distributed training job in a few calls.
 
-    job = phalanx.Job(strategy="ddp", precision="bf16", grad_accum=4, checkpoint_dir="ckpt")
+    job = phalanx.Job(phalanx.DDP(), precision="bf16", grad_accum=4, checkpoint_dir="ckpt")
     model, optimizer = job.setup(model, optimizer)
     loader = job.loader(dataset, batch_size=64, shuffle=True)
     for epoch in job.epochs(10):                  # resumes from the newest checkpoint
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, cast
+from collections.abc import Iterable, Iterator, Sized
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -29,36 +29,41 @@ from torch import nn
 from phalanx.comm import group as pg
 from phalanx.data.sampler import DistributedSampler
 from phalanx.mesh.groups import ParallelGroups
+from phalanx.parameter_server import ServerReport
+from phalanx.train import job_checkpoint
 from phalanx.train.job_args import check_epochs, check_job_args
-from phalanx.train.job_checkpoint import CheckpointMixin
-from phalanx.train.job_data import DataMixin
-from phalanx.train.job_phases import PhaseMixin
-from phalanx.train.job_ps import PSMixin
+from phalanx.train.job_phases import JobPhases
 from phalanx.train.loop_helpers import (
     Timer,
     batch_len,
     batches_left,
     configure_logging,
-    repoint,
     seed_everything,
     to_device,
 )
 from phalanx.train.metrics import MetricsLogger
+from phalanx.train.phases import PhaseClock
 from phalanx.train.precision import Precision
 from phalanx.train.profiling import profile
-from phalanx.train.stragglers import StragglerRule
-from phalanx.train.strategies import get_optimizer_hook, get_strategy
+from phalanx.train.slowdown import Slowdown
+from phalanx.train.straggler_rule import StragglerFinding, StragglerRule
+from phalanx.train.strategies import JobOptions, Runner, Strategy, resolve
+from phalanx.train.strategies.base import LossFn, Scheduler
+from phalanx.train.strategies.mesh import MeshRunner
+from phalanx.train.strategies.ps import PSRunner
 
 __all__ = ["Job"]
 
 log = logging.getLogger(__name__)
 
 
-class Job(CheckpointMixin, PSMixin, DataMixin, PhaseMixin):
+class Job:
     """One distributed training job: process group, strategy, data, steps, metrics, checkpoints.
 
     Args:
-        strategy: A registered strategy name ("ddp", "torch-ddp", "dp", "single", ...).
+        strategy: A strategy (``phalanx.DDP()``, ``phalanx.Zero(stage=2)``,
+            ``phalanx.Mesh(pp=2, micro_batches=4)``, ``phalanx.PS(mode="ssp", staleness=2)``,
+            ...) or a preset name ("ddp", "zero2", "pipeline", ...; ``strategy_names()``).
         precision: "fp32", "bf16" (autocast, CPU and GPU) or "fp16" (GPU, gradient scaler).
         grad_accum: Micro-steps per optimizer step; gradients sync only on the last one.
         seed: Seeds torch, numpy and random identically on every rank (data order comes from
@@ -69,28 +74,17 @@ class Job(CheckpointMixin, PSMixin, DataMixin, PhaseMixin):
         tensorboard_dir: Also write metrics to TensorBoard (``pip install 'phalanx[tensorboard]'``).
         profile_dir: Write a torch.profiler trace per rank here (Perfetto / chrome://tracing).
         backend: c10d backend when the job initialises the process group.
-        dp, pp, tp: Data, pipeline and tensor-parallel degrees for strategy "pipeline" or
-            "tensor" (the strategy's own degree defaults to every rank the others leave).
-        micro_batches: Micro-batches per step of a pipeline (must divide the batch).
-        schedule: Pipeline schedule: "gpipe", "1f1b" or "interleaved".
-        chunks: Model chunks per pipeline rank (interleaved schedule).
-        balance: Layers per pipeline stage, or "params" / "time".
-        tp_plan: Module name -> "colwise" / "rowwise" / ...; GPT models have a default.
-        servers, staleness, staleness_lr, max_updates: Parameter-server options of "ps-sync",
-            "ps-async" and "ssp" (server ranks, SSP bound, 1/(1+staleness) scaling, budget).
-        straggler: ``(who, factor)``: make rank (or parameter-server worker) ``who``, or a
-            random one each step with ``who="random"``, ``factor`` times slower (experiments).
         straggler_check_every: Every this many steps the ranks gather their per-step compute
             per phase (one small asynchronous all-gather; 0 disables); a rank standing out in
             one phase for several steps is named, with the phase, in the log, the metrics and
-            :attr:`straggler_finding` (see ``train/stragglers.py``).
+            :attr:`straggler_finding` (see ``train/straggler_rule.py``).
         straggler_rule: The detector's margins and persistence (``phalanx.train.StragglerRule``).
     """
 
     @check_job_args
     def __init__(
         self,
-        strategy: str = "ddp",
+        strategy: Strategy | str = "ddp",
         *,
         precision: str = "fp32",
         grad_accum: int = 1,
@@ -101,86 +95,44 @@ class Job(CheckpointMixin, PSMixin, DataMixin, PhaseMixin):
         tensorboard_dir: str | None = None,
         profile_dir: str | os.PathLike[str] | None = None,
         backend: str | None = None,
-        dp: int | None = None,
-        pp: int | None = None,
-        tp: int | None = None,
-        micro_batches: int = 1,
-        schedule: str = "1f1b",
-        chunks: int = 1,
-        balance: Sequence[int] | str | None = None,
-        tp_plan: Mapping[str, str] | None = None,
-        servers: int | None = None,
-        staleness: int | None = None,
-        staleness_lr: bool = False,
-        max_updates: int | None = None,
-        straggler: tuple[int | str, float] | None = None,
         straggler_check_every: int = 5,
         straggler_rule: StragglerRule | None = None,
     ) -> None:
-        self._wrap = get_strategy(strategy)
-        self.strategy = strategy
+        chosen = resolve(strategy)  # a preset's own errors come before any process group
+        self.strategy = chosen
+        """The strategy's options (``job.strategy.name`` is its preset name)."""
         self.owns_group = not pg.is_initialized()
         self.world = pg.init_process_group(backend) if self.owns_group else pg.world()
-        from phalanx.train.parallel_strategies import parallel_config
-        from phalanx.train.ps_strategies import ps_config
-
         self.seed = seed
+        options = JobOptions(precision, grad_accum, checkpoint_dir, seed)
         try:  # a mistake in any option leaves no half-made job (nor its process group) behind
             self.precision = Precision(precision, self.world.device)
-            self.parallel = parallel_config(
-                strategy,
-                self.world.world_size,
-                dp=dp,
-                pp=pp,
-                tp=tp,
-                micro_batches=micro_batches,
-                schedule=schedule,
-                chunks=chunks,
-                balance=balance,
-                tp_plan=tp_plan,
-            )
-            """The dp x pp x tp split of strategies "pipeline" and "tensor" (None for others)."""
-            self.ps_config = ps_config(
-                strategy,
-                self.world.world_size,
-                servers=servers,
-                staleness=staleness,
-                staleness_lr=staleness_lr,
-                max_updates=max_updates,
-                checkpoint_dir=checkpoint_dir,
-                precision=precision,
-            )
-            self._init_roles(straggler)
+            self.runner: Runner = chosen.start(self.world, options)
+            """The strategy at work: the protocol this job calls (see ``strategies/base.py``)."""
         except ValueError:
             if self.owns_group:
                 pg.destroy_process_group()
             raise
-        if self.parallel is not None and self.parallel.pp > 1 and grad_accum > 1:
-            raise ValueError(
-                f"grad_accum={grad_accum} with a pipeline (pp={self.parallel.pp}): the pipeline "
-                f"already accumulates over micro_batches={micro_batches}; raise that instead"
-            )
-        self.loss_fn: Any = None
-        self.groups: ParallelGroups | None = None
-        """Process groups along dp / pp / tp, for strategies "pipeline" and "tensor"."""
-        if self.parallel is not None:
-            from phalanx.mesh import make_groups
-
-            self.groups = make_groups(self.parallel.topology(self.world.world_size))
-        self._init_phases(straggler_check_every, straggler_rule)
+        self.loss_fn: LossFn | None = None
+        self.timing = JobPhases(
+            self.world, straggler_check_every, straggler_rule, self.runner.peer_sets()
+        )
+        """Phase marks and the straggler monitor (see :mod:`phalanx.train.job_phases`)."""
         self.grad_accum = grad_accum
         self.checkpoint_dir = checkpoint_dir
         self.keep_last = keep_last
         seed_everything(seed)
         configure_logging(self.world.rank)
         self.metrics = MetricsLogger.for_job(
-            metrics_file, checkpoint_dir, tensorboard_dir, self._worker_group()
+            metrics_file, checkpoint_dir, tensorboard_dir, self.runner.metrics_group()
         )
         self.profiler = profile(profile_dir)
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
-        self.scheduler: Any = None
+        self.scheduler: Scheduler | None = None
         self.sampler: DistributedSampler | None = None
+        self.slowdown: Slowdown | None = None
+        """An injected straggler (:meth:`slow_down`), for experiments."""
         self.step_count = 0
         """Optimizer steps taken (restored on resume)."""
         self.epoch = 0
@@ -194,9 +146,9 @@ class Job(CheckpointMixin, PSMixin, DataMixin, PhaseMixin):
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
-        scheduler: Any = None,
+        scheduler: Scheduler | None = None,
         *,
-        loss_fn: Any = None,
+        loss_fn: LossFn | None = None,
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         """Move ``model`` to this rank's device, wrap it with the strategy, keep the optimizer.
 
@@ -204,57 +156,67 @@ class Job(CheckpointMixin, PSMixin, DataMixin, PhaseMixin):
         strategies here keep parameter identity), or pass None and build it afterwards on the
         returned model and assign ``job.optimizer``. ZeRO strategies need it here: they return
         a sharded optimizer of the same class and options (use the returned one), and so do
-        "pipeline" and "tensor", over this rank's parameters.
+        ``phalanx.Mesh`` and parameter servers, over this rank's parameters.
 
-        ``loss_fn(output, targets)`` is what :meth:`forward_backward` minimises; strategies
-        "pipeline" and "tensor" need it (the last pipeline stage computes the loss), except
-        for a :class:`phalanx.models.GPT`, whose default is the vocabulary-parallel
-        cross-entropy over ``job.groups.tp``.
+        ``loss_fn(output, targets)`` is what :meth:`forward_backward` minimises; a
+        ``phalanx.Mesh`` needs it (the last pipeline stage computes the loss), except for a
+        :class:`phalanx.models.GPT`, whose default is the vocabulary-parallel cross-entropy
+        over ``job.groups.tp``.
         """
         model.to(self.world.device)
-        self.loss_fn = loss_fn
-        if self.ps_config is not None:
-            return self._setup_ps(model, optimizer, scheduler)
-        if self.parallel is not None:
-            return self._setup_parallel(model, optimizer, scheduler)
-        wrapped = self._wrap(model, self.world)
-        rebuild = get_optimizer_hook(self.strategy)
-        if rebuild is not None:
-            if optimizer is None:
-                raise ValueError(
-                    f"strategy={self.strategy!r} rebuilds the optimizer in its sharded form: "
-                    f"pass it to Job.setup(model, optimizer)"
-                )
-            sharded = rebuild(wrapped, optimizer, self.world)
-            if scheduler is not None:
-                repoint(scheduler, sharded)
-            optimizer = sharded
-        self.precision.wrap_forward(wrapped)
-        self.model, self.optimizer, self.scheduler = wrapped, optimizer, scheduler
+        made = self.runner.setup(model, optimizer, scheduler, loss_fn, self.precision)
+        self.model, self.optimizer, self.scheduler = made.model, made.stepped, made.scheduler
+        self.loss_fn = made.loss_fn
         self._arm_sync()
-        return wrapped, optimizer
+        self.runner.attach_phases(self.timing.enter)
+        return made.model, made.optimizer
 
-    def _setup_parallel(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any
-    ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-        from phalanx.train.parallel_strategies import setup_parallel
-
-        assert self.parallel is not None and self.groups is not None
-        wrapped, optimizer, self.loss_fn = setup_parallel(
-            model, optimizer, self.parallel, self.loss_fn, self.groups, self.precision
+    def loader(
+        self,
+        dataset: Sized,
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        even_batches: bool = True,
+        **kwargs: object,
+    ) -> torch.utils.data.DataLoader[object]:
+        """A DataLoader over this rank's shard (``phalanx.DistributedSampler``): ranks of one
+        replica read the same samples, replicas different ones."""
+        replicas, replica = self.runner.data_shard()
+        if "sampler" in kwargs or "batch_sampler" in kwargs:
+            raise ValueError("Job.loader() builds its own sampler; drop sampler=/batch_sampler=")
+        self.sampler = DistributedSampler(
+            dataset,
+            num_replicas=replicas,
+            rank=replica,
+            shuffle=shuffle,
+            seed=self.seed,
+            drop_last=drop_last,
+            even_batches=even_batches,
+            batch_size=batch_size,
         )
-        if scheduler is not None and optimizer is not None:
-            repoint(scheduler, optimizer)
-        self.model, self.optimizer, self.scheduler = wrapped, optimizer, scheduler
-        self._arm_sync()
-        self._attach_phases()
-        return wrapped, optimizer
+        return torch.utils.data.DataLoader(
+            dataset,  # type: ignore[arg-type]
+            batch_size=batch_size,
+            sampler=self.sampler,
+            drop_last=drop_last,
+            **kwargs,  # type: ignore[arg-type]
+        )
+
+    def slow_down(self, who: int | str, factor: float) -> None:
+        """Make rank (or parameter-server worker) ``who``, or a random one each step with
+        ``who="random"``, ``factor`` times slower: the straggler of experiments."""
+        place = self.runner.participants()
+        if place is not None:  # servers do not compute steps
+            count, index = place
+            self.slowdown = Slowdown(factor, who, index=index, count=count, seed=self.seed)
 
     # ---- the loop ------------------------------------------------------------------------------
     def epochs(self, n: int) -> Iterator[int]:
         """Yield epoch numbers ``start..n-1``, resuming from the newest checkpoint if any."""
         n = check_epochs(n)
-        if self._serving():
+        if self.runner.serving():
             return
         start = self.resume() if not self._resumed else self.epoch
         for epoch in range(start, n):
@@ -262,22 +224,21 @@ class Job(CheckpointMixin, PSMixin, DataMixin, PhaseMixin):
             if self.sampler is not None:
                 self.sampler.set_epoch(epoch)
             yield epoch
-            if self.ps is not None and self.ps.done:
+            if self.runner.finished():
                 break
-        self._finish_roles()
+        self.runner.finish()
 
-    def progress(self, loader: Iterable[Any], desc: str | None = None) -> Iterator[Any]:
+    def progress(self, loader: Iterable[object], desc: str | None = None) -> Iterator[object]:
         """Iterate ``loader`` with a progress bar on rank 0, moving batches to the device."""
         from phalanx.train.progress import progress
 
-        if self._serving():
+        if self.runner.serving():
             return
         total = batches_left(loader, self.sampler)
-        bar = progress(
-            loader, desc=desc or f"epoch {self.epoch}", total=total, enabled=self._draws_progress()
-        )
+        shown = self.world.rank == self.runner.progress_rank()
+        bar = progress(loader, desc=desc or f"epoch {self.epoch}", total=total, enabled=shown)
         self._timer.start_epoch()
-        self.phases.enter("data")
+        self.timing.enter("data")
         try:
             for i, batch in enumerate(bar):
                 self._last_batch = total is not None and i == total - 1
@@ -285,24 +246,30 @@ class Job(CheckpointMixin, PSMixin, DataMixin, PhaseMixin):
                 if not self._before_batch():
                     break
                 batch = to_device(batch, self.world.device)
-                self._mark_batch()
+                self.timing.mark_batch()
                 yield batch
-                if self.sampler is not None and hasattr(self.sampler, "advance"):
+                if self.sampler is not None:
                     self.sampler.advance(batch_len(batch))
                 self._timer.count(batch_len(batch))
                 self.profiler.step()
         finally:  # evaluation and checkpoints between epochs are no step's phase
-            self.phases.enter(None)
+            self.timing.enter(None)
+
+    def _before_batch(self) -> bool:
+        """Pull fresh parameters (parameter servers) and start the step's clock; False: stop."""
+        if not self.runner.before_batch():
+            return False
+        if self.slowdown is not None:
+            self.slowdown.begin()
+        return True
 
     def _arm_sync(self) -> None:
         # DDP decides at *forward* time whether the coming backward communicates (torch's and
         # ours alike), so the flag is set before each micro-step's forward, not in backward.
         last = self._micro + 1 >= self.grad_accum or self._last_batch
-        for owner in (self.model, self.optimizer):  # DDP and ZeRO-3 models; ZeRO-2 optimizers
-            if owner is not None and hasattr(owner, "require_backward_grad_sync"):
-                setattr(owner, "require_backward_grad_sync", last)  # noqa: B010
+        self.runner.require_backward_grad_sync(last)
 
-    def forward_backward(self, inputs: Any, targets: Any) -> torch.Tensor:
+    def forward_backward(self, inputs: object, targets: object) -> torch.Tensor:
         """``loss_fn(model(inputs), targets)`` and its backward, for every strategy.
 
         A pipeline runs its whole schedule here (micro-batches, every stage) and averages the
@@ -310,19 +277,15 @@ class Job(CheckpointMixin, PSMixin, DataMixin, PhaseMixin):
         """
         if self.model is None or self.loss_fn is None:
             raise ValueError("Job.forward_backward() needs Job.setup(model, ..., loss_fn=...)")
-        if getattr(self.model, "pipelined", False):
-            loss = cast(torch.Tensor, self.model.train_step(inputs, targets))  # type: ignore[operator]
-            self.phases.enter("optimizer")
-            return loss
-        loss = self.loss_fn(self.model(inputs), targets)
-        self.backward(loss)
-        return loss.detach()
+        loss = self.runner.forward_backward(inputs, targets, self.loss_fn, self.backward)
+        self.timing.enter("optimizer")
+        return loss
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss / grad_accum``; gradients sync only on the last micro-step."""
-        self._mark_backward()
+        self.timing.mark_backward()
         self.precision.backward(loss / self.grad_accum if self.grad_accum > 1 else loss)
-        self.phases.enter("optimizer")
+        self.timing.enter("optimizer")
 
     def step(self, optimizer: torch.optim.Optimizer | None = None) -> bool:
         """Step the optimizer (and scheduler) at the end of an accumulation window.
@@ -331,27 +294,31 @@ class Job(CheckpointMixin, PSMixin, DataMixin, PhaseMixin):
             True when the optimizer stepped.
         """
         opt = optimizer or self.optimizer
-        if opt is None and self.ps is None:
-            raise ValueError("Job.step(): no optimizer given and none passed to setup()")
         # Micro-steps done in this window; back to 0 ends it (so does the epoch's last batch).
         self._micro = 0 if self._last_batch else (self._micro + 1) % self.grad_accum
         self._arm_sync()
         if self._micro:
-            self.phases.enter("data")  # the next micro-batch
+            self.timing.enter("data")  # the next micro-batch
             return False
-        self.phases.enter("optimizer")
-        self._slow_down(self.step_count)
-        if not self._ps_step():  # parameter servers step the optimizer (and the scheduler)
-            assert opt is not None
-            self.precision.step(opt)
-            opt.zero_grad(set_to_none=True)
-            if self.scheduler is not None:
-                self.scheduler.step()
+        self.timing.enter("optimizer")
+        if self.slowdown is not None:
+            self.slowdown.end(self.step_count)
+        # Parameter servers step the optimizer (and the scheduler) on the servers.
+        if self.runner.step(opt, self.precision) and self.scheduler is not None:
+            self.scheduler.step()
         self.step_count += 1
-        self._end_step()
+        self.timing.end_step(self.step_count, self.metrics)
         return True
 
     # ---- metrics and checkpoints -----------------------------------------------------------------
+    def save(self, **extra: object) -> Path:
+        """Write a checkpoint of the model, optimizer, scheduler, sampler, RNG and step."""
+        return job_checkpoint.save(self, **extra)
+
+    def resume(self) -> int:
+        """Load the newest committed checkpoint (if any); return the epoch to start from."""
+        return job_checkpoint.resume(self)
+
     def log(self, **metrics: float) -> dict[str, float]:
         """Average ``metrics`` over the ranks, write them (rank 0) and return the averages.
 
@@ -359,7 +326,7 @@ class Job(CheckpointMixin, PSMixin, DataMixin, PhaseMixin):
         while another is mid-epoch), so there each worker returns its own values, without
         communication, and the first worker writes its own.
         """
-        record = self.metrics.log_local if self.ps_config is not None else self.metrics.log
+        record = self.metrics.log if self.runner.logs_in_step() else self.metrics.log_local
         averaged = record(self.step_count, **metrics)
         if self.metrics.is_writer:
             shown = " ".join(f"{k}={v:.4g}" for k, v in averaged.items())
@@ -368,14 +335,47 @@ class Job(CheckpointMixin, PSMixin, DataMixin, PhaseMixin):
 
     def summary(self) -> dict[str, float]:
         """Samples/s over the job, and the share of this rank's time spent waiting for
-        communication (``comm_share``, every strategy; :meth:`phase_shares` has each phase's)."""
-        comm = self.phases.shares()["communication_share"]
-        return {**self._timer.summary(self.world.world_size), "comm_share": comm}
+        communication (``comm_share``; NaN where the strategy's wait is not measured, never a
+        silent 0; :meth:`phase_shares` has each phase's)."""
+        comm = self.timing.shares()["communication_share"]
+        measured = comm if self.runner.comm_measured else float("nan")
+        return {**self._timer.summary(self.world.world_size), "comm_share": measured}
+
+    def phase_shares(self) -> dict[str, float]:
+        """Each phase's share of this rank's measured time (``data_share``, ...,
+        ``communication_share``): compute phases exclude the communication waited inside them."""
+        return self.timing.shares()
+
+    @property
+    def phases(self) -> PhaseClock:
+        """This rank's time per phase (see :mod:`phalanx.train.phases`)."""
+        return self.timing.clock
+
+    @property
+    def straggler_finding(self) -> StragglerFinding | None:
+        """The latest rank (and phase) found consistently slower than the others; every rank
+        knows it. ``finding.phase`` is one of ``phalanx.train.phases.PHASES``."""
+        return self.timing.finding
+
+    @property
+    def groups(self) -> ParallelGroups | None:
+        """Process groups along dp / pp / tp of a ``phalanx.Mesh`` (None for others)."""
+        return self.runner.groups if isinstance(self.runner, MeshRunner) else None
+
+    @property
+    def is_server(self) -> bool:
+        """True on a parameter-server rank (which serves instead of training)."""
+        return isinstance(self.runner, PSRunner) and self.runner.is_server
+
+    @property
+    def server_report(self) -> ServerReport | None:
+        """What this parameter server did (server ranks, once served); None elsewhere."""
+        return self.runner.report if isinstance(self.runner, PSRunner) else None
 
     def close(self) -> None:
         """Flush metrics; leave the process group if the job created it."""
-        self._finish_roles()
-        self._close_phases()
+        self.runner.finish()
+        self.timing.close()
         self.metrics.close()
         self.profiler.stop()
         if self.owns_group:

@@ -1,8 +1,8 @@
 """The rules of ``Job(...)``'s arguments, checked before the job creates its process group.
 
-One row per argument, with the shared checks of :mod:`phalanx._check`; what depends on the world
-size (degrees that must divide it, servers that must leave workers) is checked later, by
-``parallel_config`` and ``ps_config``, which name the world size too.
+One row per argument, with the shared checks of :mod:`phalanx._check`; a strategy's own options
+are checked when it is built (``phalanx.Mesh(pp=0)`` fails there), and what depends on the world
+size (degrees that must divide it, servers that must leave workers) by ``Strategy.start``.
 """
 
 from __future__ import annotations
@@ -10,21 +10,16 @@ from __future__ import annotations
 from typing import Any
 
 from phalanx._check import (
-    FLAG,
     check_choice,
-    check_float,
     check_instance,
     check_int,
     check_path,
     checked,
     fail,
     optional,
-    part_of,
     rule,
 )
 from phalanx.comm.group import BACKENDS
-from phalanx.pipeline.balance import balance_arg
-from phalanx.pipeline.schedules import SCHEDULES
 from phalanx.train.precision import PRECISIONS
 
 __all__ = ["check_epochs", "check_job_args"]
@@ -32,39 +27,25 @@ __all__ = ["check_epochs", "check_job_args"]
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed accepts
 
 
-def _strategy(name: str, value: Any, where: str) -> str:
-    from phalanx.train.strategies import strategy_names  # registered ones, users' included
+def _strategy(name: str, value: Any, where: str) -> object:
+    from phalanx.train.strategies import Strategy, strategy_names  # users' presets included
 
-    return check_choice(name, value, strategy_names(), where=where)
-
-
-def _tp_plan(name: str, value: Any, where: str) -> object:
-    from phalanx.tensor_parallel.plan import plan_arg  # tensor parallelism, only if asked for
-
-    return plan_arg(name, value, where)
-
-
-def _straggler(name: str, value: Any, where: str) -> object:
-    if not isinstance(value, tuple) or len(value) != 2:
-        what = "a (who, factor) pair, e.g. (1, 4.0) or ('random', 4.0)"
-        raise fail(name, value, what, where=where, error=TypeError)
-    who, factor = value
-    with part_of(name, value, where):
-        if who != "random":
-            check_int("who", who, min=0, fix="who is a rank, or 'random'")
-        check_float("factor", factor, min=1, fix="factor is how many times slower")
-    return value
+    if isinstance(value, Strategy):
+        return value
+    if isinstance(value, str):
+        return check_choice(name, value, strategy_names(), where=where)
+    what = "a preset name or a strategy (phalanx.DDP(), phalanx.Zero(stage=2), ...)"
+    raise fail(name, value, what, where=where, error=TypeError)
 
 
 def _straggler_rule(name: str, value: Any, where: str) -> object:
-    from phalanx.train.stragglers import StragglerRule
+    from phalanx.train.straggler_rule import StragglerRule
 
-    what = "a phalanx.train.stragglers.StragglerRule"
+    what = "a phalanx.train.StragglerRule"
     return check_instance(name, value, StragglerRule, what, where=where)
 
 
 _path = optional(rule(check_path))
-_degree = optional(rule(check_int, min=1))
 
 check_job_args = checked(
     strategy=_strategy,
@@ -77,19 +58,6 @@ check_job_args = checked(
     tensorboard_dir=_path,
     profile_dir=_path,
     backend=optional(rule(check_choice, choices=BACKENDS, fold_case=True)),
-    dp=_degree,
-    pp=_degree,
-    tp=_degree,
-    micro_batches=rule(check_int, min=1),
-    schedule=rule(check_choice, choices=SCHEDULES),
-    chunks=rule(check_int, min=1),
-    balance=optional(balance_arg),
-    tp_plan=optional(_tp_plan),
-    servers=_degree,
-    staleness=optional(rule(check_int, min=0)),
-    staleness_lr=FLAG,
-    max_updates=_degree,
-    straggler=optional(_straggler),
     straggler_check_every=rule(check_int, min=0),
     straggler_rule=optional(_straggler_rule),
 )

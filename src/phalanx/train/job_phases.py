@@ -10,94 +10,85 @@ the straggler monitor's report (:mod:`.straggler_monitor`).
 from __future__ import annotations
 
 import logging
-from typing import Any
-
-from torch import nn
+from collections.abc import Iterable
 
 from phalanx.comm import wait_clock
 from phalanx.comm.group import World
-from phalanx.mesh.groups import ParallelGroups
 from phalanx.train.metrics import MetricsLogger
 from phalanx.train.phases import PHASES, PhaseClock
-from phalanx.train.ps_strategies import PSConfig
 from phalanx.train.straggler_monitor import StragglerMonitor
-from phalanx.train.stragglers import StragglerFinding, StragglerRule
+from phalanx.train.straggler_rule import StragglerFinding, StragglerRule
 
-__all__ = ["PhaseMixin"]
+__all__ = ["JobPhases"]
 
 log = logging.getLogger(__name__)
 
 
-class PhaseMixin:
-    """Phase marks, ``summary()``'s shares and straggler findings for :class:`phalanx.Job`."""
+class JobPhases:
+    """Phase marks, ``summary()``'s shares and straggler findings of one job.
 
-    world: World
-    model: nn.Module | None
-    metrics: MetricsLogger
-    step_count: int
-    ps_config: PSConfig | None
-    groups: ParallelGroups | None
+    Making it makes the monitor (collective: every rank calls this in turn).
 
-    def _init_phases(self, check_every: int, rule: StragglerRule | None) -> None:
-        """Start the clock; make the monitor (collective: every rank calls this in turn)."""
+    Args:
+        world: This process's place in the job.
+        check_every: Steps between the monitor's gathers (0: no monitor).
+        rule: The detector's margins and persistence.
+        peers: Ranks doing the same work (None: all; an empty list: compare none).
+    """
+
+    def __init__(
+        self,
+        world: World,
+        check_every: int,
+        rule: StragglerRule | None,
+        peers: Iterable[list[int]] | None,
+    ) -> None:
         wait_clock.claim()  # the job's thread trains: its waits are the communication wait
-        self.phases = PhaseClock()
+        self.world = world
+        self.clock = PhaseClock()
         """This rank's time per phase (see :mod:`phalanx.train.phases`)."""
-        self._monitor: StragglerMonitor | None = None
+        self.monitor: StragglerMonitor | None = None
         self._batch_given = False
-        # Parameter-server workers are not in step: a collective among them would re-couple
-        # them, so they are not compared.
-        if not check_every or self.world.world_size < 2 or self.ps_config is not None:
+        sets = None if peers is None else list(peers)
+        if not check_every or world.world_size < 2 or sets == []:
             return
-        peers = self._peer_sets()
-        if peers is not None and all(len(p) < 2 for p in peers):
+        if sets is not None and all(len(p) < 2 for p in sets):
             log.info(
                 "straggler detection is off: pipeline stages do different work, and with dp=1 "
                 "no two ranks run the same stage"
             )
             return
-        self._monitor = StragglerMonitor(check_every, peers, rule)
+        self.monitor = StragglerMonitor(check_every, sets, rule)
 
-    def _peer_sets(self) -> list[list[int]] | None:
-        """Ranks doing the same work: with a pipeline, the ranks of each stage; else all."""
-        if self.groups is None or self.groups.topology.pp == 1:
-            return None
-        topology, stages = self.groups.topology, dict[int, list[int]]()
-        for r in range(topology.world_size):
-            stages.setdefault(topology.coords(r)["pp"], []).append(r)
-        return list(stages.values())
+    def enter(self, phase: str | None) -> None:
+        """Open ``phase`` (None: stop timing until the next mark)."""
+        self.clock.enter(phase)
 
-    def _attach_phases(self) -> None:
-        """Let a pipeline mark forward and backward per action of its schedule."""
-        pipeline: Any = getattr(self.model, "module", None)
-        if getattr(self.model, "pipelined", False) and hasattr(pipeline, "on_action"):
-            pipeline.on_action = self.phases.enter
-
-    def _mark_batch(self) -> None:
+    def mark_batch(self) -> None:
         """``progress()`` hands out a batch: forward starts."""
         self._batch_given = True
-        self.phases.enter("forward")
+        self.clock.enter("forward")
 
-    def _mark_backward(self) -> None:
-        if self.phases.phase == "data" and not self._batch_given:
-            self.phases.relabel("forward")  # no progress(): loading and forward are one stretch
-        self.phases.enter("backward")
+    def mark_backward(self) -> None:
+        if self.clock.phase == "data" and not self._batch_given:
+            self.clock.relabel("forward")  # no progress(): loading and forward are one stretch
+        self.clock.enter("backward")
 
-    def _end_step(self) -> None:
+    def end_step(self, step: int, metrics: MetricsLogger) -> None:
         """The optimizer stepped: close the step, feed the monitor, open the next "data"."""
-        self.phases.enter(None)
-        values = self.phases.take()
+        self.clock.enter(None)
+        values = self.clock.take()
         self._batch_given = False
-        if self._monitor is not None:
-            found = self._monitor.step(values)
+        if self.monitor is not None:
+            found = self.monitor.step(values)
             if found is not None and self.world.rank == 0:
-                self._report(found)
-        self.phases.enter("data")
+                self._report(found, step, metrics)
+        self.clock.enter("data")
 
-    def _report(self, found: StragglerFinding) -> None:
+    def _report(self, found: StragglerFinding, step: int, metrics: MetricsLogger) -> None:
         log.warning("straggler: %s", found.describe())
-        self.metrics.log_local(
-            self.step_count,
+        metrics.log_local(
+            step,
             straggler_rank=found.rank,
             straggler_phase=PHASES.index(found.phase),
             straggler_excess_ms=1e3 * found.excess,
@@ -105,16 +96,14 @@ class PhaseMixin:
         )
 
     @property
-    def straggler_finding(self) -> StragglerFinding | None:
-        """The latest rank (and phase) found consistently slower than the others; every rank
-        knows it. ``finding.phase`` is one of ``phalanx.train.phases.PHASES``."""
-        return None if self._monitor is None else self._monitor.finding
+    def finding(self) -> StragglerFinding | None:
+        """The latest rank (and phase) found consistently slower than the others."""
+        return None if self.monitor is None else self.monitor.finding
 
-    def phase_shares(self) -> dict[str, float]:
-        """Each phase's share of this rank's measured time (``data_share``, ...,
-        ``communication_share``): compute phases exclude the communication waited inside them."""
-        return self.phases.shares()
+    def shares(self) -> dict[str, float]:
+        """Each phase's share of this rank's measured time."""
+        return self.clock.shares()
 
-    def _close_phases(self) -> None:
-        if self._monitor is not None:
-            self._monitor.close()
+    def close(self) -> None:
+        if self.monitor is not None:
+            self.monitor.close()

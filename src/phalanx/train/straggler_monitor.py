@@ -1,6 +1,6 @@
 """Per-phase timings of this rank, gathered every N steps, fed to the straggler detector.
 
-The communication half of :mod:`.stragglers`. Every ``every`` steps each rank contributes its
+The communication half of :mod:`.straggler_rule`. Every ``every`` steps each rank contributes its
 last ``every`` steps' five numbers (compute per phase, then wait) to one all-gather on a side
 gloo group of its own: it never orders against the training's collectives (so it can run
 asynchronously), never touches an accelerator (no device synchronisation), and is not recorded
@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from phalanx.comm.group import DEFAULT_TIMEOUT
 from phalanx.train.phases import PHASES
-from phalanx.train.stragglers import StragglerDetector, StragglerFinding, StragglerRule
+from phalanx.train.straggler_rule import StragglerDetector, StragglerFinding, StragglerRule
 
 __all__ = ["StragglerMonitor"]
 

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from phalanx.train.phases import PHASES
-from phalanx.train.stragglers import (
+from phalanx.train.straggler_rule import (
     StragglerDetector,
     StragglerRule,
     _medians_of_others,

@@ -16,10 +16,10 @@ from __future__ import annotations
 import random
 import time
 
-__all__ = ["Straggler"]
+__all__ = ["Slowdown"]
 
 
-class Straggler:
+class Slowdown:
     """Slows participant ``who`` (or a random one per step) of ``count`` by ``factor``.
 
     Args:

@@ -1,4 +1,4 @@
-"""Straggler: who is slow, and by how much."""
+"""Slowdown (the injected straggler): who is slow, and by how much."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import time
 
 import pytest
 
-from phalanx.train.straggler import Straggler
+from phalanx.train.slowdown import Slowdown
 
 
 def test_fixed_straggler_sleeps_factor_minus_one_times_the_work() -> None:
-    slow = Straggler(3.0, 1, index=1, count=2)
-    fast = Straggler(3.0, 1, index=0, count=2)
+    slow = Slowdown(3.0, 1, index=1, count=2)
+    fast = Slowdown(3.0, 1, index=0, count=2)
     for s in (slow, fast):
         s.begin()
         time.sleep(0.02)
@@ -21,7 +21,7 @@ def test_fixed_straggler_sleeps_factor_minus_one_times_the_work() -> None:
 
 
 def test_random_straggler_is_agreed_and_varies() -> None:
-    ranks = [Straggler(2.0, "random", index=i, count=3, seed=7) for i in range(3)]
+    ranks = [Slowdown(2.0, "random", index=i, count=3, seed=7) for i in range(3)]
     draws = [[r.slow_at(step) for step in range(50)] for r in ranks]
     assert draws[0] == draws[1] == draws[2]
     assert set(draws[0]) == {0, 1, 2}
@@ -37,4 +37,4 @@ def test_random_straggler_is_agreed_and_varies() -> None:
 )
 def test_bad_arguments(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        Straggler(**kwargs, index=0, count=2)
+        Slowdown(**kwargs, index=0, count=2)

@@ -1,0 +1,256 @@
+"""The strategy protocol: what :class:`phalanx.Job` asks of a way to train on many ranks.
+
+A strategy comes in two parts, as Lightning Fabric's ``Strategy`` does without its plugins:
+
+- :class:`Strategy`, the *options* (a frozen dataclass, checked when built, reusable by any
+  number of jobs): ``phalanx.DDP()``, ``phalanx.Zero(stage=2)``, ``phalanx.Mesh(pp=2)``...
+- :class:`Runner`, one job's strategy *at work*, made by :meth:`Strategy.start` once the
+  process group exists. ``Job`` calls only the methods declared here, never probing the wrapped
+  model or optimizer for attributes.
+
+The default runner covers the data-parallel family: it wraps the model
+(:meth:`Strategy.wrap`), may rebuild the optimizer (:meth:`Strategy.shard_optimizer`), turns
+gradient sync on and off through torch's ``require_backward_grad_sync`` on the objects the
+strategy names (:meth:`Strategy.sync_owners`), and every rank reads its own shard of the data.
+A pipeline or a parameter server subclasses :class:`Runner`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
+
+from phalanx._check import Rule
+from phalanx.comm.group import World
+from phalanx.train.loop_helpers import repoint
+from phalanx.train.precision import Precision
+
+__all__ = [
+    "JobOptions",
+    "LossFn",
+    "Prepared",
+    "Runner",
+    "Scheduler",
+    "Strategy",
+    "SyncOwner",
+    "check_fields",
+]
+
+LossFn = Callable[..., torch.Tensor]
+"""``loss_fn(output, targets) -> loss``."""
+
+Scheduler = LRScheduler
+"""A learning-rate scheduler (``ReduceLROnPlateau`` included: it is one in torch >= 2.2)."""
+
+
+class SyncOwner(Protocol):
+    """What holds torch's "sync this backward" flag: DDP and FSDP models, ZeRO-2 optimizers."""
+
+    require_backward_grad_sync: bool
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What :meth:`Runner.setup` made of the user's objects."""
+
+    model: nn.Module
+    """The model the user trains (wrapped)."""
+    optimizer: torch.optim.Optimizer | None
+    """The optimizer handed back to the user."""
+    stepped: torch.optim.Optimizer | None
+    """The optimizer the job steps (None where the strategy steps it, e.g. on servers)."""
+    scheduler: Scheduler | None
+    """The scheduler the job steps after each optimizer step (None: the strategy does)."""
+    loss_fn: LossFn | None
+    """The loss :meth:`phalanx.Job.forward_backward` uses."""
+
+
+@dataclass(frozen=True)
+class JobOptions:
+    """The job-wide options a strategy may refuse (a parameter server does not checkpoint)."""
+
+    precision: str = "fp32"
+    grad_accum: int = 1
+    checkpoint_dir: object = None
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A way to train one model on many ranks: its options, and how to start it.
+
+    Subclasses are frozen dataclasses that check their fields in ``__post_init__`` and set
+    :attr:`name`. The data-parallel family overrides :meth:`wrap` (and
+    :meth:`shard_optimizer`, :meth:`sync_owners`); others override :meth:`start`.
+    """
+
+    name: ClassVar[str] = "custom"
+    """The preset name it is known by (``Job("ddp")``); a user's class names its own."""
+
+    rebuilds_optimizer: ClassVar[bool] = False
+    """True where :meth:`shard_optimizer` rebuilds the user's optimizer (ZeRO, FSDP)."""
+
+    comm_measured: ClassVar[bool] = True
+    """False where this strategy's communication wait cannot be timed (said once, not 0)."""
+
+    def start(self, world: World, job: JobOptions) -> Runner:
+        """Check the options against the world and the job; make this job's runner.
+
+        Collective where the strategy makes process groups: every rank calls it in turn.
+        Raises ``ValueError`` naming the option, the value and the world size.
+        """
+        return Runner(self, world)
+
+    def wrap(self, model: nn.Module, world: World) -> nn.Module:
+        """The model as this strategy trains it (already on ``world.device``)."""
+        return model
+
+    def shard_optimizer(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, world: World
+    ) -> torch.optim.Optimizer:
+        """The optimizer rebuilt in this strategy's form (where :attr:`rebuilds_optimizer`)."""
+        return optimizer
+
+    def sync_owners(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None
+    ) -> list[SyncOwner]:
+        """The objects whose ``require_backward_grad_sync`` the job sets before each forward."""
+        return []
+
+    def measure_comm(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> bool:
+        """Install communication-wait timing on torch's own objects; False if it cannot."""
+        return self.comm_measured
+
+
+class Runner:
+    """One job's strategy at work: the protocol :class:`phalanx.Job` calls.
+
+    Args:
+        strategy: The options it runs.
+        world: This process's place in the job.
+    """
+
+    def __init__(self, strategy: Strategy, world: World) -> None:
+        self.strategy = strategy
+        self.world = world
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._owners: list[SyncOwner] = []
+        self.comm_measured = strategy.comm_measured
+        """Whether :attr:`phalanx.Job.summary`'s ``comm_share`` is measured (else NaN)."""
+
+    # ---- set-up --------------------------------------------------------------------------------
+    def setup(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        scheduler: Scheduler | None,
+        loss_fn: LossFn | None,
+        precision: Precision,
+    ) -> Prepared:
+        """Wrap ``model`` (on this rank's device); rebuild ``optimizer`` if the strategy shards it,
+        re-pointing ``scheduler`` at the rebuild."""
+        s, world = self.strategy, self.world
+        wrapped = s.wrap(model, world)
+        if optimizer is None and s.rebuilds_optimizer:
+            raise ValueError(
+                f"strategy={s.name!r} rebuilds the optimizer in its sharded form: "
+                f"pass it to Job.setup(model, optimizer)"
+            )
+        if optimizer is not None and s.rebuilds_optimizer:
+            optimizer = s.shard_optimizer(wrapped, optimizer, world)
+            if scheduler is not None:
+                repoint(scheduler, optimizer)
+        precision.wrap_forward(wrapped)
+        self.model, self.optimizer = wrapped, optimizer
+        self._owners = s.sync_owners(wrapped, optimizer)
+        self.comm_measured = s.measure_comm(wrapped, optimizer)
+        return Prepared(wrapped, optimizer, optimizer, scheduler, loss_fn)
+
+    def attach_phases(self, enter: Callable[[str | None], None]) -> None:
+        """Let the strategy mark phases finer than the job can (a pipeline, per action)."""
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def require_backward_grad_sync(self, sync: bool) -> None:
+        """Whether the coming backward communicates (set before each micro-step's forward)."""
+        for owner in self._owners:
+            owner.require_backward_grad_sync = sync
+
+    def data_shard(self) -> tuple[int, int]:
+        """(replicas, this rank's replica): ranks of one replica read the same samples."""
+        return self.world.world_size, self.world.rank
+
+    def forward_backward(
+        self,
+        inputs: object,
+        targets: object,
+        loss_fn: LossFn,
+        backward: Callable[[torch.Tensor], None],
+    ) -> torch.Tensor:
+        """``loss_fn(model(inputs), targets)`` and its ``backward``; the loss, detached."""
+        assert self.model is not None
+        loss = loss_fn(self.model(inputs), targets)
+        backward(loss)
+        return loss.detach()
+
+    def step(self, optimizer: torch.optim.Optimizer | None, precision: Precision) -> bool:
+        """Step at the end of an accumulation window; True when the job's scheduler steps too."""
+        if optimizer is None:
+            raise ValueError("Job.step(): no optimizer given and none passed to setup()")
+        precision.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        return True
+
+    def checkpointed(self, saving: bool) -> tuple[nn.Module | None, torch.optim.Optimizer | None]:
+        """The model and optimizer as checkpoints see them (``saving``: about to be saved)."""
+        return self.model, self.optimizer
+
+    # ---- roles (parameter servers override) ----------------------------------------------------
+    def serving(self) -> bool:
+        """Serve (once) where this rank is a server; True when it has no batches to train on."""
+        return False
+
+    def before_batch(self) -> bool:
+        """Called before each batch; False stops the loop (a parameter server said so)."""
+        return True
+
+    def finished(self) -> bool:
+        """True once this rank is told to stop training (a parameter server's budget)."""
+        return False
+
+    def finish(self) -> None:
+        """The loop is over: leave any role (idempotent)."""
+
+    def participants(self) -> tuple[int, int] | None:
+        """(how many ranks compute steps, this rank's index among them), or None if it does not."""
+        return self.world.world_size, self.world.rank
+
+    def metrics_group(self) -> dist.ProcessGroup | None:
+        """The group metrics average over (None: every rank). Collective: call once, in turn."""
+        return None
+
+    def logs_in_step(self) -> bool:
+        """True when the ranks train in step, so metrics may be averaged over them."""
+        return True
+
+    def progress_rank(self) -> int:
+        """The rank that draws the progress bar."""
+        return 0
+
+    def peer_sets(self) -> Iterable[list[int]] | None:
+        """Ranks doing the same work, for the straggler monitor: None, all; [] compares none."""
+        return None
+
+
+def check_fields(options: Strategy, **rules: Rule) -> None:
+    """Check a frozen options object's fields by their rules (``phalanx._check``), keeping what
+    each rule returns (a numpy integer as an ``int``); errors name the class, field and value."""
+    where = type(options).__name__
+    for name, check in rules.items():
+        object.__setattr__(options, name, check(name, vars(options)[name], where))

@@ -1,0 +1,238 @@
+"""``phalanx.Mesh(dp=, pp=, tp=, ...)``: a model split over a dp x pp x tp mesh of ranks.
+
+    Job(phalanx.Mesh(pp=2, micro_batches=4, schedule="1f1b"))   # dp = world / pp
+    Job(phalanx.Mesh(tp=2))                                      # dp = world / tp
+    Job(phalanx.Mesh(pp=2, tp=2))                                # dp x pp x tp
+
+Unlike the data-parallel strategies, these replace parameters (tensor parallel shards them) and
+drop the ones other stages own (pipeline), so the user's optimizer is rebuilt — same class,
+parameter groups and options — over this rank's parameters, matched by name. The presets
+"pipeline" and "tensor" give every rank the others leave to that degree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import ClassVar, cast
+
+import torch
+from torch import nn
+
+from phalanx._check import check_choice, check_int, optional, rule
+from phalanx.comm.group import World
+from phalanx.mesh import ParallelConfig, ParallelGroups, ParallelModel, make_groups, parallelize
+from phalanx.pipeline.balance import balance_arg
+from phalanx.pipeline.schedules import SCHEDULES
+from phalanx.train.precision import Precision
+from phalanx.train.strategies.base import (
+    JobOptions,
+    LossFn,
+    Prepared,
+    Runner,
+    Scheduler,
+    Strategy,
+    check_fields,
+)
+from phalanx.train.strategies.optimizers import rebuild_by_name
+
+__all__ = ["Mesh", "MeshRunner", "default_loss"]
+
+
+def _tp_plan(name: str, value: object, where: str) -> object:
+    from phalanx.tensor_parallel.plan import plan_arg  # tensor parallelism, only if asked for
+
+    return plan_arg(name, value, where)
+
+
+_degree = optional(rule(check_int, min=1))
+
+
+@dataclass(frozen=True)
+class Mesh(Strategy):
+    """Tensor parallel, then pipeline, then data parallel over the rest (torchtitan's order).
+
+    Args:
+        dp, pp, tp: Data, pipeline and tensor-parallel degrees; one of them may be None, the
+            ranks the others leave (by default dp).
+        micro_batches: Micro-batches per step of a pipeline (must divide the batch).
+        schedule: Pipeline schedule: "gpipe", "1f1b" or "interleaved".
+        chunks: Model chunks per pipeline rank (interleaved schedule).
+        balance: Layers per pipeline stage, or "params" / "time".
+        tp_plan: Module name -> "colwise" / "rowwise" / ...; GPT models have a default.
+    """
+
+    name: ClassVar[str] = "mesh"
+    dp: int | None = None
+    pp: int | None = 1
+    tp: int | None = 1
+    micro_batches: int = 1
+    schedule: str = "1f1b"
+    chunks: int = 1
+    balance: Sequence[int] | str | None = None
+    tp_plan: Mapping[str, str] | None = None
+
+    def __post_init__(self) -> None:
+        check_fields(
+            self,
+            dp=_degree,
+            pp=_degree,
+            tp=_degree,
+            micro_batches=rule(check_int, min=1),
+            schedule=rule(check_choice, choices=SCHEDULES),
+            chunks=rule(check_int, min=1),
+            balance=optional(balance_arg),
+            tp_plan=optional(_tp_plan),
+        )
+        left = [k for k in ("dp", "pp", "tp") if vars(self)[k] is None]
+        if len(left) > 1:
+            raise ValueError(
+                f"Mesh({', '.join(f'{k}=None' for k in left)}): at most one degree takes the "
+                f"ranks the others leave; give the others"
+            )
+
+    def config(self, world_size: int) -> ParallelConfig:
+        """The split on ``world_size`` ranks, checked (errors name every degree)."""
+        given = {k: vars(self)[k] for k in ("dp", "pp", "tp")}
+        free = next((k for k, v in given.items() if v is None), None)
+        if free in ("pp", "tp"):
+            others = [v for k, v in given.items() if k != free]
+            given[free] = max(1, world_size // max(1, _product(others)))
+        config = ParallelConfig(
+            dp=given["dp"],
+            pp=given["pp"] or 1,
+            tp=given["tp"] or 1,
+            micro_batches=self.micro_batches,
+            schedule=self.schedule,
+            chunks=self.chunks,
+            balance=self.balance,
+            tp_plan=self.tp_plan,
+        )
+        config.topology(world_size)
+        return config
+
+    def start(self, world: World, job: JobOptions) -> Runner:
+        config = self.config(world.world_size)
+        if config.pp > 1 and job.grad_accum > 1:
+            raise ValueError(
+                f"grad_accum={job.grad_accum} with a pipeline (pp={config.pp}): the pipeline "
+                f"already accumulates over micro_batches={config.micro_batches}; raise that "
+                f"instead"
+            )
+        return MeshRunner(self, world, config, make_groups(config.topology(world.world_size)))
+
+
+def _product(values: Iterable[int | None]) -> int:
+    out = 1
+    for v in values:
+        out *= v or 1
+    return out
+
+
+def default_loss(model: nn.Module, groups: ParallelGroups) -> LossFn | None:
+    """A GPT's language-model loss on (B, T, V) logits, vocabulary-parallel over ``groups.tp``
+    (the default tensor-parallel plan keeps the head's logits sharded); None for other models."""
+    from phalanx.models import GPT
+
+    if not isinstance(model, GPT):
+        return None
+    from phalanx.tensor_parallel import vocab_parallel_cross_entropy
+
+    return partial(
+        vocab_parallel_cross_entropy, group=groups.tp, vocab_size=model.config.vocab_size
+    )
+
+
+class MeshRunner(Runner):
+    """A split model at work: its schedule is the forward and backward; per-rank checkpoints."""
+
+    def __init__(
+        self, strategy: Mesh, world: World, config: ParallelConfig, groups: ParallelGroups
+    ) -> None:
+        super().__init__(strategy, world)
+        self.config = config
+        self.groups = groups
+        """Process groups along dp / pp / tp."""
+        self.parallel: ParallelModel | None = None
+
+    def setup(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        scheduler: Scheduler | None,
+        loss_fn: LossFn | None,
+        precision: Precision,
+    ) -> Prepared:
+        """Split ``model`` as the config says and rebuild ``optimizer`` over this rank's share."""
+        from phalanx.pipeline import Pipeline
+        from phalanx.train.loop_helpers import repoint
+
+        config = self.config
+        loss_fn = loss_fn or default_loss(model, self.groups)
+        if loss_fn is None:
+            raise ValueError(
+                f"strategy with pp={config.pp}, tp={config.tp} needs Job.setup(model, optimizer, "
+                f"loss_fn=...) for a {type(model).__name__}: the loss is computed inside the "
+                f"parallel step (on the last pipeline stage)"
+            )
+        names = {id(p): name for name, p in model.named_parameters()}
+        parallel = parallelize(model, self.groups, config, loss_fn)
+        # Autocast where the forward runs: around each local pipeline chunk, or the whole model.
+        pipe = parallel.module
+        parts = list(pipe.stages) if isinstance(pipe, Pipeline) else [parallel]
+        for part in parts:
+            precision.wrap_forward(part)
+        if optimizer is not None:
+            # Names are taken from the (tensor-parallelised, in place) model; the pipeline keeps
+            # a subset of those very parameter objects.
+            kept = {id(p) for p in parallel.parameters()}
+            local = {n: p for n, p in model.named_parameters() if id(p) in kept}
+            optimizer = rebuild_by_name(optimizer, names, local)
+            if scheduler is not None:
+                repoint(scheduler, optimizer)
+        self.parallel, self.model, self.optimizer = parallel, parallel, optimizer
+        return Prepared(parallel, optimizer, optimizer, scheduler, loss_fn)
+
+    def attach_phases(self, enter: Callable[[str | None], None]) -> None:
+        """A pipeline marks forward and backward per action of its schedule."""
+        from phalanx.pipeline import Pipeline
+
+        if self.parallel is not None and isinstance(self.parallel.module, Pipeline):
+            self.parallel.module.on_action = enter
+
+    def require_backward_grad_sync(self, sync: bool) -> None:
+        if self.parallel is not None:
+            self.parallel.require_backward_grad_sync = sync
+
+    def data_shard(self) -> tuple[int, int]:
+        # Ranks of one replica (its pipeline stages, its tensor shards) read the same samples.
+        return self.groups.topology.dp, self.groups.index("dp")
+
+    def forward_backward(
+        self,
+        inputs: object,
+        targets: object,
+        loss_fn: LossFn,
+        backward: Callable[[torch.Tensor], None],
+    ) -> torch.Tensor:
+        assert self.parallel is not None
+        if not self.parallel.pipelined:
+            return super().forward_backward(inputs, targets, loss_fn, backward)
+        return self.parallel.train_step(inputs, targets)  # the whole schedule, every stage
+
+    def checkpointed(self, saving: bool) -> tuple[nn.Module | None, torch.optim.Optimizer | None]:
+        """Per-rank pieces keyed by the unsplit model's names (``mesh/checkpoint.py``)."""
+        assert self.parallel is not None
+        views = self.parallel.checkpoint_views(self.optimizer)
+        # checkpoint.save / load take these sharded views where they take a model / optimizer
+        return cast(tuple[nn.Module, torch.optim.Optimizer | None], views)
+
+    def peer_sets(self) -> Iterable[list[int]] | None:
+        """With a pipeline, the ranks of each stage (stages do different work); else all."""
+        if self.groups.topology.pp == 1:
+            return None
+        topology, stages = self.groups.topology, dict[int, list[int]]()
+        for r in range(topology.world_size):
+            stages.setdefault(topology.coords(r)["pp"], []).append(r)
+        return list(stages.values())

@@ -1,0 +1,98 @@
+"""``phalanx.Zero(stage=1|2|3)``: ZeRO sharding of optimizer state, gradients, parameters.
+
+Stages 1 and 2 keep the model whole and rebuild the optimizer as a
+``phalanx.ZeroRedundancyOptimizer`` (same class, parameter groups and options); stage 3 wraps
+the model in ``phalanx.FullyShardedDataParallel`` (each ``ModuleList`` element, or each
+top-level child, a unit) and rebuilds the optimizer over the shards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from phalanx._check import check_float, check_int, rule
+from phalanx.comm.group import World
+from phalanx.train.strategies.base import Strategy, SyncOwner, check_fields
+from phalanx.train.strategies.optimizers import (
+    accepted,
+    options,
+    rebuild_one_group,
+    unit_policy,
+)
+
+__all__ = ["Zero"]
+
+DEFAULT_BUCKET_MB = 25.0
+
+
+@dataclass(frozen=True)
+class Zero(Strategy):
+    """ZeRO (Rajbhandari et al. 2020) of stage 1 (optimizer state), 2 (+ gradients) or 3
+    (+ parameters).
+
+    Args:
+        stage: 1, 2 or 3.
+        bucket_cap_mb: Gradient bucket size of stages 1 and 2, in MiB.
+    """
+
+    name: ClassVar[str] = "zero"
+    rebuilds_optimizer: ClassVar[bool] = True
+    stage: int = 1
+    bucket_cap_mb: float = DEFAULT_BUCKET_MB
+
+    def __post_init__(self) -> None:
+        check_fields(
+            self,
+            stage=rule(check_int, min=1, max=3),
+            bucket_cap_mb=rule(check_float, above=0),
+        )
+        if self.stage == 3 and self.bucket_cap_mb != DEFAULT_BUCKET_MB:
+            raise ValueError(
+                f"Zero(bucket_cap_mb={self.bucket_cap_mb}) applies to stages 1 and 2; stage 3 "
+                f"communicates per unit (drop bucket_cap_mb)"
+            )
+
+    def wrap(self, model: nn.Module, world: World) -> nn.Module:
+        if self.stage < 3:
+            return model
+        from phalanx.sharding.zero3 import FullyShardedDataParallel
+
+        units = unit_policy(model)
+        return FullyShardedDataParallel(model, wrap=lambda m: m in units)
+
+    def shard_optimizer(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, world: World
+    ) -> torch.optim.Optimizer:
+        if self.stage == 3:
+            from phalanx.sharding.zero import check_elementwise
+
+            check_elementwise(type(optimizer))
+            return rebuild_one_group(optimizer, model.parameters(), "zero3")
+        from phalanx.sharding import ZeroRedundancyOptimizer
+
+        groups = [{**options(g), "params": g["params"]} for g in optimizer.param_groups]
+        return ZeroRedundancyOptimizer(
+            groups,
+            type(optimizer),
+            parameters_as_bucket_view=True,
+            stage=self.stage,
+            bucket_cap_mb=self.bucket_cap_mb,
+            **accepted(type(optimizer), optimizer.defaults),
+        )
+
+    def sync_owners(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None
+    ) -> list[SyncOwner]:
+        from phalanx.sharding import ZeroRedundancyOptimizer
+        from phalanx.sharding.zero3 import FullyShardedDataParallel
+
+        owners: list[SyncOwner] = []
+        if isinstance(model, FullyShardedDataParallel):
+            owners.append(model)
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            owners.append(optimizer)
+        return owners
