@@ -75,14 +75,18 @@ def main(argv: list[str] | None = None) -> float:
     args = parser.parse_args(argv)
 
     ps = args.strategy in ("ps-sync", "ps-async", "ssp")
+    strategy: str | phalanx.train.Strategy = args.strategy  # a preset name
+    if ps:  # the parameter-server presets, with the staleness bound
+        mode = {"ps-sync": "sync", "ps-async": "async", "ssp": "ssp"}[args.strategy]
+        strategy = phalanx.PS(mode=mode, staleness=args.staleness)
     job = phalanx.Job(
-        strategy=args.strategy,
+        strategy,
         precision=args.precision,
         grad_accum=args.grad_accum,
         checkpoint_dir=None if ps else args.checkpoint_dir,
-        staleness=args.staleness,
-        straggler=_straggler(args.straggler),
     )
+    if args.straggler is not None:
+        job.slow_down(*_straggler(args.straggler))
     with phalanx.main_first():  # rank 0 loads (and caches) the data set first
         train_set, test_set = digits_datasets()
     model = make_model()
@@ -102,8 +106,8 @@ def main(argv: list[str] | None = None) -> float:
             job.save()
     _, accuracy = evaluate(model, test_set)
     summary = job.summary()
-    if job.is_server and job.ps is not None and job.ps.report is not None:
-        r = job.ps.report
+    if job.is_server and job.server_report is not None:
+        r = job.server_report
         print(
             f"done: test accuracy {100 * accuracy:.2f}% | server applied {r.applied} gradients "
             f"in {r.seconds:.1f} s ({r.applied / max(r.seconds, 1e-9):.0f}/s) | staleness "
@@ -124,9 +128,7 @@ def main(argv: list[str] | None = None) -> float:
     return accuracy
 
 
-def _straggler(spec: str | None) -> tuple[int | str, float] | None:
-    if spec is None:
-        return None
+def _straggler(spec: str) -> tuple[int | str, float]:
     who, _, factor = spec.partition(":")
     return (who if who == "random" else int(who), float(factor or 2.0))
 

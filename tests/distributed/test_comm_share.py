@@ -29,7 +29,7 @@ CASES: list[tuple[str, dict[str, Any], int]] = [  # strategy, options, delays pe
     ("torch-ddp", {"hook": True}, 1),  # the user's own communication hook, timed the same way
     ("torch-zero1", {}, 1),
     ("torch-fsdp", {}, 1),
-    ("tensor", {"tp": 2}, 1),
+    ("tensor", {"tp": 2}, 1),  # phalanx.Mesh(**options)
     ("pipeline", {"pp": 2, "micro_batches": 2}, 2),
 ]
 
@@ -61,8 +61,8 @@ def _one(strategy: str, options: dict[str, Any]) -> dict[str, float]:
 
     model.blocks[-1].register_forward_pre_hook(pause)  # on rank 1's stage in the pipeline
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    job = phalanx.Job(strategy=strategy, straggler_check_every=0, **options)
     split = strategy in ("pipeline", "tensor")  # GPT: the default vocabulary-parallel loss
+    job = phalanx.Job(phalanx.Mesh(**options) if split else strategy, straggler_check_every=0)
     model, opt = job.setup(model, opt, **({} if split else {"loss_fn": _loss}))
     calls: list[int] = []
     if user_hook:

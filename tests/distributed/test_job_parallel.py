@@ -1,4 +1,4 @@
-"""Job(strategy="pipeline" | "tensor") on 4 ranks trains like one process on the global batch.
+"""Job(phalanx.Mesh(pp=...) | Mesh(tp=...)) on 4 ranks trains like one process on the global batch.
 
 dp=2 replicas each read their half of every global batch (``job.loader`` shards by replica, not
 by rank: a replica's pipeline stages and tensor shards must see the same samples); the
@@ -34,7 +34,9 @@ def _train(strategy: str, options: dict[str, Any]) -> dict[str, Any]:
     ref = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    job = phalanx.Job(strategy=strategy, **options)
+    options = dict(options)
+    precision = options.pop("precision", "fp32")
+    job = phalanx.Job(phalanx.Mesh(**options), precision=precision)
     _, opt = job.setup(model, opt, sched)  # GPT: the default vocabulary-parallel loss
     assert opt is not None
     losses = []
@@ -101,7 +103,7 @@ def _job(strategy: str, options: dict[str, Any], ckpt: str, seed: int) -> tuple[
     torch.manual_seed(seed)
     model = GPT(GPTConfig(65, 16, 2, 4, 32))
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    job = phalanx.Job(strategy=strategy, checkpoint_dir=ckpt, **options)
+    job = phalanx.Job(phalanx.Mesh(**options), checkpoint_dir=ckpt)
     return job, job.setup(model, opt)[0]
 
 

@@ -1,4 +1,4 @@
-"""Job strategies "ps-sync", "ps-async", "ssp" and "hogwild", and the straggler option."""
+"""Parameter servers (phalanx.PS; presets "ps-sync", "ps-async", "ssp"), hogwild, Job.slow_down."""
 
 from __future__ import annotations
 
@@ -17,8 +17,11 @@ def _data() -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
 
 
-def _train(strategy: str, kwargs: dict) -> dict:
-    job = phalanx.Job(strategy=strategy, seed=1, **kwargs)
+def _train(strategy: str | phalanx.train.Strategy, kwargs: dict) -> dict:
+    slow = kwargs.pop("slow_down", None)
+    job = phalanx.Job(strategy, seed=1, **kwargs)
+    if slow is not None:
+        job.slow_down(*slow)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -33,7 +36,7 @@ def _train(strategy: str, kwargs: dict) -> dict:
             batches += 1
         logged.append(job.log(loss=float(loss)))  # per worker: no collective among them
     state = {k.removeprefix("module."): v.detach().clone() for k, v in model.state_dict().items()}
-    report = job.ps.report if job.ps is not None else None
+    report = job.server_report
     job.close()
     return {
         "state": state, "batches": batches, "server": job.is_server, "report": report,
@@ -43,7 +46,7 @@ def _train(strategy: str, kwargs: dict) -> dict:
 
 def test_ps_sync_job_equals_ddp_job() -> None:
     ddp = run_distributed(_train, "ddp", {}, world_size=2, timeout=60)
-    ps = run_distributed(_train, "ps-sync", {}, world_size=3, timeout=60)
+    ps = run_distributed(_train, "ps-sync", {}, world_size=3, timeout=60)  # the preset
     assert ps[0]["server"] and ps[0]["batches"] == 0
     assert ps[1]["batches"] == ps[2]["batches"] == ddp[0]["batches"] == 12
     report = ps[0]["report"]
@@ -57,17 +60,23 @@ def test_ps_sync_job_equals_ddp_job() -> None:
 
 def test_ssp_job_with_straggler_and_async_budget() -> None:
     ssp = run_distributed(
-        _train, "ssp", {"staleness": 1, "straggler": (1, 3.0)}, world_size=3, timeout=60
+        _train,
+        phalanx.PS(mode="ssp", staleness=1),
+        {"slow_down": (1, 3.0)},
+        world_size=3,
+        timeout=60,
     )
     report = ssp[0]["report"]
     assert report.applied == 24 and max(report.staleness) <= 1
-    budget = run_distributed(_train, "ps-async", {"max_updates": 10}, world_size=3, timeout=60)
+    budget = run_distributed(
+        _train, phalanx.PS(mode="async", max_updates=10), {}, world_size=3, timeout=60
+    )
     assert budget[0]["report"].applied == 10
     assert budget[1]["batches"] + budget[2]["batches"] == 10
 
 
 def _hogwild() -> dict:
-    job = phalanx.Job(strategy="hogwild", seed=0)
+    job = phalanx.Job(phalanx.Hogwild(), seed=0)
     torch.manual_seed(job.world.rank)  # different inits: the job must start all from rank 0's
     model = nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -101,20 +110,20 @@ def test_hogwild_job_shares_one_model() -> None:
         assert torch.equal(v, r[1]["state"][k]), k
 
 
-def _bad(strategy: str, kwargs: dict) -> None:
-    phalanx.Job(strategy=strategy, **kwargs)
+def _bad(strategy: str | phalanx.train.Strategy, kwargs: dict) -> None:
+    slow = kwargs.pop("slow_down", None)
+    job = phalanx.Job(strategy, **kwargs)
+    if slow is not None:
+        job.slow_down(*slow)
 
 
 @pytest.mark.parametrize(
     ("strategy", "kwargs", "match"),
     [
-        ("ssp", {}, r"strategy='ssp' needs a staleness bound"),
-        ("ps-async", {"staleness": 2}, r"staleness=2 applies to strategy='ssp'"),
-        ("ddp", {"servers": 1}, r"servers=1 applies to strategies"),
-        ("ps-sync", {"servers": 2}, r"servers=2 needs more ranks than servers.*world_size=2"),
+        ("ssp", {}, r"PS\(mode='ssp'\) needs a staleness bound"),
+        (phalanx.PS(servers=2), {}, r"servers=2\) needs more ranks than servers.*world_size=2"),
         ("ps-sync", {"checkpoint_dir": "/tmp/x"}, r"checkpoint_dir='/tmp/x'"),
-        ("ddp", {"straggler": (5, 2.0)}, r"who=5 must be 'random' or a participant index"),
-        ("ddp", {"straggler": 4.0}, r"straggler must be a \(who, factor\) pair"),
+        ("ddp", {"slow_down": (5, 2.0)}, r"who=5 must be 'random' or a participant index"),
     ],
 )
 def test_bad_ps_options(strategy: str, kwargs: dict, match: str) -> None:

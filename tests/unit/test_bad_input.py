@@ -155,6 +155,11 @@ def _epochs(n: Any) -> object:
         return list(job.epochs(n))
 
 
+def _slow_down(who: Any, factor: Any) -> None:
+    with Job("single") as job:
+        job.slow_down(who, factor)
+
+
 def _main_first(group: Any) -> None:
     with phalanx.main_first(group):
         pass
@@ -173,6 +178,7 @@ SGD = torch.optim.SGD
 mse = nn.functional.mse_loss
 init = phalanx.init_process_group
 Job = phalanx.Job
+Zero, Mesh, PS, DDPOptions = phalanx.Zero, phalanx.Mesh, phalanx.PS, phalanx.DDP
 DDP = phalanx.DistributedDataParallel
 DP = phalanx.DataParallel
 SBN = phalanx.SyncBatchNorm
@@ -272,30 +278,41 @@ CASES = [
     row(bad(Job, "single", metrics_file=""), ValueError, "non-empty"),
     row(bad(Job, "single", profile_dir=b"p"), TypeError, "bytes"),
     row(bad(Job, "single", tensorboard_dir=5), TypeError, "a path"),
-    row(bad(Job, "pipeline", schedule="zigzag"), ValueError, "'1f1b'"),
-    row(bad(Job, "pipeline", micro_batches=0), ValueError, "int >= 1"),
-    row(bad(Job, "pipeline", chunks="2"), TypeError, "str '2'"),
-    row(bad(Job, "tensor", dp=0), ValueError, "int >= 1"),
-    row(bad(Job, "pipeline", pp=1.5), TypeError, "float 1.5"),
-    row(bad(Job, "tensor", tp="2"), TypeError, "str '2'"),
-    row(bad(Job, "pipeline", balance=[1, "a"]), TypeError, "balance[1] | str 'a'"),
-    row(bad(Job, "pipeline", balance="fast"), ValueError, "'params'"),
-    row(bad(Job, "tensor", tp_plan={"fc": "diagonal"}), ValueError, "tp_plan['fc'] | 'rowwise'"),
-    row(bad(Job, "tensor", tp_plan=["fc"]), TypeError, "a dict"),
-    row(bad(Job, "single", straggler=(1, 0.5)), ValueError, "factor | >= 1"),
-    row(bad(Job, "single", straggler=5), TypeError, "(who, factor)"),
-    row(bad(Job, "single", straggler=("x", 2.0)), TypeError, "who | 'random'"),
-    row(bad(Job, "ps-async", staleness_lr="yes"), TypeError, "True or False"),
-    row(bad(Job, "ssp", staleness=-1), ValueError, "int >= 0"),
-    row(bad(Job, "ps-sync", servers="1"), TypeError, "str '1'"),
-    row(bad(Job, "ps-sync", max_updates=0), ValueError, "int >= 1"),
+    row(bad(Job, "ssp"), ValueError, "PS(mode='ssp') | staleness bound"),
+    row(bad(_slow_down, who=1, factor=0.5), ValueError, "Job.slow_down(factor=0.5) | >= 1"),
+    row(bad(_slow_down, factor=2.0, who="x"), TypeError, "who='x' | 'random'"),
+    row(bad(_slow_down, factor=2.0, who=-1), ValueError, "int >= 0"),
+    # ---- strategy options: checked where they are built, naming the class --------------------
+    row(bad(Mesh, pp=2, schedule="zigzag"), ValueError, "Mesh(schedule='zigzag') | '1f1b'"),
+    row(bad(Mesh, pp=2, micro_batches=0), ValueError, "micro_batches | int >= 1"),
+    row(bad(Mesh, pp=2, chunks="2"), TypeError, "chunks='2' | str '2'"),
+    row(bad(Mesh, dp=0), ValueError, "Mesh(dp=0) | int >= 1"),
+    row(bad(Mesh, pp=1.5), TypeError, "float 1.5"),
+    row(bad(Mesh, tp="2"), TypeError, "str '2'"),
+    row(bad(Mesh, pp=2, balance=[1, "a"]), TypeError, "balance[1] | str 'a'"),
+    row(bad(Mesh, pp=2, balance="fast"), ValueError, "'params'"),
+    row(bad(Mesh, tp=2, tp_plan={"fc": "diagonal"}), ValueError, "tp_plan['fc'] | 'rowwise'"),
+    row(bad(Mesh, tp=2, tp_plan=["fc"]), TypeError, "a dict"),
+    row(bad(Mesh, dp=2, pp=None, tp=None), ValueError, "pp=None, tp=None | at most one"),
+    row(bad(PS, mode="fast"), ValueError, "PS(mode='fast') | 'ssp'"),
+    row(bad(PS, staleness_lr="yes"), TypeError, "True or False"),
+    row(bad(PS, mode="ssp", staleness=-1), ValueError, "int >= 0"),
+    row(bad(PS, staleness=2), ValueError, "PS(staleness=2) | mode='ssp'"),
+    row(bad(PS, servers="1"), TypeError, "str '1'"),
+    row(bad(PS, max_updates=0), ValueError, "int >= 1"),
+    row(bad(Zero, stage=4), ValueError, "Zero(stage=4) | int in 1..3"),
+    row(bad(Zero, stage="2"), TypeError, "str '2'"),
+    row(bad(Zero, stage=3, bucket_cap_mb=10), ValueError, "bucket_cap_mb=10 | stages 1 and 2"),
+    row(bad(DDPOptions, bucket_cap_mb=0), ValueError, "DDP(bucket_cap_mb=0) | > 0"),
+    row(bad(DDPOptions, find_unused_parameters="no"), TypeError, "True or False"),
     row(bad(Job, "single", straggler_check_every=-1), ValueError, "int >= 0"),
     row(bad(Job, "single", straggler_rule=5), TypeError, "StragglerRule | int 5"),
     row(bad(Job, "single", straggler_rule={"z": 3.0}), TypeError, "StragglerRule | dict"),
     row(bad(Job, backend="tpu"), ValueError, "'gloo'"),
     row(bad(_epochs, n="3"), TypeError, "Job.epochs | str '3'"),
-    row(bad(register_strategy, "mine", wrap=3), TypeError, "callable"),
-    row(bad(register_strategy, wrap=print, name=None), TypeError, "a non-empty str"),
+    row(bad(register_strategy, "mine", strategy=3), TypeError, "Strategy subclass or instance"),
+    row(bad(register_strategy, "mine", strategy=print), TypeError, "builtin_function"),
+    row(bad(register_strategy, strategy=Zero, name=None), TypeError, "a non-empty str"),
     # ---- DistributedDataParallel (checked before it even looks for a process group) --------
     row(bad(DDP, MLP, bucket_cap_mb="25"), TypeError, "str '25' | MiB"),
     row(bad(DDP, MLP, bucket_cap_mb=0), ValueError, "> 0 | MiB"),

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
 from torch import nn
 
 import phalanx
-from phalanx.train import register_strategy, strategy_names
+from phalanx.comm.group import World
+from phalanx.train import Single, Strategy, register_strategy, strategy_names
 
 
 @pytest.fixture(autouse=True)
@@ -54,7 +57,47 @@ def test_bad_job_arguments_name_the_value(kwargs: dict[str, object], match: str)
 def test_strategy_registry() -> None:
     assert {"ddp", "torch-ddp", "dp", "single"} <= set(strategy_names())
     with pytest.raises(ValueError, match="already registered"):
-        register_strategy("ddp", lambda m, w: m)
+        register_strategy("ddp", Single)
+
+
+@dataclass(frozen=True)
+class _Doubled(Strategy):
+    """A user's own strategy: one class, registered in one call."""
+
+    name: ClassVar[str] = "doubled"
+    scale: float = 2.0
+
+    def wrap(self, model: nn.Module, world: World) -> nn.Module:
+        return nn.Sequential(model, _Scale(self.scale))
+
+
+class _Scale(nn.Module):
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+def test_a_users_strategy_class_runs_by_name_and_as_an_object() -> None:
+    register_strategy("doubled", _Doubled, replace=True)
+    assert "doubled" in strategy_names()
+    x = torch.ones(1, 2)
+    for strategy in ("doubled", _Doubled(scale=3.0)):
+        with phalanx.Job(strategy) as job:
+            inner = nn.Linear(2, 1)
+            model, _ = job.setup(inner)
+            assert isinstance(job.strategy, _Doubled)
+            assert torch.equal(model(x), job.strategy.scale * inner(x))
+
+
+def test_presets_are_fresh_strategy_objects() -> None:
+    with phalanx.Job("single") as job:
+        assert job.strategy == Single() and job.strategy.name == "single"
+    assert phalanx.Zero(stage=2) == phalanx.Zero(stage=2)  # options compare by value
+    with pytest.raises(AttributeError):  # frozen: a job cannot change a shared object
+        phalanx.Zero().stage = 3  # type: ignore[misc]
 
 
 def test_save_needs_a_directory() -> None:

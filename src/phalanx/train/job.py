@@ -31,7 +31,7 @@ from phalanx.data.sampler import DistributedSampler
 from phalanx.mesh.groups import ParallelGroups
 from phalanx.parameter_server import ServerReport
 from phalanx.train import job_checkpoint
-from phalanx.train.job_args import check_epochs, check_job_args
+from phalanx.train.job_args import check_epochs, check_job_args, check_slow_down
 from phalanx.train.job_phases import JobPhases
 from phalanx.train.loop_helpers import (
     Timer,
@@ -204,9 +204,11 @@ class Job:
             **kwargs,  # type: ignore[arg-type]
         )
 
+    @check_slow_down
     def slow_down(self, who: int | str, factor: float) -> None:
         """Make rank (or parameter-server worker) ``who``, or a random one each step with
-        ``who="random"``, ``factor`` times slower: the straggler of experiments."""
+        ``who="random"``, ``factor`` times slower: the straggler of experiments
+        (:mod:`phalanx.train.slowdown`). Call it before the loop."""
         place = self.runner.participants()
         if place is not None:  # servers do not compute steps
             count, index = place

@@ -11,6 +11,7 @@ from typing import Any
 
 from phalanx._check import (
     check_choice,
+    check_float,
     check_instance,
     check_int,
     check_path,
@@ -22,7 +23,7 @@ from phalanx._check import (
 from phalanx.comm.group import BACKENDS
 from phalanx.train.precision import PRECISIONS
 
-__all__ = ["check_epochs", "check_job_args"]
+__all__ = ["check_epochs", "check_job_args", "check_slow_down"]
 
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed accepts
 
@@ -36,6 +37,18 @@ def _strategy(name: str, value: Any, where: str) -> object:
         return check_choice(name, value, strategy_names(), where=where)
     what = "a preset name or a strategy (phalanx.DDP(), phalanx.Zero(stage=2), ...)"
     raise fail(name, value, what, where=where, error=TypeError)
+
+
+def _who(name: str, value: Any, where: str) -> object:
+    if value == "random":
+        return value
+    return check_int(name, value, min=0, where=where, fix="who is a rank, or 'random'")
+
+
+check_slow_down = checked(
+    who=_who, factor=rule(check_float, min=1, fix="factor is how many times slower")
+)
+"""Decorates ``Job.slow_down``: the injected straggler's rank and factor."""
 
 
 def _straggler_rule(name: str, value: Any, where: str) -> object:

@@ -74,12 +74,12 @@ class StragglerRule:
         if not 0 < self.quantile <= 1:
             raise ValueError(f"StragglerRule: quantile must be in (0, 1], got {self.quantile!r}")
         for name, low in (("patience", 1), ("warmup", 0), ("history", 2)):
-            value = getattr(self, name)
+            value = vars(self)[name]  # a field, by name
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"StragglerRule: {name} must be an int >= {low}, got {value!r}")
 
     def _check_number(self, name: str, positive: bool) -> None:
-        value = getattr(self, name)
+        value = vars(self)[name]  # a field, by name
         number = isinstance(value, int | float) and not isinstance(value, bool)
         if not number or not math.isfinite(value) or value < 0 or (positive and value == 0):
             bound = "> 0" if positive else ">= 0"
