@@ -130,3 +130,23 @@ def test_a_save_before_any_batch_resumes_the_same_epoch(tmp_path: Path) -> None:
         job.setup(nn.Linear(4, 1))
         job.loader(data, batch_size=4)
         assert next(iter(job.epochs(3))) == 0
+
+
+@dataclass(frozen=True)
+class _Unmeasured(Strategy):
+    name: ClassVar[str] = "unmeasured"
+    comm_measured: ClassVar[bool] = False
+
+
+def test_summary_says_not_measured_instead_of_a_silent_zero() -> None:
+    for strategy, measured in ((Single(), True), (_Unmeasured(), False)):
+        with phalanx.Job(strategy) as job:
+            model, _ = job.setup(nn.Linear(2, 1), None)
+            job.optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            job.backward(model(torch.ones(4, 2)).sum())
+            job.step()
+            summary = job.summary()
+        for key in ("comm_share", "comm_wait_seconds"):
+            assert (summary[key] == summary[key]) is measured, (strategy, key)  # NaN != NaN
+        if measured:
+            assert summary["comm_wait_seconds"] == 0.0  # one process waits for nobody

@@ -30,12 +30,13 @@ def _probes() -> list[tuple[str, str, str, int]]:
     for path in sorted(TRAIN.rglob("*.py")):
         tree = ast.parse(path.read_text(), str(path))
         for node in ast.walk(tree):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-                if node.func.id in PROBES and len(node.args) >= 2:
-                    obj, attr = node.args[0], node.args[1]
-                    name = attr.value if isinstance(attr, ast.Constant) else ast.unparse(attr)
-                    rel = str(path.relative_to(TRAIN))
-                    found.append((rel, ast.unparse(obj), str(name), node.lineno))
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+                continue
+            if node.func.id in PROBES and len(node.args) >= 2:
+                obj, attr = node.args[0], node.args[1]
+                name = attr.value if isinstance(attr, ast.Constant) else ast.unparse(attr)
+                rel = str(path.relative_to(TRAIN))
+                found.append((rel, ast.unparse(obj), str(name), node.lineno))
     return found
 
 

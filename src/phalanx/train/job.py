@@ -336,12 +336,16 @@ class Job:
         return averaged
 
     def summary(self) -> dict[str, float]:
-        """Samples/s over the job, and the share of this rank's time spent waiting for
-        communication (``comm_share``; NaN where the strategy's wait is not measured, never a
-        silent 0; :meth:`phase_shares` has each phase's)."""
-        comm = self.timing.shares()["communication_share"]
-        measured = comm if self.runner.comm_measured else float("nan")
-        return {**self._timer.summary(self.world.world_size), "comm_share": measured}
+        """Samples/s over the job, this rank's seconds waiting for communication
+        (``comm_wait_seconds``) and their share of its time (``comm_share``; :meth:`phase_shares`
+        has each phase's). Both are NaN where the strategy's wait is not measured (a torch
+        version without the hook used), never a silent 0."""
+        share = self.timing.shares()["communication_share"]
+        waited = sum(self.timing.clock.total_wait)
+        if not self.runner.comm_measured:
+            share = waited = float("nan")
+        times = self._timer.summary(self.world.world_size)
+        return {**times, "comm_share": share, "comm_wait_seconds": waited}
 
     def phase_shares(self) -> dict[str, float]:
         """Each phase's share of this rank's measured time (``data_share``, ...,

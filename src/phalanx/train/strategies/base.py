@@ -160,7 +160,7 @@ class Runner:
         wrapped = s.wrap(model, world)
         if optimizer is None and s.rebuilds_optimizer:
             raise ValueError(
-                f"strategy={s.name!r} rebuilds the optimizer in its sharded form: "
+                f"strategy={s!r} rebuilds the optimizer in its sharded form: "
                 f"pass it to Job.setup(model, optimizer)"
             )
         if optimizer is not None and s.rebuilds_optimizer:
