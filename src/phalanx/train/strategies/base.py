@@ -17,6 +17,7 @@ A pipeline or a parameter server subclasses :class:`Runner`.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
@@ -77,7 +78,7 @@ class JobOptions:
 
     precision: str = "fp32"
     grad_accum: int = 1
-    checkpoint_dir: object = None
+    checkpoint_dir: str | os.PathLike[str] | None = None
     seed: int = 0
 
 
