@@ -100,7 +100,8 @@ class Job:
     ) -> None:
         chosen = resolve(strategy)  # a preset's own errors come before any process group
         self.strategy = chosen
-        """The strategy's options (``job.strategy.name`` is its preset name)."""
+        """The strategy's options (a preset name resolved: ``Job("zero2").strategy`` is
+        ``Zero(stage=2)``)."""
         self.owns_group = not pg.is_initialized()
         self.world = pg.init_process_group(backend) if self.owns_group else pg.world()
         self.seed = seed

@@ -92,7 +92,8 @@ class Strategy:
     """
 
     name: ClassVar[str] = "custom"
-    """The preset name it is known by (``Job("ddp")``); a user's class names its own."""
+    """A short name of the family for messages ("ddp", "zero", "mesh", "ps"...); the preset
+    names (``Job("zero2")``) are kept in ``registry.py``."""
 
     rebuilds_optimizer: ClassVar[bool] = False
     """True where :meth:`shard_optimizer` rebuilds the user's optimizer (ZeRO, FSDP)."""
