@@ -105,7 +105,7 @@ class Job:
         self.owns_group = not pg.is_initialized()
         self.world = pg.init_process_group(backend) if self.owns_group else pg.world()
         self.seed = seed
-        options = JobOptions(precision, grad_accum, checkpoint_dir, seed)
+        options = JobOptions(precision, grad_accum, checkpoint_dir)
         try:  # a mistake in any option leaves no half-made job (nor its process group) behind
             self.precision = Precision(precision, self.world.device)
             self.runner: Runner = chosen.start(self.world, options)

@@ -79,7 +79,6 @@ class JobOptions:
     precision: str = "fp32"
     grad_accum: int = 1
     checkpoint_dir: str | os.PathLike[str] | None = None
-    seed: int = 0
 
 
 @dataclass(frozen=True)
