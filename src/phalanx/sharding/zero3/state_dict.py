@@ -7,7 +7,7 @@ by N ranks load at any other world size (:mod:`phalanx.sharding.pieces`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,6 +108,20 @@ def missing_keys(layout: StateLayout, available: Mapping[str, Any] | set[str]) -
     return missing
 
 
+def _held(
+    layout: StateLayout, units: list[FlatUnit], available: Mapping[str, Any] | set[str]
+) -> Iterator[tuple[torch.Tensor, Piece, Entry, str]]:
+    """Each piece of this rank's shards: where it sits, the piece, its parameter and the key
+    of ``available`` that holds it (``missing_keys`` must have found none missing)."""
+    for unit in units:
+        shard = unit.flat_param.detach()
+        for piece in unit.pieces:
+            entry = layout.params[piece.key][1]
+            key = _pick(entry.keys, available)
+            assert key is not None
+            yield piece.held_in(shard), piece, entry, key
+
+
 @torch.no_grad()
 def load_full_state_dict(
     layout: StateLayout, units: list[FlatUnit], state: Mapping[str, torch.Tensor], rank: int
@@ -116,19 +130,14 @@ def load_full_state_dict(
     missing = missing_keys(layout, state)
     if missing:
         raise KeyError(f"[rank {rank}] load_full_state_dict: state is missing keys {missing}")
-    for unit in units:
-        shard = unit.flat_param.detach()
-        for piece in unit.pieces:
-            entry = layout.params[piece.key][1]
-            key = _pick(entry.keys, state)
-            assert key is not None
-            value = state[key]
-            if tuple(value.shape) != entry.shape:
-                raise ValueError(
-                    f"[rank {rank}] load_full_state_dict: {key!r} has shape "
-                    f"{tuple(value.shape)}, the model's is {entry.shape}"
-                )
-            piece.held_in(shard).copy_(piece.of_full(value))
+    for held, piece, entry, key in _held(layout, units, state):
+        value = state[key]
+        if tuple(value.shape) != entry.shape:
+            raise ValueError(
+                f"[rank {rank}] load_full_state_dict: {key!r} has shape "
+                f"{tuple(value.shape)}, the model's is {entry.shape}"
+            )
+        held.copy_(piece.of_full(value))
     for key in layout.buffers:
         layout.buffer(key).copy_(state[key])
 
@@ -156,11 +165,7 @@ def load_sharded_state(
     missing = missing_keys(layout, available)
     if missing:
         raise KeyError(f"[rank {rank}] load_sharded_state: the checkpoint lacks keys {missing}")
-    for unit in units:
-        shard = unit.flat_param.detach()
-        for piece in unit.pieces:
-            key = _pick(layout.params[piece.key][1].keys, available)
-            assert key is not None
-            reader.read(key, piece.start, piece.end, out=piece.held_in(shard))
+    for held, piece, _, key in _held(layout, units, available):
+        reader.read(key, piece.start, piece.end, out=held)
     for key in layout.buffers:
         layout.buffer(key).copy_(reader.full(key))
