@@ -15,7 +15,7 @@ from torch import nn
 
 import phalanx
 from phalanx.comm.tracking import comm_stats, reset_comm_stats
-from phalanx.sharding.state import Piece, PieceReader
+from phalanx.sharding.pieces import Piece, PieceReader, dtype_name
 from phalanx.sharding.zero3 import FullyShardedDataParallel
 from phalanx.testing import run_distributed
 
@@ -291,7 +291,7 @@ def _save_sharded(case: dict[str, Any], directory: str) -> dict[str, torch.Tenso
     with torch.no_grad():
         model.module.shift.add_(1.0)  # type: ignore[operator]  # a buffer to round-trip
     state = model.sharded_state()
-    docs = [(piece.to_json(), tensor.clone()) for piece, tensor in state.pieces]
+    docs = [(p.to_json(dtype_name(t.dtype)), t.clone()) for p, t in state.pieces]
     torch.save({"meta": state.meta, "pieces": docs}, os.path.join(directory, f"rank{rank}.pt"))
     return model.full_state_dict()
 
@@ -301,7 +301,7 @@ def _load_sharded(case: dict[str, Any], directory: str) -> dict[str, torch.Tenso
     files = sorted(os.listdir(directory))
     loaded = {f: torch.load(os.path.join(directory, f), weights_only=True) for f in files}
     index = [
-        (Piece.from_json(doc), f, str(i))
+        (*Piece.from_json(doc), f, str(i))
         for f in files
         for i, (doc, _) in enumerate(loaded[f]["pieces"])
     ]

@@ -161,9 +161,9 @@ def test_nothing_committed_gives_none(tmp_path: Path) -> None:
 def test_large_sections_are_split_into_parallel_shards(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from phalanx.checkpoint import state
+    from phalanx.checkpoint import sections
 
-    monkeypatch.setattr(state, "SHARD_BYTES", 1000)
+    monkeypatch.setattr(sections, "SHARD_BYTES", 1000)
     model = nn.Sequential(nn.Linear(10, 20), nn.Linear(20, 20), nn.Linear(20, 5))
     path = checkpoint.save(tmp_path, 1, model=model)
     shards = sorted(p.name for p in path.glob("model*.safetensors"))

@@ -1,17 +1,16 @@
-"""ZeRO-3 planning: unit selection, parameter ownership (tied -> root), padding, shard segments."""
+"""ZeRO-3 planning: unit selection, parameter ownership (tied -> root), padding, shard pieces."""
 
 from __future__ import annotations
 
 import pytest
 from torch import nn
 
+from phalanx.sharding.pieces import Piece, pieces_in_range
 from phalanx.sharding.zero3.plan import (
-    Segment,
     assign_params,
     normalize_wrap,
     padded_size,
     select_units,
-    shard_segments,
 )
 
 
@@ -36,19 +35,19 @@ def test_padding_makes_equal_shards() -> None:
     assert padded_size(251, 2) == 252
 
 
-def test_shard_segments_cover_every_element_once() -> None:
-    entries = [("w", (2, 3), 6, 0), ("b", (3,), 3, 6)]  # 9 elements, padded to 10 for 2 ranks
-    assert shard_segments(entries, 5, 0) == [Segment("w", (2, 3), 0, 5, 0)]
-    assert shard_segments(entries, 5, 1) == [
-        Segment("w", (2, 3), 5, 6, 0),
-        Segment("b", (3,), 0, 3, 1),
+def test_shard_pieces_cover_every_element_once() -> None:
+    entries = [("w", (2, 3), 0), ("b", (3,), 6)]  # 9 elements, padded to 10 for 2 ranks
+    assert pieces_in_range(entries, 0, 5) == [Piece("w", (2, 3), 0, 5, 0)]
+    assert pieces_in_range(entries, 5, 10) == [
+        Piece("w", (2, 3), 5, 6, 0),
+        Piece("b", (3,), 0, 3, 1),
     ]
     for world in (1, 2, 3, 4, 9, 12):
         chunk = padded_size(9, world) // world
         got = sorted(
             (s.key, i)
             for r in range(world)
-            for s in shard_segments(entries, chunk, r)
+            for s in pieces_in_range(entries, r * chunk, (r + 1) * chunk)
             for i in range(s.start, s.end)
         )
         assert got == sorted([("w", i) for i in range(6)] + [("b", i) for i in range(3)])

@@ -28,7 +28,7 @@ from phalanx.checkpoint.catalog import latest
 from phalanx.checkpoint.loading import CheckpointInfo, load
 from phalanx.checkpoint.manifest import CheckpointError, ChecksumError
 from phalanx.checkpoint.saving import save
-from phalanx.checkpoint.state import StateMismatchError
+from phalanx.checkpoint.sections import StateMismatchError
 from phalanx.checkpoint.torch_import import import_torch_state_dict
 
 __all__ = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from phalanx._check import check_group, check_path, fail
-from phalanx.sharding.state import Sharded
+from phalanx.sharding.pieces import Sharded
 
 __all__ = ["check_targets"]
 

@@ -29,10 +29,10 @@ from phalanx.checkpoint.manifest import (
 )
 from phalanx.checkpoint.rng import restore as restore_rng
 from phalanx.checkpoint.saving import rank_section_name
+from phalanx.checkpoint.sections import load_into, load_model, read_section, unwrap
 from phalanx.checkpoint.sharded import as_sharded, is_sharded_in, read_sharded
-from phalanx.checkpoint.state import load_into, load_model, read_section, unwrap
 from phalanx.checkpoint.sync import Session, open_session
-from phalanx.sharding.zero_pieces import full_from_pieces
+from phalanx.sharding.optimizer_pieces import full_optimizer_state
 
 __all__ = ["CheckpointInfo", "load"]
 
@@ -137,7 +137,7 @@ def _load_optimizer(
             sharded.load_sharded_state(meta, reader)
         else:
             names = [n for n, _ in unwrap(model).named_parameters()] if model is not None else None
-            load_into(opt, full_from_pieces(meta, reader, names), "optimizer", where)
+            load_into(opt, full_optimizer_state(meta, reader, names), "optimizer", where)
     elif (sd := _section(ckpt, manifest, "optimizer", strict)) is not None:
         load_into(sharded if sharded is not None else opt, sd, "optimizer", where)
 

@@ -29,8 +29,8 @@ from phalanx._check import check_instance, check_int
 from phalanx.checkpoint import atomic, catalog, rng, structure
 from phalanx.checkpoint.args import check_targets
 from phalanx.checkpoint.manifest import MANIFEST, CheckpointError, FileEntry, Manifest
+from phalanx.checkpoint.sections import Section, parallel, unwrap
 from phalanx.checkpoint.sharded import as_sharded, shard_section
-from phalanx.checkpoint.state import Section, parallel, unwrap
 from phalanx.checkpoint.sync import Session, open_session
 
 __all__ = ["rank_section_name", "save"]

@@ -1,13 +1,12 @@
 """Sharded sections: each rank writes its own pieces; any world size reads them back.
 
-A model or optimizer implementing :class:`phalanx.sharding.Sharded` (ZeRO-1/2 optimizers,
-ZeRO-3 models and the optimizers over them) is not gathered to rank 0. Each rank writes
-``<what>-shard-<rank>.safetensors`` (its pieces) and ``.json`` (``meta`` and the piece index:
-tensor key, full shape, element range). On load, every rank reads the indexes of all saved
-ranks and a :class:`~phalanx.sharding.PieceReader` fetches just the files whose pieces overlap
-the ranges its own layout needs — so a checkpoint saved by 4 ranks loads at 2, at 1, or at 8.
-A plain module or optimizer can load a sharded checkpoint too: its full tensors are assembled
-from the pieces.
+A model or optimizer implementing :class:`phalanx.sharding.Sharded` (ZeRO-1/2 optimizers, ZeRO-3
+models and the optimizers over them, split mesh models) is not gathered to rank 0. Each rank writes
+``<what>-shard-<rank>.safetensors`` (its pieces) and ``.json`` (``meta`` and the piece index: tensor
+key, full shape, element range). On load, every rank reads the indexes of all saved ranks and a
+:class:`~phalanx.sharding.PieceReader` fetches just the files whose pieces overlap the ranges its
+own layout needs — so a checkpoint saved by 4 ranks loads at 2, at 1, or at 8. A plain module or
+optimizer can load a sharded checkpoint too: its full tensors are assembled from the pieces.
 """
 
 from __future__ import annotations
@@ -20,9 +19,9 @@ from torch import nn
 from phalanx.checkpoint import structure
 from phalanx.checkpoint.format import open_mapped
 from phalanx.checkpoint.manifest import CheckpointError, Manifest, safe_path, verify_files
-from phalanx.checkpoint.state import Section, _json
-from phalanx.sharding.shard_optim import optimizer_view
-from phalanx.sharding.state import Piece, PieceReader, Sharded
+from phalanx.checkpoint.sections import Section, _json
+from phalanx.sharding.optimizer_pieces import optimizer_view
+from phalanx.sharding.pieces import Piece, PieceReader, Sharded, dtype_name
 
 __all__ = ["as_sharded", "is_sharded_in", "read_sharded", "shard_section", "shard_section_name"]
 
@@ -48,7 +47,7 @@ def as_sharded(model: nn.Module | None, optimizer: Any) -> tuple[Any, Any]:
 def shard_section(what: str, rank: int, obj: Sharded) -> Section:
     """This rank's pieces of ``obj`` as a section ready to write."""
     state = obj.sharded_state()
-    index = [[piece.to_json(), f"t{i}"] for i, (piece, _) in enumerate(state.pieces)]
+    index = [[p.to_json(dtype_name(t.dtype)), f"t{i}"] for i, (p, t) in enumerate(state.pieces)]
     tensors = {f"t{i}": t.detach().contiguous() for i, (_, t) in enumerate(state.pieces)}
     doc = {"meta": state.meta, "index": index, "tensors": tensors}
     return Section.of(shard_section_name(what, rank), doc, f"{what} shard state")
@@ -61,7 +60,7 @@ def is_sharded_in(manifest: Manifest, what: str) -> bool:
 
 def read_sharded(ckpt: Path, manifest: Manifest, what: str) -> tuple[dict[str, Any], PieceReader]:
     """Rank 0's ``meta`` and a reader over every saved rank's pieces of ``what``."""
-    index: list[tuple[Piece, str, str]] = []
+    index: list[tuple[Piece, str, str, str]] = []
     meta: dict[str, Any] = {}
     for r in range(manifest.world_size):
         name = shard_section_name(what, r)
@@ -75,7 +74,7 @@ def read_sharded(ckpt: Path, manifest: Manifest, what: str) -> tuple[dict[str, A
         plain = structure.unflatten({"meta": doc["meta"], "index": doc["index"]}, {}, where)
         if r == 0:
             meta = plain["meta"]
-        index.extend((Piece.from_json(p), name, t) for p, t in plain["index"])
+        index.extend((*Piece.from_json(p), name, t) for p, t in plain["index"])
 
     opened: dict[str, dict[str, Any]] = {}
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 from phalanx.mesh.grad_sync import average_gradients
 from phalanx.mesh.groups import ParallelGroups, make_groups
 from phalanx.mesh.parallelize import ParallelConfig, ParallelModel, layers_of, parallelize
-from phalanx.mesh.topology import DIMS, Topology
+from phalanx.mesh.topology import AXES, Topology
 
 __all__ = [
-    "DIMS",
+    "AXES",
     "ParallelConfig",
     "ParallelGroups",
     "ParallelModel",

@@ -1,11 +1,12 @@
 """Checkpoints of a dp x pp x tp model: every rank writes the pieces it alone holds.
 
-A pipeline stage's parameters are whole tensors of the original model; a tensor-parallel shard
-is a slice along one dimension (rows of a column-parallel weight, columns of a row-parallel
-one, rows of a vocabulary table). Both are written as :class:`~phalanx.sharding.state.Piece`
-records keyed by the parameter's name in the *unsplit* model, with element ranges of its
-flattened full tensor, so a checkpoint saved at one dp x pp x tp layout loads at another, or
-into the whole model (``phalanx.checkpoint.load(model=plain_model)``).
+A pipeline stage's parameters are whole tensors of the original model; a tensor-parallel shard is a
+slice along one dimension (rows of a column-parallel weight, columns of a row-parallel one, rows of
+a vocabulary table). Both are written as :class:`~phalanx.sharding.pieces.Piece` records keyed by
+the parameter's name in the *unsplit* model, with element ranges of its flattened full tensor (a
+slice is one piece per contiguous run, :func:`~phalanx.sharding.pieces.slice_pieces`), so a
+checkpoint saved at one dp x pp x tp layout loads at another, or into the whole model
+(``phalanx.checkpoint.load(model=plain_model)``).
 
 Who writes: only data-parallel replica 0 (the replicas are identical), and a parameter that
 tensor parallel leaves replicated only from tensor rank 0. Optimizer state follows its
@@ -19,40 +20,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from phalanx.sharding.shard_optim import ShardedOptimizerState
-from phalanx.sharding.state import Piece, PieceReader, ShardedState
+from phalanx.sharding.optimizer_pieces import PieceOptimizerState
+from phalanx.sharding.pieces import HeldPieces, Piece, PieceReader, ShardedState, slice_pieces
 
 __all__ = [
     "FORMAT",
     "ParallelModelState",
     "ParallelOptimizerState",
-    "segments_of",
+    "plan_pieces",
     "tp_slices",
 ]
 
 FORMAT = "phalanx.mesh-model/1"
-
-Segment = tuple[str, tuple[int, ...], int, int, int]
-"""(key, full shape, start, end, offset in the local flattened tensor)."""
-
-
-def segments_of(key: str, full: tuple[int, ...], dim: int, start: int, end: int) -> list[Segment]:
-    """The contiguous runs of a slice ``start:end`` along ``dim`` of a tensor of shape ``full``.
-
-    Row-major: a slice along dim 0 is one run; along dim d there is one run per index of the
-    dimensions before d (a column block of a matrix is one run per row).
-    """
-    outer = 1
-    for s in full[:dim]:
-        outer *= s
-    inner = 1
-    for s in full[dim + 1 :]:
-        inner *= s
-    width, stride = (end - start) * inner, full[dim] * inner
-    return [
-        (key, full, o * stride + start * inner, o * stride + start * inner + width, o * width)
-        for o in range(outer)
-    ]
 
 
 def tp_slices(model: nn.Module) -> dict[int, tuple[int, int, int, int]]:
@@ -72,13 +51,11 @@ def tp_slices(model: nn.Module) -> dict[int, tuple[int, int, int, int]]:
     return out
 
 
-def plan_segments(
-    model: nn.Module, kept: set[int], tp_rank: int
-) -> tuple[list[tuple[nn.Parameter, list[Segment]]], set[int]]:
-    """Each kept parameter of ``model`` (by unsplit name) with its segments, and which this
-    rank writes (its shards; replicated parameters on tensor rank 0 only)."""
+def plan_pieces(model: nn.Module, kept: set[int], tp_rank: int) -> tuple[HeldPieces, set[int]]:
+    """Each kept parameter of ``model`` with its pieces (keyed by unsplit name), and which
+    this rank writes (its shards; replicated parameters on tensor rank 0 only)."""
     slices = tp_slices(model)
-    layout: list[tuple[nn.Parameter, list[Segment]]] = []
+    layout: HeldPieces = []
     writes: set[int] = set()
     for name, p in model.named_parameters():
         if id(p) not in kept:
@@ -86,22 +63,22 @@ def plan_segments(
         if id(p) in slices:
             dim, start, end, size = slices[id(p)]
             full = tuple(size if d == dim else s for d, s in enumerate(p.shape))
-            layout.append((p, segments_of(name, full, dim, start, end)))
+            layout.append((p, slice_pieces(name, full, dim, start, end)))
             writes.add(id(p))
         else:
-            layout.append((p, [(name, tuple(p.shape), 0, p.numel(), 0)]))  # whole
+            layout.append((p, [Piece(name, tuple(p.shape), 0, p.numel())]))  # whole
             if tp_rank == 0:
                 writes.add(id(p))
     return layout, writes
 
 
 class ParallelModelState:
-    """The :class:`~phalanx.sharding.state.Sharded` view of a split model's parameters and
+    """The :class:`~phalanx.sharding.pieces.Sharded` view of a split model's parameters and
     buffers (buffers are whole, written by the first rank of each replica group holding them)."""
 
     def __init__(
         self,
-        layout: list[tuple[nn.Parameter, list[Segment]]],
+        layout: HeldPieces,
         writes: set[int],
         buffers: dict[str, torch.Tensor],
         write_buffers: bool,
@@ -111,53 +88,46 @@ class ParallelModelState:
 
     def sharded_state(self) -> ShardedState:
         pieces: list[tuple[Piece, torch.Tensor]] = []
-        for p, segs in self.layout:
+        for p, held in self.layout:
             if id(p) in self.writes:
                 flat = p.detach().reshape(-1)
-                pieces += [
-                    (_piece(key, shape, a, b, p), flat[off : off + b - a])
-                    for key, shape, a, b, off in segs
-                ]
+                pieces += [(Piece(h.key, h.shape, h.start, h.end), h.held_in(flat)) for h in held]
         if self.write_buffers:
             for name, t in self.buffers.items():
-                pieces.append((_piece(name, tuple(t.shape), 0, t.numel(), t), t.reshape(-1)))
+                pieces.append((Piece(name, tuple(t.shape), 0, t.numel()), t.reshape(-1)))
         return ShardedState({"format": FORMAT}, pieces)
 
     @torch.no_grad()
     def load_sharded_state(self, meta: dict[str, Any], reader: PieceReader) -> None:
-        for p, segs in self.layout:
+        for p, held in self.layout:
             flat = torch.empty(p.numel(), dtype=p.dtype)
-            for key, _, a, b, off in segs:
-                reader.read(key, a, b, out=flat[off : off + b - a])
+            for h in held:
+                reader.read(h.key, h.start, h.end, out=h.held_in(flat))
             p.copy_(flat.view_as(p))
         for name, t in self.buffers.items():
             t.copy_(reader.full(name).view_as(t))
 
 
-def _piece(key: str, shape: tuple[int, ...], a: int, b: int, t: torch.Tensor) -> Piece:
-    return Piece(key, shape, a, b, str(t.dtype).removeprefix("torch."))
-
-
-class ParallelOptimizerState(ShardedOptimizerState):
+class ParallelOptimizerState(PieceOptimizerState):
     """A plain optimizer over a split model's parameters, as pieces ``<name>/<state>``.
 
     Every rank restores all of its parameters' state; only the ranks that write a parameter
-    (see :func:`plan_segments`) save it. Parameter-group options are kept per group index
+    (see :func:`plan_pieces`) save it. Parameter-group options are kept per group index
     (every rank's rebuilt optimizer has the same groups, some of them empty).
     """
 
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        layout: list[tuple[nn.Parameter, list[Segment]]],
+        layout: HeldPieces,
         writes: set[int],
     ) -> None:
-        super().__init__(optimizer, [(p, segs) for p, segs in layout])
+        super().__init__(optimizer, list(layout))
         self.writes = writes
 
     def sharded_state(self) -> ShardedState:
         full_layout = self.layout
-        self.layout = [(p, segs) for p, segs in full_layout if id(p) in self.writes]
+        self.layout = [(p, held) for p, held in full_layout if id(p) in self.writes]
         try:
             state = super().sharded_state()
         finally:

@@ -1,8 +1,8 @@
-"""Process groups for a :class:`~phalanx.mesh.topology.Topology`: one per rank per dimension.
+"""Process groups for a :class:`~phalanx.mesh.topology.Topology`: one per rank per mesh axis.
 
 ``torch.distributed.new_group`` is collective over the *whole* world: every rank must create
 every group, in the same order, even the groups it is not in. :func:`make_groups` does exactly
-that (dimension by dimension, groups by lowest rank) and keeps the ones this rank belongs to.
+that (axis by axis, groups by lowest rank) and keeps the ones this rank belongs to.
 """
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from phalanx.mesh.topology import DIMS, Topology
+from phalanx.mesh.topology import AXES, Topology
 
 __all__ = ["ParallelGroups", "make_groups"]
 
 
 @dataclass(frozen=True)
 class ParallelGroups:
-    """This rank's place in a topology and its process group along each dimension."""
+    """This rank's place in a topology and its process group along each axis."""
 
     topology: Topology
     """The layout the groups were built from."""
@@ -31,14 +31,14 @@ class ParallelGroups:
     tp: dist.ProcessGroup
     """The ranks this rank's layers are split over."""
 
-    def index(self, dim: str) -> int:
-        """This rank's index along ``dim`` (its rank in that group)."""
-        return self.topology.coords(self.rank)[dim]
+    def index(self, axis: str) -> int:
+        """This rank's index along ``axis`` (its rank in that group)."""
+        return self.topology.coords(self.rank)[axis]
 
-    def group(self, dim: str) -> dist.ProcessGroup:
-        """The process group along ``dim`` ("dp", "pp" or "tp")."""
-        self.topology.degree(dim)  # validates dim
-        group: dist.ProcessGroup = getattr(self, dim)
+    def group(self, axis: str) -> dist.ProcessGroup:
+        """The process group along ``axis`` ("dp", "pp" or "tp")."""
+        self.topology.degree(axis)  # validates axis
+        group: dist.ProcessGroup = getattr(self, axis)
         return group
 
 
@@ -57,9 +57,9 @@ def make_groups(topology: Topology, backend: str | None = None) -> ParallelGroup
             f"...)"
         )
     mine: dict[str, dist.ProcessGroup] = {}
-    for dim in DIMS:
-        for members in topology.groups(dim):
+    for axis in AXES:
+        for members in topology.groups(axis):
             group = dist.new_group(members, backend=backend)
             if rank in members:
-                mine[dim] = group
+                mine[axis] = group
     return ParallelGroups(topology, rank, mine["dp"], mine["pp"], mine["tp"])

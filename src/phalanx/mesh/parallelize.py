@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx._check import check_int
-from phalanx.mesh.checkpoint import ParallelModelState, ParallelOptimizerState, plan_segments
+from phalanx.mesh.checkpoint import ParallelModelState, ParallelOptimizerState, plan_pieces
 from phalanx.mesh.grad_sync import average_gradients
 from phalanx.mesh.groups import ParallelGroups
 from phalanx.mesh.topology import Topology
@@ -113,7 +113,7 @@ class ParallelModel(nn.Module):
         pieces keyed by the unsplit model's names, written once per replica group."""
         whole: nn.Module = self.__dict__["_whole"]
         first_replica = self.groups.index("dp") == 0
-        layout, writes = plan_segments(
+        layout, writes = plan_pieces(
             whole, {id(p) for p in self.module.parameters()}, self.groups.index("tp")
         )
         writes = writes if first_replica else set()

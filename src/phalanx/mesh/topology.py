@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 from phalanx._check import check_int
 
-__all__ = ["DIMS", "Topology"]
+__all__ = ["AXES", "Topology"]
 
-DIMS = ("pp", "dp", "tp")
-"""The grid's dimensions, outermost first."""
+AXES = ("pp", "dp", "tp")
+"""The grid's axes, outermost first (mesh axes, not tensor dimensions)."""
 
 
 @dataclass(frozen=True)
@@ -37,8 +37,8 @@ class Topology:
     """Tensor-parallel degree: ranks each layer's matrices are split over."""
 
     def __post_init__(self) -> None:
-        for dim in DIMS:
-            check_int(dim, getattr(self, dim), min=1, where="Topology")
+        for axis in AXES:
+            check_int(axis, getattr(self, axis), min=1, where="Topology")
 
     @classmethod
     def for_world(
@@ -72,11 +72,11 @@ class Topology:
         """``dp * pp * tp``."""
         return self.dp * self.pp * self.tp
 
-    def degree(self, dim: str) -> int:
-        """The degree of ``dim`` ("dp", "pp" or "tp")."""
-        if dim not in DIMS:
-            raise ValueError(f"Topology: dim must be one of {DIMS}, got {dim!r}")
-        return int(getattr(self, dim))
+    def degree(self, axis: str) -> int:
+        """The degree of ``axis`` ("dp", "pp" or "tp")."""
+        if axis not in AXES:
+            raise ValueError(f"Topology: axis must be one of {AXES}, got {axis!r}")
+        return int(getattr(self, axis))
 
     def coords(self, rank: int) -> dict[str, int]:
         """``{"pp": i, "dp": j, "tp": k}``: where ``rank`` sits in the grid."""
@@ -87,25 +87,25 @@ class Topology:
 
     def rank_of(self, *, pp: int = 0, dp: int = 0, tp: int = 0) -> int:
         """The rank at grid coordinates ``(pp, dp, tp)``."""
-        for dim, index in (("pp", pp), ("dp", dp), ("tp", tp)):
-            if not 0 <= index < self.degree(dim):
+        for axis, index in (("pp", pp), ("dp", dp), ("tp", tp)):
+            if not 0 <= index < self.degree(axis):
                 raise ValueError(
-                    f"Topology: {dim} index {index} is out of range for {dim}={self.degree(dim)}"
+                    f"Topology: {axis} index {index} is out of range for {axis}={self.degree(axis)}"
                 )
         return (pp * self.dp + dp) * self.tp + tp
 
-    def group_of(self, rank: int, dim: str) -> list[int]:
-        """The ranks that share every coordinate of ``rank`` except ``dim``, in ``dim`` order."""
+    def group_of(self, rank: int, axis: str) -> list[int]:
+        """The ranks that share every coordinate of ``rank`` except ``axis``, in ``axis`` order."""
         where = self.coords(rank)
-        return [self.rank_of(**{**where, dim: i}) for i in range(self.degree(dim))]
+        return [self.rank_of(**{**where, axis: i}) for i in range(self.degree(axis))]
 
-    def groups(self, dim: str) -> list[list[int]]:
-        """Every group along ``dim``, ordered by their lowest rank (each rank in exactly one)."""
+    def groups(self, axis: str) -> list[list[int]]:
+        """Every group along ``axis``, ordered by their lowest rank (each rank in exactly one)."""
         seen: set[int] = set()
         out: list[list[int]] = []
         for rank in range(self.world_size):
             if rank not in seen:
-                members = self.group_of(rank, dim)
+                members = self.group_of(rank, axis)
                 seen.update(members)
                 out.append(members)
         return out

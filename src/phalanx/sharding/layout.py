@@ -6,11 +6,13 @@ views of. Each bucket is split by :func:`~phalanx.sharding.partition.partition` 
 contiguous ranges (sizes within one element), so a rank's shard of a bucket is one contiguous
 slice of the flat buffer: the optimizer steps that slice in place.
 
-Collectives need equal chunks: a bucket travels as a *staging* buffer of ``world * chunk``
-elements in which rank ``r``'s range sits at ``r * chunk`` followed by at most one padding
-element. :class:`Segment` records where each piece of a parameter lands in it. The extra element
-of uneven buckets rotates over the ranks from bucket to bucket, so every rank's total is within
-one element of the others' (not only within each bucket).
+Collectives need equal chunks: a bucket travels as a *staging* buffer of ``world * chunk`` elements
+in which rank ``r``'s range sits at ``r * chunk`` followed by at most one padding element.
+:class:`StagingRun` records where each run of a parameter's elements lands in it (a communication
+layout: the checkpointed state of those runs is described by :class:`~phalanx.sharding.pieces.Piece`
+records, see :mod:`phalanx.sharding.zero_pieces`). The extra element of uneven buckets rotates over
+the ranks from bucket to bucket, so every rank's total is within one element of the others' (not
+only within each bucket).
 
 With ``flags``, each rank's chunk ends with one *gradient flag* per parameter of the bucket:
 every rank writes 1 where it holds a gradient for that parameter, so after the reduce-scatter a
@@ -25,11 +27,11 @@ from dataclasses import dataclass
 from phalanx.data_parallel.buckets import ParamSpec, plan_buckets
 from phalanx.sharding.partition import Partition, partition
 
-__all__ = ["BucketLayout", "Segment", "ShardLayout", "plan_shards"]
+__all__ = ["BucketLayout", "ShardLayout", "StagingRun", "plan_shards"]
 
 
 @dataclass(frozen=True)
-class Segment:
+class StagingRun:
     """Elements ``param_start : param_start + length`` of flattened parameter ``param``,
     owned by ``rank``, at ``staging`` in the bucket's staging buffer."""
 
@@ -51,7 +53,7 @@ class BucketLayout:
     """Offset of each parameter inside the bucket."""
     flat_offset: int
     part: Partition
-    segments: tuple[Segment, ...]
+    segments: tuple[StagingRun, ...]
     flags: int = 0
     """Gradient flags at the end of each rank's chunk (0, or one per parameter)."""
 
@@ -98,14 +100,14 @@ class ShardLayout:
 
 def _segments(
     params: list[int], offsets: list[int], numels: list[int], part: Partition, flags: bool
-) -> list[Segment]:
+) -> list[StagingRun]:
     out = []
     chunk = part.chunk + (len(params) if flags else 0)
     for p, off, n in zip(params, offsets, numels):
         for r, (s, e) in enumerate(part.bounds):
             lo, hi = max(off, s), min(off + n, e)
             if lo < hi:
-                out.append(Segment(p, lo - off, hi - lo, r, r * chunk + lo - s))
+                out.append(StagingRun(p, lo - off, hi - lo, r, r * chunk + lo - s))
     return out
 
 

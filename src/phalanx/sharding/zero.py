@@ -40,7 +40,7 @@ from phalanx.sharding.owned import (
     release_grads,
 )
 from phalanx.sharding.param_sync import ParamGatherer, StagingPool
-from phalanx.sharding.state import PieceReader, ShardedState
+from phalanx.sharding.pieces import PieceReader, ShardedState
 from phalanx.sharding.zero_join import JoinableZero
 from phalanx.sharding.zero_params import (
     check_elementwise,
@@ -331,7 +331,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, JoinableZero):
     def state_dict(self) -> dict[str, Any]:
         """The state gathered by the last :meth:`consolidate_state_dict` to this rank, in
         ``torch.optim`` format (loads into a plain optimizer over the same parameters)."""
-        return zero_state.consolidated_state_dict(self)
+        if self._consolidated is None:
+            raise RuntimeError(
+                f"ZeroRedundancyOptimizer.state_dict(): the optimizer state has not been "
+                f"consolidated on rank {self.rank}; call consolidate_state_dict(to={self.rank}) "
+                f"on every rank first"
+            )
+        return {"state": self._consolidated, "param_groups": zero_state.groups_meta(self)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``torch.optim``-format state dict; each rank keeps its shard of it."""

@@ -11,27 +11,42 @@ parameter that was never stepped has no entry, as in ``torch.optim``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections import defaultdict
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from phalanx.comm import collectives as c
 from phalanx.comm.objects import all_gather_object
-
-if TYPE_CHECKING:
-    from phalanx.sharding.owned import OwnedRange
-    from phalanx.sharding.zero import ZeroRedundancyOptimizer
+from phalanx.sharding.layout import ShardLayout
+from phalanx.sharding.owned import OwnedRange
 
 __all__ = [
+    "ZeroShards",
     "consolidate",
-    "consolidated_state_dict",
     "groups_meta",
     "install",
     "load_full_state_dict",
     "set_hyperparameters",
     "split_state",
 ]
+
+
+class ZeroShards(Protocol):
+    """What these functions use of a :class:`~phalanx.sharding.ZeroRedundancyOptimizer`
+    (declared here, so this module does not import the optimizer's)."""
+
+    params: list[torch.Tensor]
+    param_groups: list[dict[str, Any]]
+    optim: torch.optim.Optimizer
+    """The inner optimizer, over this rank's ranges."""
+    state: defaultdict[torch.Tensor, Any]
+    owned: list[list[OwnedRange]]
+    layout: ShardLayout
+    world: int
+    rank: int
+    process_group: dist.ProcessGroup | None
 
 
 def split_state(state: dict[str, Any], r: OwnedRange) -> tuple[dict[str, torch.Tensor], dict]:
@@ -51,7 +66,7 @@ def split_state(state: dict[str, Any], r: OwnedRange) -> tuple[dict[str, torch.T
     return elems, scalars
 
 
-def groups_meta(opt: ZeroRedundancyOptimizer) -> list[dict[str, Any]]:
+def groups_meta(opt: ZeroShards) -> list[dict[str, Any]]:
     """The parameter groups as ``torch.optim`` saves them: options and global indices."""
     out, first = [], 0
     for g in opt.param_groups:
@@ -61,9 +76,7 @@ def groups_meta(opt: ZeroRedundancyOptimizer) -> list[dict[str, Any]]:
     return out
 
 
-def set_hyperparameters(
-    opt: ZeroRedundancyOptimizer, groups: list[dict[str, Any]], where: str
-) -> None:
+def set_hyperparameters(opt: ZeroShards, groups: list[dict[str, Any]], where: str) -> None:
     """Take the saved groups' options, after checking they describe the same parameters."""
     saved = [len(g["params"]) for g in groups]
     here = [len(g["params"]) for g in opt.param_groups]
@@ -78,7 +91,7 @@ def set_hyperparameters(
         inner.update({k: v for k, v in g.items() if k != "params"})
 
 
-def install(opt: ZeroRedundancyOptimizer, states: list[tuple[torch.Tensor, dict]]) -> None:
+def install(opt: ZeroShards, states: list[tuple[torch.Tensor, dict]]) -> None:
     """Replace the inner optimizer's state by ``states`` (through its own ``load_state_dict``,
     which casts each value as ``torch.optim`` does: ``step`` stays, the rest follows the
     parameter's dtype and device)."""
@@ -96,7 +109,7 @@ def install(opt: ZeroRedundancyOptimizer, states: list[tuple[torch.Tensor, dict]
 
 
 # ---- consolidate -------------------------------------------------------------------------------
-def _describe(opt: ZeroRedundancyOptimizer) -> dict[str, Any]:
+def _describe(opt: ZeroShards) -> dict[str, Any]:
     """This rank's state keys: per parameter, the per-element dtypes and the scalar values."""
     out: dict[str, Any] = {}
     for mine in opt.owned:
@@ -113,7 +126,7 @@ def _describe(opt: ZeroRedundancyOptimizer) -> dict[str, Any]:
 
 
 def _gather_chunks(
-    opt: ZeroRedundancyOptimizer, b: int, key: str, dtype: torch.dtype, to: int
+    opt: ZeroShards, b: int, key: str, dtype: torch.dtype, to: int
 ) -> list[torch.Tensor] | None:
     """Every rank's chunk of ``key`` for bucket ``b``, on rank ``to`` (None elsewhere)."""
     bucket = opt.layout.buckets[b]
@@ -130,7 +143,7 @@ def _gather_chunks(
     return out
 
 
-def consolidate(opt: ZeroRedundancyOptimizer, to: int) -> dict[int, dict[str, Any]] | None:
+def consolidate(opt: ZeroShards, to: int) -> dict[int, dict[str, Any]] | None:
     """Every parameter's state, whole, on group rank ``to``; None on the other ranks."""
     if not 0 <= to < opt.world:
         raise ValueError(
@@ -166,17 +179,6 @@ def consolidate(opt: ZeroRedundancyOptimizer, to: int) -> dict[int, dict[str, An
     return dict(sorted(full.items())) if opt.rank == to else None
 
 
-def consolidated_state_dict(opt: ZeroRedundancyOptimizer) -> dict[str, Any]:
-    """The last consolidated state (this rank must have been ``to``) with the current groups."""
-    if opt._consolidated is None:
-        raise RuntimeError(
-            f"ZeroRedundancyOptimizer.state_dict(): the optimizer state has not been "
-            f"consolidated on rank {opt.rank}; call consolidate_state_dict(to={opt.rank}) on "
-            f"every rank first"
-        )
-    return {"state": opt._consolidated, "param_groups": groups_meta(opt)}
-
-
 # ---- load --------------------------------------------------------------------------------------
 def _cut(value: Any, r: OwnedRange, p: torch.Tensor, key: str) -> Any:
     if not isinstance(value, torch.Tensor):
@@ -191,7 +193,7 @@ def _cut(value: Any, r: OwnedRange, p: torch.Tensor, key: str) -> Any:
     return r.view_of(value.reshape(p.shape)).clone()
 
 
-def load_full_state_dict(opt: ZeroRedundancyOptimizer, sd: dict[str, Any]) -> None:
+def load_full_state_dict(opt: ZeroShards, sd: dict[str, Any]) -> None:
     """Keep this rank's ranges of a ``torch.optim``-format state dict."""
     if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
         raise ValueError(

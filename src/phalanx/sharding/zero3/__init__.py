@@ -2,9 +2,9 @@
 
 ``FullyShardedDataParallel(model, wrap=Block)`` shards each ``Block`` as a unit of its own and
 the remaining parameters as the root unit; build any ``torch.optim`` optimizer over its
-``parameters()`` afterwards. Modules: ``plan`` (pure: units, padding, shard segments), ``unit``
-(flatten, gather, free, reduce-scatter), ``runtime`` (hooks, prefetch, end of backward),
-``state`` (full and sharded state dicts), ``fsdp`` (the public wrapper).
+``parameters()`` afterwards. Modules: ``plan`` (pure: units, padding), ``unit`` (flatten,
+gather, free, reduce-scatter; the pieces each shard holds), ``runtime`` (hooks, prefetch, end
+of backward), ``state_dict`` (full and sharded state dicts), ``fsdp`` (the public wrapper).
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ from torch.nn.modules.module import _IncompatibleKeys
 from phalanx._check import check_bool, check_group, check_instance, check_module, fail
 from phalanx.comm import collectives as c
 from phalanx.sharding.clip import clip_pieces_
-from phalanx.sharding.state import PieceReader, ShardedState
-from phalanx.sharding.zero3 import state as st
+from phalanx.sharding.pieces import HeldPieces, PieceReader, ShardedState
+from phalanx.sharding.zero3 import state_dict as st
 from phalanx.sharding.zero3.plan import WrapPolicy, assign_params, normalize_wrap, select_units
 from phalanx.sharding.zero3.runtime import Runtime
 from phalanx.sharding.zero3.unit import FlatUnit, GroupInfo
@@ -29,7 +29,6 @@ from phalanx.sharding.zero3.unit import FlatUnit, GroupInfo
 __all__ = ["FullyShardedDataParallel"]
 
 FLAT_NAME = "_flat_param"
-ShardLayout = list[tuple[nn.Parameter, list[tuple[str, tuple[int, ...], int, int, int]]]]
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -188,13 +187,10 @@ class FullyShardedDataParallel(nn.Module):
         """Fill this rank's shards from pieces saved at any world size."""
         st.load_sharded_state(self._layout, self.units, reader, self._info.rank)
 
-    def shard_layout(self) -> ShardLayout:
-        """For each flat shard: ``(key, full_shape, elem_start, elem_end, offset_in_shard)``
-        of every original parameter part it holds (to cut shard-shaped optimizer state)."""
-        return [
-            (u.flat_param, [(s.key, s.shape, s.start, s.end, s.offset) for s in u.segments])
-            for u in self.units
-        ]
+    def shard_layout(self) -> HeldPieces:
+        """Each flat shard with the pieces of original parameters it holds (to cut
+        shard-shaped optimizer state)."""
+        return [(u.flat_param, list(u.pieces)) for u in self.units]
 
     # ---- introspection ----------------------------------------------------------------------
     def param_bytes(self) -> int:

@@ -1,5 +1,6 @@
 """Pure planning for ZeRO-3: which submodules become units, which parameters each unit owns,
-and which element ranges of which original tensors each rank's shard holds.
+and how large each rank's shard is (the pieces of the original tensors a shard holds come
+from :func:`~phalanx.sharding.pieces.pieces_in_range`).
 
 No process group here: everything is a function of the module tree, the world size and the
 rank, so it is unit-tested in one process.
@@ -14,28 +15,14 @@ from torch import nn
 
 __all__ = [
     "ParamRef",
-    "Segment",
     "WrapPolicy",
     "assign_params",
     "normalize_wrap",
     "padded_size",
     "select_units",
-    "shard_segments",
 ]
 
 WrapPolicy = Callable[[nn.Module], bool] | type | tuple[type, ...] | None
-
-
-@dataclass(frozen=True)
-class Segment:
-    """Elements ``start:end`` of the flattened original tensor ``key`` (full ``shape``) that sit
-    at ``offset`` in a rank's shard."""
-
-    key: str
-    shape: tuple[int, ...]
-    start: int
-    end: int
-    offset: int
 
 
 @dataclass
@@ -139,22 +126,3 @@ def assign_params(
 def padded_size(total: int, world: int) -> int:
     """``total`` rounded up to a multiple of ``world`` (every rank's shard the same size)."""
     return -(-total // world) * world
-
-
-def shard_segments(
-    entries: Sequence[tuple[str, tuple[int, ...], int, int]], chunk: int, rank: int
-) -> list[Segment]:
-    """Which parts of which original tensors lie in shard ``rank`` of a flat tensor.
-
-    Args:
-        entries: ``(key, shape, numel, offset_in_flat)`` for each original tensor.
-        chunk: Shard size (padded flat size / world size).
-        rank: The shard index.
-    """
-    lo, hi = rank * chunk, (rank + 1) * chunk
-    out: list[Segment] = []
-    for key, shape, numel, offset in entries:
-        a, b = max(lo, offset), min(hi, offset + numel)
-        if a < b:
-            out.append(Segment(key, shape, a - offset, b - offset, a - lo))
-    return out

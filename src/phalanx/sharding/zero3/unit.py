@@ -26,7 +26,8 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx.comm import collectives as c
-from phalanx.sharding.zero3.plan import ParamRef, Segment, padded_size, shard_segments
+from phalanx.sharding.pieces import Piece, pieces_in_range
+from phalanx.sharding.zero3.plan import ParamRef, padded_size
 
 __all__ = ["Entry", "FlatUnit", "GroupInfo", "PendingReduce"]
 
@@ -113,9 +114,11 @@ class FlatUnit:
         self.chunk = self.padded // info.world
         pad = self.padded - self.total
         self.split_sizes = [e.numel for e in self.entries] + ([pad] if pad else [])
-        self.segments: list[Segment] = shard_segments(
-            [(e.keys[0], e.shape, e.numel, e.offset) for e in self.entries], self.chunk, info.rank
+        lo = info.rank * self.chunk
+        self.pieces: list[Piece] = pieces_in_range(
+            [(e.keys[0], e.shape, e.offset) for e in self.entries], lo, lo + self.chunk
         )
+        """The parts of the original parameters this rank's shard holds (offsets in it)."""
         self.flat_param = nn.Parameter(self._initial_shard(sync_states), first.requires_grad)
         self._buffer = torch.empty(self.padded, dtype=self.compute_dtype, device=self.device)
         self.state = GATHERED

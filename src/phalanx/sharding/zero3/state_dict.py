@@ -2,12 +2,12 @@
 
 Keys are always the wrapped module's own state-dict keys, so a checkpoint written from a
 ``FullyShardedDataParallel`` loads into the plain model and back, and sharded pieces written
-by N ranks load at any other world size (:mod:`phalanx.sharding.state`).
+by N ranks load at any other world size (:mod:`phalanx.sharding.pieces`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from phalanx.comm import collectives as c
-from phalanx.sharding.state import Piece, PieceReader, ShardedState
+from phalanx.sharding.pieces import Piece, PieceReader, ShardedState
 from phalanx.sharding.zero3.unit import Entry, FlatUnit, GroupInfo
 
 __all__ = [
@@ -64,11 +64,6 @@ class StateLayout:
         return buf
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.float32`` -> ``"float32"`` (what :class:`Piece` stores)."""
-    return str(dtype).removeprefix("torch.")
-
-
 @torch.no_grad()
 def gather_flat(unit: FlatUnit) -> torch.Tensor:
     """The unit's full flat tensor in its original dtype (a collective: every rank calls it)."""
@@ -113,6 +108,20 @@ def missing_keys(layout: StateLayout, available: Mapping[str, Any] | set[str]) -
     return missing
 
 
+def _held(
+    layout: StateLayout, units: list[FlatUnit], available: Mapping[str, Any] | set[str]
+) -> Iterator[tuple[torch.Tensor, Piece, Entry, str]]:
+    """Each piece of this rank's shards: where it sits, the piece, its parameter and the key
+    of ``available`` that holds it (``missing_keys`` must have found none missing)."""
+    for unit in units:
+        shard = unit.flat_param.detach()
+        for piece in unit.pieces:
+            entry = layout.params[piece.key][1]
+            key = _pick(entry.keys, available)
+            assert key is not None
+            yield piece.held_in(shard), piece, entry, key
+
+
 @torch.no_grad()
 def load_full_state_dict(
     layout: StateLayout, units: list[FlatUnit], state: Mapping[str, torch.Tensor], rank: int
@@ -121,20 +130,14 @@ def load_full_state_dict(
     missing = missing_keys(layout, state)
     if missing:
         raise KeyError(f"[rank {rank}] load_full_state_dict: state is missing keys {missing}")
-    for unit in units:
-        shard = unit.flat_param.detach()
-        for seg in unit.segments:
-            entry = layout.params[seg.key][1]
-            key = _pick(entry.keys, state)
-            assert key is not None
-            value = state[key]
-            if tuple(value.shape) != entry.shape:
-                raise ValueError(
-                    f"[rank {rank}] load_full_state_dict: {key!r} has shape "
-                    f"{tuple(value.shape)}, the model's is {entry.shape}"
-                )
-            n = seg.end - seg.start
-            shard[seg.offset : seg.offset + n].copy_(value.reshape(-1)[seg.start : seg.end])
+    for held, piece, entry, key in _held(layout, units, state):
+        value = state[key]
+        if tuple(value.shape) != entry.shape:
+            raise ValueError(
+                f"[rank {rank}] load_full_state_dict: {key!r} has shape "
+                f"{tuple(value.shape)}, the model's is {entry.shape}"
+            )
+        held.copy_(piece.of_full(value))
     for key in layout.buffers:
         layout.buffer(key).copy_(state[key])
 
@@ -143,15 +146,12 @@ def sharded_state(layout: StateLayout, units: list[FlatUnit], info: GroupInfo) -
     """This rank's pieces of every parameter; buffers whole from the group's rank 0."""
     pieces: list[tuple[Piece, torch.Tensor]] = []
     for unit in units:
-        shard, dt = unit.flat_param.detach(), dtype_name(unit.dtype)
-        for seg in unit.segments:
-            n = seg.end - seg.start
-            piece = Piece(seg.key, seg.shape, seg.start, seg.end, dt)
-            pieces.append((piece, shard[seg.offset : seg.offset + n]))
+        shard = unit.flat_param.detach()
+        pieces += [(Piece(p.key, p.shape, p.start, p.end), p.held_in(shard)) for p in unit.pieces]
     if info.rank == 0:
         for key in layout.buffers:
             buf = layout.buffer(key).detach()
-            piece = Piece(key, tuple(buf.shape), 0, buf.numel(), dtype_name(buf.dtype))
+            piece = Piece(key, tuple(buf.shape), 0, buf.numel())
             pieces.append((piece, buf.reshape(-1).contiguous()))
     return ShardedState({"zero3_world_size": info.world}, pieces)
 
@@ -165,12 +165,7 @@ def load_sharded_state(
     missing = missing_keys(layout, available)
     if missing:
         raise KeyError(f"[rank {rank}] load_sharded_state: the checkpoint lacks keys {missing}")
-    for unit in units:
-        shard = unit.flat_param.detach()
-        for seg in unit.segments:
-            key = _pick(layout.params[seg.key][1].keys, available)
-            assert key is not None
-            n = seg.end - seg.start
-            reader.read(key, seg.start, seg.end, out=shard[seg.offset : seg.offset + n])
+    for held, piece, _, key in _held(layout, units, available):
+        reader.read(key, piece.start, piece.end, out=held)
     for key in layout.buffers:
         layout.buffer(key).copy_(reader.full(key))
