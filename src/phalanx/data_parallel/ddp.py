@@ -204,7 +204,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self._join_config.enable:
             self._agree_on_backward_sync(joined=False)
         if self.reducer is not None:
-            self.reducer.enabled = grad_sync
+            self.reducer.require_backward_grad_sync = grad_sync
             self.reducer.site = GradSite(current_dist_autograd_context() if grad_sync else None)
         self.require_forward_param_sync = grad_sync  # torch's: the next forward syncs buffers
         if self.device_ids:

@@ -48,7 +48,8 @@ class Runtime:
         self._pending: list[PendingReduce] = []
         self._callback_queued = False
         self._bwd_started: set[int] = set()
-        self.sync = True
+        self.require_backward_grad_sync = True
+        """Whether this step's backward reduce-scatters (set by the forward before it)."""
         self.in_step = self._armed = False
         self.handles: list[Any] = []
         for unit in units:
@@ -69,7 +70,7 @@ class Runtime:
         """
         if self.in_step and self._callback_queued:
             self._finish(abandoned=True)
-        self.sync = sync  # as DDP: the forward before the backward decides
+        self.require_backward_grad_sync = sync  # as DDP: the forward before the backward decides
         if not self.in_step:
             self.in_step, self._armed = True, False
             self.order, self._position = [], {}
@@ -172,7 +173,7 @@ class Runtime:
         grad, leaf.grad = leaf.grad, None
         assert grad is not None
         self._queue_end_of_backward()
-        pending = unit.reduce_grad(grad, self.sync)
+        pending = unit.reduce_grad(grad, self.require_backward_grad_sync)
         unit.free()
         if pending is not None:
             self._drain()  # the previous reduce-scatter overlapped this unit's backward
@@ -188,7 +189,7 @@ class Runtime:
 
     def _finish(self, abandoned: bool) -> None:
         """End the step: zero reduce-scatters for units without gradient, wait, free all."""
-        if self.sync and self._callback_queued and not abandoned:
+        if self.require_backward_grad_sync and self._callback_queued and not abandoned:
             for unit in self.all_units():
                 if unit.requires_grad and not unit.reduced:
                     pending = unit.reduce_grad(unit.zero_grad_for_reduce(), True)

@@ -185,7 +185,7 @@ class GradientSync:
                 self._in_pass = True
                 self.passes += 1
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
-                if self.reducer.enabled:
+                if self.reducer.require_backward_grad_sync:
                     self._announce()
             if param.grad is not None and param.grad.is_sparse:
                 self._sparse_grad(j, param)
@@ -203,7 +203,8 @@ class GradientSync:
         if self.sparse_as_dense:
             param.grad = param.grad.to_dense()
             self._densified.add(j)
-        elif self.reducer.enabled:  # all-gathered at synchronize(); the bucket carries zeros
+        elif self.reducer.require_backward_grad_sync:  # all-gathered at synchronize()
+            # (the bucket carries zeros)
             self._sparse[j] = param.grad
             param.grad = None
 
@@ -212,7 +213,7 @@ class GradientSync:
         if self._announced is not None:  # before the reducer's wait: a joined rank shadows
             announced, self._announced = self._announced, None
             announced()
-        if self.reducer.enabled:  # this pass was all-reduced
+        if self.reducer.require_backward_grad_sync:  # this pass was all-reduced
             self.passes = 0
             if self._sparse or self._densified:  # runs after the reducer's write-back
                 torch.autograd.Variable._execution_engine.queue_callback(self._sparse_again)
@@ -233,7 +234,7 @@ class GradientSync:
 
     def _arm(self) -> None:
         """Enable the reducer for the next backward pass iff it completes a step's passes."""
-        self.reducer.enabled = self.passes + 1 >= self.passes_per_step
+        self.reducer.require_backward_grad_sync = self.passes + 1 >= self.passes_per_step
 
     def set_passes_per_step(self, passes: int) -> None:
         """Change ``backward_passes_per_step``; restarts the count."""
