@@ -1,4 +1,4 @@
-"""The bucket engine and the coalescing helper: pure, one process, no process group."""
+"""The bucket engine, the coalescing helper and the sync switch: pure, one process."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import torch
 
 from phalanx.data_parallel.bucket_engine import BucketEngine
 from phalanx.data_parallel.coalesce import copy_back, flatten, group_by_kind, unflatten
+from phalanx.data_parallel.sync_flag import sync_off
 
 
 class Recorder:
@@ -119,3 +120,18 @@ def test_coalesce_errors_name_the_sizes() -> None:
         flatten([])
     with pytest.raises(ValueError, match=r"flat has 3 elements, the tensors 4 \(\[2, 2\]\)"):
         unflatten(torch.zeros(3), [torch.zeros(2), torch.zeros(2)])
+
+
+def test_sync_off_switches_the_flag_and_restores_it_on_error() -> None:
+    class Owner:
+        require_backward_grad_sync = True
+
+    owner = Owner()
+    with pytest.raises(KeyError), sync_off(owner):
+        assert owner.require_backward_grad_sync is False
+        raise KeyError("inside")
+    assert owner.require_backward_grad_sync is True
+    owner.require_backward_grad_sync = False
+    with sync_off(owner):
+        pass
+    assert owner.require_backward_grad_sync is False  # the previous value, not True

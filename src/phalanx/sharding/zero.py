@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx.data_parallel.sync_flag import sync_off
 from phalanx.sharding import zero_pieces, zero_state
 from phalanx.sharding.bucket_storage import broadcast_from_rank0, place
 from phalanx.sharding.clip import clip_pieces_
@@ -287,12 +288,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, JoinableZero):
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Stages 1/2: backward passes inside accumulate local gradients without communicating."""
-        old = self.require_backward_grad_sync
-        self.require_backward_grad_sync = False
-        try:
+        with sync_off(self):
             yield
-        finally:
-            self.require_backward_grad_sync = old
 
     @property
     def require_backward_grad_sync(self) -> bool:
