@@ -1,4 +1,4 @@
-"""Gradient synchronisation for ``DistributedOptimizer`` on DDP's bucket engine (``Reducer``).
+"""``DistributedOptimizer``'s all-reduce during backward, on DDP's ``Reducer`` (the bucket engine).
 
 The reducer launches each bucket's all-reduce as soon as its gradients are in and waits for them
 all at the end of backward, so ``optimizer.step()`` finds averaged gradients. What Horovod adds
@@ -12,7 +12,8 @@ is layered on top:
   averaging keeps the reducer's own path, which folds 1/N into the copy into the bucket);
 * ``backward_passes_per_step=k``: a hook on every parameter counts backward passes (it is
   registered before the reducer's, so it sees each gradient first), and at the end of each pass
-  the reducer is enabled for the next one only if that one is a k-th, so gradients accumulate
+  the reducer's ``require_backward_grad_sync`` is set for the next one only if that one is a
+  k-th, so gradients accumulate
   locally in between and travel once; a ``step()`` before the k-th pass all-reduces what has
   accumulated (Horovod's ``synchronize``);
 * sparse gradients (``nn.Embedding(sparse=True)``) are all-gathered at ``synchronize()``, as

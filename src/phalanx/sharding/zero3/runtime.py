@@ -15,6 +15,14 @@ collectives in the same order), remaining work is waited for, everything is free
 
 Every rank must run the same units in the same order (as with torch FSDP): collectives are
 issued from these hooks, so a rank-dependent control flow would pair mismatched collectives.
+
+Why not the bucket engine of DDP and ZeRO-1/2 (:mod:`phalanx.data_parallel.bucket_engine`):
+that engine launches buckets in an order fixed before backward. A unit's reduce-scatter goes out
+when backward completes its gradient, in an order known only from this step's forward; holding a
+unit back for a predecessor would keep its full gradient and parameters alive (the memory
+ZeRO-3 frees), and a unit without a gradient this step would hold back every later one until
+backward ends. A unit is one flat leaf whose hook fires once, so there is nothing to count, and
+the one wait site is :meth:`Runtime._drain` (at most one reduce-scatter in flight).
 """
 
 from __future__ import annotations
