@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from phalanx.model_parallel._balance import balance_by_cost
 from phalanx.pipeline import (
     Action,
     DeadlockError,
@@ -21,6 +22,7 @@ from phalanx.pipeline import (
     split_layers,
     time_costs,
 )
+from phalanx.pipeline.balance import min_max_cost
 from phalanx.pipeline.p2p import HEADER_CAP, decode_header, encode_header
 from phalanx.pipeline.schedules import interleaved_warmup
 from phalanx.pipeline.stage import Chunk, split_batch
@@ -133,6 +135,23 @@ def test_balance_is_optimal_contiguous_and_deterministic() -> None:
         assert balance_stages(costs, k) == sizes
     assert balance_stages([1, 1, 1, 1, 1], 2) == [3, 2]  # ties: earlier stages take more
     assert balance_stages([10, 1, 1, 1, 1], 2) == [1, 4]
+
+
+def test_min_max_cost_is_the_one_recurrence_of_both_balancers() -> None:
+    g = torch.Generator().manual_seed(1)
+    for n, k in itertools.product(range(1, 8), range(1, 5)):
+        if k > n:
+            continue
+        costs = torch.randint(0, 9, (n,), generator=g).tolist()
+        prefix = [0, *itertools.accumulate(costs)]
+        assert min_max_cost(prefix, k) == _brute_force(costs, k), (costs, k)
+        split = balance_by_cost(costs, k)  # split_across_devices's tie rule, same bound
+        starts = [0, *itertools.accumulate(split)]
+        if any(costs):
+            worst = max(sum(costs[a:b]) for a, b in itertools.pairwise(starts))
+            assert worst == min_max_cost(prefix, k)
+    with pytest.raises(ValueError, match=r"parts must be in \[1, 2\], got 3"):
+        min_max_cost([0, 1, 2], 3)
 
 
 def test_balance_errors() -> None:

@@ -47,14 +47,12 @@ class Bucket:
         self.reset()
 
     def reset(self) -> None:
-        """Forget the last iteration: nothing ready, nothing divided, nothing in flight."""
-        self.pending = len(self.params)
+        """Forget the last iteration: nothing divided, nothing deferred, nothing skipped."""
         self.divided = [False] * len(self.params)
         self.deferred: list[tuple[int, torch.Tensor]] = []
         """Gradients waiting for one batched copy (``batched_grad_copy``)."""
         self.skipped = False
         """Not reduced this iteration: every parameter in it is unused on every rank."""
-        self.future: torch.futures.Future[torch.Tensor] | None = None
 
     def stage(self, k: int, grad: torch.Tensor | None, divisor: int | None) -> None:
         """Put parameter ``k``'s gradient in the bucket, divided by ``divisor`` if given.

@@ -28,6 +28,7 @@ from phalanx.data_parallel.mixed_precision import ParamCaster, cast_inputs
 from phalanx.data_parallel.module_state import broadcast_coalesced, check_same_model, common_rank
 from phalanx.data_parallel.reducer import Hook, Reducer, ReducerOptions
 from phalanx.data_parallel.scatter_gather import gather, map_tensors, scatter
+from phalanx.data_parallel.sync_flag import sync_off
 
 __all__ = ["DistributedDataParallel"]
 
@@ -204,7 +205,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self._join_config.enable:
             self._agree_on_backward_sync(joined=False)
         if self.reducer is not None:
-            self.reducer.enabled = grad_sync
+            self.reducer.require_backward_grad_sync = grad_sync
             self.reducer.site = GradSite(current_dist_autograd_context() if grad_sync else None)
         self.require_forward_param_sync = grad_sync  # torch's: the next forward syncs buffers
         if self.device_ids:
@@ -263,12 +264,8 @@ class DistributedDataParallel(nn.Module, Joinable):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally (no communication) in backward passes run inside."""
-        previous = self.require_backward_grad_sync
-        self.require_backward_grad_sync = False
-        try:
+        with sync_off(self):
             yield
-        finally:
-            self.require_backward_grad_sync = previous
 
     def register_comm_hook(self, state: Any, hook: Hook) -> None:
         """Replace the bucket all-reduce by ``hook(state, bucket) -> Future[Tensor]``.

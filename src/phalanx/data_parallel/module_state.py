@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from phalanx.comm import collectives as c
 from phalanx.comm.objects import all_gather_object
+from phalanx.data_parallel.coalesce import copy_back, flatten, group_by_kind
 
 __all__ = ["ModelMismatchError", "broadcast_coalesced", "check_same_model", "common_rank"]
 
@@ -27,15 +28,11 @@ def broadcast_coalesced(
     tensors: list[torch.Tensor], src: int, group: dist.ProcessGroup | None
 ) -> None:
     """Broadcast many tensors from global rank ``src`` as one flat tensor per (device, dtype)."""
-    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for t in tensors:
-        by_kind.setdefault((t.device, t.dtype), []).append(t)
-    with torch.no_grad():
-        for group_tensors in by_kind.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in group_tensors])
-            c.broadcast(flat, src, group)
-            for t, value in zip(group_tensors, flat.split([t.numel() for t in group_tensors])):
-                t.copy_(value.view_as(t))
+    for indices in group_by_kind(tensors):
+        same = [tensors[i] for i in indices]
+        flat = flatten(same)
+        c.broadcast(flat, src, group)
+        copy_back(flat, same)
 
 
 def common_rank(candidate: bool, group: dist.ProcessGroup | None, device: torch.device) -> int:

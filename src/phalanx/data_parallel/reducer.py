@@ -2,10 +2,11 @@
 
 When a parameter's gradient is complete (a post-hook on its ``AccumulateGrad`` node, which runs
 under local and dist autograd alike, see :mod:`grad_access`), it is copied into its flat bucket.
-A bucket whose gradients are all in launches its asynchronous all-reduce at once, **in bucket
-order** (every rank must issue collectives in the same order), so communication overlaps the
-rest of backward. A callback queued on the autograd engine waits for every bucket once backward
-ends — the one wait site — before the optimizer can see a gradient.
+The bucket engine (:mod:`bucket_engine`) counts each bucket's ready gradients and launches a
+complete bucket's asynchronous all-reduce at once, **in bucket order** (every rank must issue
+collectives in the same order), so communication overlaps the rest of backward. A callback
+queued on the autograd engine waits for every bucket once backward ends (the engine's one wait
+site) before the optimizer can see a gradient.
 
 Unused parameters: with ``find_unused`` they are filled in at the end of backward (their local
 gradient, accumulated under ``no_sync`` perhaps, or zeros) and one all-reduce of a usage map
@@ -29,6 +30,7 @@ from torch import nn
 
 from phalanx.comm import collectives as c
 from phalanx.comm import wait_clock
+from phalanx.data_parallel.bucket_engine import BucketEngine
 from phalanx.data_parallel.bucket_state import Bucket
 from phalanx.data_parallel.buckets import ParamSpec, plan_buckets
 from phalanx.data_parallel.grad_access import GradSite, hook_accumulator
@@ -116,7 +118,9 @@ class Reducer:
         self.shadowing = False
         self.hook: Hook | None = None
         self.hook_state: Any = None
-        self.enabled = True
+        self.require_backward_grad_sync = True
+        """Whether the coming backward synchronises (set per forward by its owner)."""
+        self.engine: BucketEngine[Any] = BucketEngine([len(b.params) for b in self.buckets], self)
         self.site = GradSite()
         """Where this iteration's gradients live (set per forward; dist autograd or local)."""
         self.divisor = self.world_size
@@ -144,8 +148,8 @@ class Reducer:
     # ---- per-iteration state ------------------------------------------------------------
     def _reset(self) -> None:
         self.ready = [False] * len(self.params)
-        self.next_launch = 0
         self.queued = False
+        self.engine.reset()
         for b in self.buckets:
             b.reset()
         if self.counts is not None:
@@ -172,7 +176,7 @@ class Reducer:
             grad = self.site.get(self.params[j])
             if grad is not None:
                 self.used[j] = True
-            if not self.enabled:
+            if not self.require_backward_grad_sync:
                 return
             if not self.queued:
                 self.queued = True
@@ -205,10 +209,7 @@ class Reducer:
             bucket.stage(k, grad, None if self.hook is not None else self.divisor)
         if self._repoint_to_view(grad, bucket, k):
             self.params[j].grad = bucket.views[k]
-        bucket.pending -= 1
-        if bucket.pending == 0:
-            bucket.flush()
-            self._launch_ready()
+        self.engine.ready(bi)
 
     def _repoint_to_view(self, grad: torch.Tensor | None, bucket: Bucket, k: int) -> bool:
         """With gradient_as_bucket_view, a fresh local gradient is replaced by its view."""
@@ -229,24 +230,27 @@ class Reducer:
                 "torch's DDP)",
             )
 
-    def _launch_ready(self) -> None:
-        while self.next_launch < len(self.buckets):
-            bucket = self.buckets[self.next_launch]
-            if bucket.pending != 0:
-                return
-            if not bucket.skipped:
-                bucket.future = self._communicate(bucket)
-            self.next_launch += 1
-
-    def _communicate(self, bucket: Bucket) -> Any:
-        last = bucket.index == len(self.buckets) - 1
+    # ---- the engine's collective ----------------------------------------------------------------
+    def launch(self, index: int) -> Any:
+        """Start bucket ``index``'s all-reduce (or hook); None when it is skipped."""
+        bucket = self.buckets[index]
+        if bucket.skipped:
+            return None
+        bucket.flush()
+        last = index == len(self.buckets) - 1
         if self.options.join_flag and last:
             bucket.buffer[-1] = 0.0 if self.shadowing else 1.0
         if self.hook is not None:
             return bucket.run_hook(self.hook, self.hook_state, last)
         return bucket.all_reduce(self.group, self.divisor)
 
-    # ---- end of backward: the single wait site ----------------------------------------------
+    def complete(self, index: int, future: Any) -> None:
+        """Wait for bucket ``index``'s result and take it into the bucket."""
+        with wait_clock.blocked():
+            result = future.wait()
+        self.buckets[index].absorb(result)
+
+    # ---- end of backward: the engine's wait site -------------------------------------------
     def finalize(self) -> None:
         """Wait for every bucket and write the averaged gradients back (autograd callback)."""
         with torch.no_grad():
@@ -255,7 +259,7 @@ class Reducer:
                 if self.before_write_back is not None:
                     self.before_write_back()
                 for b in self.buckets:  # copying bucket i back overlaps bucket i+1's transfer
-                    self._wait(b)
+                    self.engine.wait(b.index)
                     self._write_back(b, unused)
                 self.used = [False] * len(self.params)
             finally:
@@ -289,11 +293,12 @@ class Reducer:
         skip = {j for j in missing if not self.used[j]} if self.options.skip_unused else set()
         for b in self.buckets:  # all ranks leave the same ones unused: no need to reduce them
             if skip and all(j in skip for j in b.plan.params):
-                b.skipped, b.pending = True, 0
+                b.skipped = True
+                self.engine.mark_complete(b.index)
         for j in missing:
             if not self.buckets[self.where[j][0]].skipped:
                 self._ready(j, self.site.get(self.params[j]))
-        self._launch_ready()
+        self.engine.launch_ready()
         if self.options.skip_unused:
             return skip
         used = torch.tensor(self.used, dtype=torch.int32, device=self.buckets[0].buffer.device)
@@ -301,15 +306,7 @@ class Reducer:
         return set(used.eq(0).nonzero().flatten().tolist())
 
     def _drain(self) -> None:
-        for b in self.buckets:
-            self._wait(b)
-
-    def _wait(self, b: Bucket) -> None:
-        if b.future is None:
-            return
-        with wait_clock.blocked():
-            result = b.future.wait()
-        b.absorb(result)
+        self.engine.wait_all()
 
     def _write_back(self, b: Bucket, globally_unused: set[int]) -> None:
         for k, j in enumerate(b.plan.params):
@@ -349,8 +346,7 @@ class Reducer:
                     b.stage(0, None, None)
                 else:
                     b.buffer.zero_()
-                b.pending = 0
-            self._launch_ready()
+            self.engine.launch_all()
             if self.options.find_unused and not self.options.skip_unused:
                 zeros = torch.zeros(
                     len(self.params), dtype=torch.int32, device=self.buckets[0].buffer.device

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from phalanx.comm import collectives as c
 from phalanx.comm.objects import all_gather_object, broadcast_object_list
+from phalanx.data_parallel.coalesce import copy_back, flatten, group_by_kind
 from phalanx.horovod import dtypes
 from phalanx.horovod.process_sets import ProcessSet, controller, resolve
 from phalanx.horovod.protocol import Kind
@@ -36,26 +37,19 @@ _TENSOR_KEY = "__phalanx_tensor__"
 
 
 def _start_coalesced(req: Request, agreement: Agreement) -> tuple[list[Any], Callable[[], None]]:
-    kinds: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for t in req.tensors:
-        kinds.setdefault((t.device, t.dtype), []).append(t)
     group, root = req.options["group"], req.root
     works, flats = [], []
-    for (_, dtype), same in kinds.items():
-        wire = dtypes.wire_dtype(dtype)
-        flat = torch.cat([t.detach().reshape(-1).to(wire) for t in same])
+    for indices in group_by_kind(req.tensors):
+        same = [req.tensors[i] for i in indices]
+        flat = flatten(same, dtypes.wire_dtype(same[0].dtype))
         works.append(c.broadcast(flat, root, group, async_op=True))
         flats.append((same, flat))
 
     def result() -> None:
         if dist.get_rank() == root:
             return
-        with torch.no_grad():
-            for same, flat in flats:
-                offset = 0
-                for t in same:
-                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                    offset += t.numel()
+        for same, flat in flats:
+            copy_back(flat, same)
 
     return works, result
 

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from phalanx._check import check_instance, check_tensor, part_of
+from phalanx.data_parallel.coalesce import flatten, group_by_kind
 from phalanx.horovod import dtypes
 from phalanx.horovod.allreduce import allreduce, launch, neutral_tensor, resolve_op
 from phalanx.horovod.compression import Compression, check_compression
@@ -34,12 +35,10 @@ __all__ = [
 
 def pack(tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
     """``(indices, flat buffer)`` per (device, wire dtype): the tensors concatenated, widened."""
-    kinds: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, t in enumerate(tensors):
-        kinds.setdefault((t.device, dtypes.wire_dtype(t.dtype)), []).append(i)
+    kinds = group_by_kind(tensors, key=lambda t: (t.device, dtypes.wire_dtype(t.dtype)))
     return [
-        (idx, torch.cat([tensors[i].detach().reshape(-1).to(wire) for i in idx]))
-        for (_, wire), idx in kinds.items()
+        (idx, flatten([tensors[i] for i in idx], dtypes.wire_dtype(tensors[idx[0]].dtype)))
+        for idx in kinds
     ]
 
 

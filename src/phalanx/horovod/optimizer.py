@@ -3,7 +3,7 @@
 As in Horovod, the result is an instance of a class derived from the wrapped optimizer's own
 (so ``isinstance(opt, torch.optim.SGD)`` holds and learning-rate schedulers accept it). Unlike
 Horovod, it shares the wrapped optimizer's state and param_groups instead of starting empty.
-Gradients are averaged during backward, bucket by bucket (see ``grad_sync.py``); ``step()``
+Gradients are averaged during backward, bucket by bucket (see ``backward_allreduce.py``); ``step()``
 then only has to apply them.
 """
 
@@ -20,8 +20,8 @@ from torch import nn
 
 from phalanx._check import check_int
 from phalanx.horovod.allreduce import ReduceOp, resolve_op
+from phalanx.horovod.backward_allreduce import GradientSync, bucket_cap_bytes, check_same_parameters
 from phalanx.horovod.compression import Compression, check_compression
-from phalanx.horovod.grad_sync import GradientSync, bucket_cap_bytes, check_same_parameters
 from phalanx.horovod.process_sets import resolve
 
 __all__ = ["DistributedOptimizer"]

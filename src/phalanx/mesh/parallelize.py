@@ -26,8 +26,8 @@ from torch import nn
 
 from phalanx._check import check_int
 from phalanx.mesh.checkpoint import ParallelModelState, ParallelOptimizerState, plan_pieces
-from phalanx.mesh.grad_sync import average_gradients
 from phalanx.mesh.groups import ParallelGroups
+from phalanx.mesh.replica_average import average_gradients
 from phalanx.mesh.topology import Topology
 
 __all__ = ["ParallelConfig", "ParallelModel", "layers_of", "parallelize"]

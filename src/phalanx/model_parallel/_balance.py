@@ -7,14 +7,17 @@ pooling layers cost nothing), so among them we take the one with the smallest su
 part costs (the most even spread), and among those the latest cuts (a free layer stays with the
 layer before it: ``conv, relu | fc`` rather than ``conv | relu, fc``).
 
-Both phases are O(parts · layers²) dynamic programmes, instant for the tens to hundreds of
-layers a model has. Kept private and minimal: ``phalanx.pipeline`` may grow a richer balancer.
+Phase 1 is the balancer's one recurrence, :func:`phalanx.pipeline.balance.min_max_cost`
+(pipeline stages break its ties the other way: earlier stages take more). Both phases are
+O(parts · layers²) dynamic programmes, instant for the tens to hundreds of layers a model has.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+
+from phalanx.pipeline.balance import min_max_cost
 
 __all__ = ["balance_by_cost"]
 
@@ -47,21 +50,9 @@ def balance_by_cost(costs: Sequence[float], parts: int) -> list[int]:
     prefix: list[float] = [0]  # ints stay exact ints: ties are decided exactly
     for c in costs:
         prefix.append(prefix[-1] + c)
-    limit = _min_max_cost(prefix, parts)
+    limit = min_max_cost(prefix, parts)
     cuts = _even_cuts(prefix, parts, limit)
     return [b - a for a, b in itertools.pairwise(cuts)]
-
-
-def _min_max_cost(prefix: list[float], parts: int) -> float:
-    """Phase 1: the smallest achievable largest-part cost (classic linear partition)."""
-    n = len(prefix) - 1
-    best = [0.0] + [_INF] * n  # best[i]: first i layers in the parts placed so far
-    for p in range(1, parts + 1):
-        nxt = [_INF] * (n + 1)
-        for i in range(p, n - (parts - p) + 1):  # leave a layer for each later part
-            nxt[i] = min(max(best[j], prefix[i] - prefix[j]) for j in range(p - 1, i))
-        best = nxt
-    return best[n]
 
 
 def _even_cuts(prefix: list[float], parts: int, limit: float) -> list[int]:

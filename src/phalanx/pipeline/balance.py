@@ -19,7 +19,14 @@ from torch import nn
 
 from phalanx._check import check_choice, check_ints, fail
 
-__all__ = ["balance_arg", "balance_stages", "check_balance", "parameter_costs", "time_costs"]
+__all__ = [
+    "balance_arg",
+    "balance_stages",
+    "check_balance",
+    "min_max_cost",
+    "parameter_costs",
+    "time_costs",
+]
 
 BALANCE_NAMES = ("params", "time")
 
@@ -52,15 +59,27 @@ def _check_costs(costs: Sequence[float], num_stages: int) -> list[float]:
     return values
 
 
-def _optimal_bottleneck(prefix: list[float], num_stages: int) -> float:
-    """Smallest achievable maximum stage cost (DP over prefix sums, O(k n^2))."""
+def min_max_cost(prefix: Sequence[float], parts: int) -> float:
+    """The smallest achievable largest-part cost of a contiguous split into ``parts`` non-empty
+    parts (the linear partition problem; dynamic programme over prefix sums, O(parts · n²)).
+
+    The one balancer recurrence: pipeline stages (:func:`balance_stages`) and
+    ``split_across_devices`` (:mod:`phalanx.model_parallel._balance`) differ only in how they
+    break ties under this bound.
+
+    Args:
+        prefix: ``prefix[i]`` is the total cost of the first ``i`` layers (``prefix[0] == 0``);
+            ints stay exact.
+        parts: ``1 <= parts <= len(prefix) - 1``.
+    """
     n = len(prefix) - 1
-    # best[i]: the best bottleneck for layers [0, i) split into the current number of stages.
-    best = [prefix[i] if i >= 1 else math.inf for i in range(n + 1)]
-    for k in range(2, num_stages + 1):
+    if not 1 <= parts <= n:
+        raise ValueError(f"min_max_cost: parts must be in [1, {n}], got {parts!r}")
+    best: list[float] = [0.0] + [math.inf] * n  # best[i]: first i layers in the parts so far
+    for p in range(1, parts + 1):
         nxt = [math.inf] * (n + 1)
-        for i in range(k, n + 1):
-            nxt[i] = min(max(best[j], prefix[i] - prefix[j]) for j in range(k - 1, i))
+        for i in range(p, n - (parts - p) + 1):  # leave a layer for each later part
+            nxt[i] = min(max(best[j], prefix[i] - prefix[j]) for j in range(p - 1, i))
         best = nxt
     return best[n]
 
@@ -82,7 +101,7 @@ def balance_stages(costs: Sequence[float], num_stages: int) -> list[int]:
     prefix = [0.0]
     for c in values:
         prefix.append(prefix[-1] + c)
-    cap = _optimal_bottleneck(prefix, num_stages)
+    cap = min_max_cost(prefix, num_stages)
     n, sizes, start = len(values), [], 0
     for stage in range(num_stages - 1):
         # Greedy and optimal agree: each greedy cut is at least as far as any optimal split's.

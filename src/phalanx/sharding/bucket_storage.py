@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.comm import collectives as c
+from phalanx.data_parallel.coalesce import copy_back, flatten
 from phalanx.sharding.layout import BucketLayout
 
 __all__ = ["broadcast_from_rank0", "place"]
@@ -51,9 +52,6 @@ def broadcast_from_rank0(
         c.broadcast(buf, root, group)
         return
     members = [params[i] for i in bucket.params]
-    flat = torch.cat([p.detach().reshape(-1) for p in members])
+    flat = flatten(members)
     c.broadcast(flat, root, group)
-    offset = 0
-    for p in members:
-        p.detach().view(-1).copy_(flat[offset : offset + p.numel()])
-        offset += p.numel()
+    copy_back(flat, members)

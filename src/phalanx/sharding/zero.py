@@ -15,7 +15,7 @@ Who averages the gradients:
   steps the ranges and all-gathers the parameters (Ψ): 2Ψ per step, DDP's volume.
 - **stage=2**: as stage 1, but the reduce-scatter runs *during backward*, from gradient hooks,
   and each parameter's full gradient is freed as soon as it is copied, so a rank keeps 4Ψ/N
-  bytes of gradient plus the buckets in flight (:mod:`phalanx.sharding.grad_sync`).
+  bytes of gradient plus the buckets in flight (:mod:`phalanx.sharding.grad_reduce_scatter`).
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx.data_parallel.sync_flag import sync_off
 from phalanx.sharding import zero_pieces, zero_state
 from phalanx.sharding.bucket_storage import broadcast_from_rank0, place
 from phalanx.sharding.clip import clip_pieces_
-from phalanx.sharding.grad_sync import GradReducer
+from phalanx.sharding.grad_reduce_scatter import GradReducer
 from phalanx.sharding.layout import ShardLayout, plan_shards
 from phalanx.sharding.owned import (
     OwnedRange,
@@ -168,7 +169,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, JoinableZero):
         )
         sync = True
         if self._reducer is not None:
-            sync = self._reducer.require_sync
+            sync = self._reducer.require_backward_grad_sync
             self._reducer.close()
         if self.stage is not None:
             self._reducer = GradReducer(
@@ -180,7 +181,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, JoinableZero):
                 self.stage,
                 self._notify,
             )
-            self._reducer.require_sync = sync
+            self._reducer.require_backward_grad_sync = sync
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group: its parameters are sharded like the others (call it on every rank)."""
@@ -287,22 +288,18 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, JoinableZero):
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Stages 1/2: backward passes inside accumulate local gradients without communicating."""
-        old = self.require_backward_grad_sync
-        self.require_backward_grad_sync = False
-        try:
+        with sync_off(self):
             yield
-        finally:
-            self.require_backward_grad_sync = old
 
     @property
     def require_backward_grad_sync(self) -> bool:
         """False makes the coming backward accumulate locally (the job API's switch)."""
-        return self._reducer.require_sync if self._reducer is not None else True
+        return self._reducer.require_backward_grad_sync if self._reducer is not None else True
 
     @require_backward_grad_sync.setter
     def require_backward_grad_sync(self, value: bool) -> None:
         if self._reducer is not None:
-            self._reducer.require_sync = bool(value)
+            self._reducer.require_backward_grad_sync = bool(value)
 
     @property
     def _all_params(self) -> list[torch.Tensor]:

@@ -19,6 +19,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from phalanx._check import check_bool, check_group, check_instance, check_module, fail
 from phalanx.comm import collectives as c
+from phalanx.data_parallel.sync_flag import sync_off
 from phalanx.sharding.clip import clip_pieces_
 from phalanx.sharding.pieces import HeldPieces, PieceReader, ShardedState
 from phalanx.sharding.zero3 import state_dict as st
@@ -118,12 +119,8 @@ class FullyShardedDataParallel(nn.Module):
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate unsharded gradients locally, without communication;
         the next synchronised backward reduce-scatters the accumulated sum."""
-        previous = self.require_backward_grad_sync
-        self.require_backward_grad_sync = False
-        try:
+        with sync_off(self):
             yield
-        finally:
-            self.require_backward_grad_sync = previous
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

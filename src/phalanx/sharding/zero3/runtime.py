@@ -15,6 +15,14 @@ collectives in the same order), remaining work is waited for, everything is free
 
 Every rank must run the same units in the same order (as with torch FSDP): collectives are
 issued from these hooks, so a rank-dependent control flow would pair mismatched collectives.
+
+Why not the bucket engine of DDP and ZeRO-1/2 (:mod:`phalanx.data_parallel.bucket_engine`):
+that engine launches buckets in an order fixed before backward. A unit's reduce-scatter goes out
+when backward completes its gradient, in an order known only from this step's forward; holding a
+unit back for a predecessor would keep its full gradient and parameters alive (the memory
+ZeRO-3 frees), and a unit without a gradient this step would hold back every later one until
+backward ends. A unit is one flat leaf whose hook fires once, so there is nothing to count, and
+the one wait site is :meth:`Runtime._drain` (at most one reduce-scatter in flight).
 """
 
 from __future__ import annotations
@@ -48,7 +56,8 @@ class Runtime:
         self._pending: list[PendingReduce] = []
         self._callback_queued = False
         self._bwd_started: set[int] = set()
-        self.sync = True
+        self.require_backward_grad_sync = True
+        """Whether this step's backward reduce-scatters (set by the forward before it)."""
         self.in_step = self._armed = False
         self.handles: list[Any] = []
         for unit in units:
@@ -69,7 +78,7 @@ class Runtime:
         """
         if self.in_step and self._callback_queued:
             self._finish(abandoned=True)
-        self.sync = sync  # as DDP: the forward before the backward decides
+        self.require_backward_grad_sync = sync  # as DDP: the forward before the backward decides
         if not self.in_step:
             self.in_step, self._armed = True, False
             self.order, self._position = [], {}
@@ -172,7 +181,7 @@ class Runtime:
         grad, leaf.grad = leaf.grad, None
         assert grad is not None
         self._queue_end_of_backward()
-        pending = unit.reduce_grad(grad, self.sync)
+        pending = unit.reduce_grad(grad, self.require_backward_grad_sync)
         unit.free()
         if pending is not None:
             self._drain()  # the previous reduce-scatter overlapped this unit's backward
@@ -188,7 +197,7 @@ class Runtime:
 
     def _finish(self, abandoned: bool) -> None:
         """End the step: zero reduce-scatters for units without gradient, wait, free all."""
-        if self.sync and self._callback_queued and not abandoned:
+        if self.require_backward_grad_sync and self._callback_queued and not abandoned:
             for unit in self.all_units():
                 if unit.requires_grad and not unit.reduced:
                     pending = unit.reduce_grad(unit.zero_grad_for_reduce(), True)

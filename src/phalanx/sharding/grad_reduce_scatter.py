@@ -2,8 +2,10 @@
 
 Stage 2 launches a bucket's reduce-scatter from the parameters' post-accumulate-grad hooks
 during backward, as soon as the bucket and every bucket before it are complete (all ranks
-launch the same buckets in the same order), and frees each parameter's full gradient once it
-is copied into the bucket's staging buffer: a rank keeps its gradient ranges plus at most
+launch the same buckets in the same order: the bucket engine,
+:mod:`phalanx.data_parallel.bucket_engine`, with the reduce-scatter as its collective), and
+frees each parameter's full gradient once it is copied into the bucket's staging buffer: a
+rank keeps its gradient ranges plus at most
 :data:`~phalanx.sharding.param_sync.MAX_IN_FLIGHT` buckets. Stage 1 runs the same reduction at
 ``step()`` (so the full gradients, 4Ψ bytes, live from backward to step, as the ZeRO-1 formula
 counts them).
@@ -23,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.comm import collectives as c
+from phalanx.data_parallel.bucket_engine import BucketEngine
 from phalanx.sharding.layout import BucketLayout, ShardLayout
 from phalanx.sharding.owned import OwnedRange
 from phalanx.sharding.param_sync import MAX_IN_FLIGHT, StagingPool
@@ -32,7 +35,6 @@ __all__ = ["GradReducer"]
 
 @dataclass
 class _Flight:
-    bucket: int
     work: dist.Work | None
     out: torch.Tensor
     staging: torch.Tensor
@@ -57,13 +59,14 @@ class GradReducer:
         self._on_launch = on_launch
         self._grads: list[torch.Tensor | None] = [None] * len(layout.buckets)
         self._bucket_of = {p: i for i, b in enumerate(layout.buckets) for p in b.params}
-        self._ready = [0] * len(layout.buckets)
-        self._next = 0
-        self._flights: list[_Flight] = []
+        self.engine: BucketEngine[_Flight] = BucketEngine(
+            [len(b.params) for b in layout.buckets], self, MAX_IN_FLIGHT
+        )
         self._armed = False
         self.reduced = False
         """True once this iteration's gradients are in the ranges (reset by each step)."""
-        self.require_sync = True
+        self.require_backward_grad_sync = True
+        """False: the coming backward passes leave their gradients local (``no_sync``)."""
         self._handles: dict[int, Any] = {}
         self.refresh_hooks()
 
@@ -84,33 +87,22 @@ class GradReducer:
 
     def _hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(_: torch.Tensor) -> None:
-            if not self.require_sync:
+            if not self.require_backward_grad_sync:
                 return
             if not self._armed:
                 self._armed = True
                 torch.autograd.Variable._execution_engine.queue_callback(self.flush)
-            b = self._bucket_of[index]
-            self._ready[b] += 1
-            buckets = self.layout.buckets
-            while self._next < len(buckets) and self._ready[self._next] == len(
-                buckets[self._next].params
-            ):
-                self._launch(self._next)
-                self._next += 1
+            self.engine.ready(self._bucket_of[index])
 
         return hook
 
-    # ---- reduce-scatter ------------------------------------------------------------------------
-    def _staging(self) -> torch.Tensor:
-        if len(self._flights) >= MAX_IN_FLIGHT:
-            self._complete(self._flights.pop(0))
-        busy = {id(f.staging) for f in self._flights}
-        return next(s for s in self.pool.buffers if id(s) not in busy)
-
-    def _launch(self, index: int) -> None:
+    # ---- reduce-scatter: the engine's collective ----------------------------------------------
+    def launch(self, index: int) -> _Flight:
+        """Stage bucket ``index``'s gradients (freeing them) and start its reduce-scatter."""
         self._on_launch()
         bucket = self.layout.buckets[index]
-        pool = self._staging()
+        busy = {id(f.staging) for f in self.engine.in_flight()}  # the engine bounds the flights
+        pool = next(s for s in self.pool.buffers if id(s) not in busy)
         stage = pool[: bucket.chunk * self.world]
         _fill(stage, bucket, self.params)
         for p in bucket.params:  # copied: the full gradient is not needed any more
@@ -121,12 +113,12 @@ class GradReducer:
             out.copy_(stage)
         else:
             work = c.reduce_scatter_tensor(out, stage, group=self.group, async_op=True)
-        self._flights.append(_Flight(index, work, out, pool))
+        return _Flight(work, out, pool)
 
-    def _complete(self, flight: _Flight) -> None:
+    def complete(self, b: int, flight: _Flight) -> None:
+        """Wait for bucket ``b``'s reduce-scatter and add its average to this rank's ranges."""
         if flight.work is not None:
             flight.work.wait()
-        b = flight.bucket
         flight.out.div_(self.world)  # sum -> average (flags: > 0 iff some rank had a gradient)
         grad = self._grads[b]
         if grad is None:
@@ -141,13 +133,9 @@ class GradReducer:
     def flush(self) -> None:
         """Launch every bucket not yet launched this pass (in order) and wait for all."""
         self._armed = False
-        while self._next < len(self.layout.buckets):
-            self._launch(self._next)
-            self._next += 1
-        while self._flights:
-            self._complete(self._flights.pop(0))
-        self._ready = [0] * len(self.layout.buckets)
-        self._next = 0
+        self.engine.launch_all()
+        self.engine.wait_all()
+        self.engine.reset()
         self.reduced = True
 
     def ensure_reduced(self) -> None:

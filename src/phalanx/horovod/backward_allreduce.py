@@ -1,4 +1,4 @@
-"""Gradient synchronisation for ``DistributedOptimizer`` on DDP's bucket engine (``Reducer``).
+"""``DistributedOptimizer``'s all-reduce during backward, on DDP's ``Reducer`` (the bucket engine).
 
 The reducer launches each bucket's all-reduce as soon as its gradients are in and waits for them
 all at the end of backward, so ``optimizer.step()`` finds averaged gradients. What Horovod adds
@@ -12,7 +12,8 @@ is layered on top:
   averaging keeps the reducer's own path, which folds 1/N into the copy into the bucket);
 * ``backward_passes_per_step=k``: a hook on every parameter counts backward passes (it is
   registered before the reducer's, so it sees each gradient first), and at the end of each pass
-  the reducer is enabled for the next one only if that one is a k-th, so gradients accumulate
+  the reducer's ``require_backward_grad_sync`` is set for the next one only if that one is a
+  k-th, so gradients accumulate
   locally in between and travel once; a ``step()`` before the k-th pass all-reduces what has
   accumulated (Horovod's ``synchronize``);
 * sparse gradients (``nn.Embedding(sparse=True)``) are all-gathered at ``synchronize()``, as
@@ -185,7 +186,7 @@ class GradientSync:
                 self._in_pass = True
                 self.passes += 1
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
-                if self.reducer.enabled:
+                if self.reducer.require_backward_grad_sync:
                     self._announce()
             if param.grad is not None and param.grad.is_sparse:
                 self._sparse_grad(j, param)
@@ -203,7 +204,8 @@ class GradientSync:
         if self.sparse_as_dense:
             param.grad = param.grad.to_dense()
             self._densified.add(j)
-        elif self.reducer.enabled:  # all-gathered at synchronize(); the bucket carries zeros
+        elif self.reducer.require_backward_grad_sync:  # all-gathered at synchronize()
+            # (the bucket carries zeros)
             self._sparse[j] = param.grad
             param.grad = None
 
@@ -212,7 +214,7 @@ class GradientSync:
         if self._announced is not None:  # before the reducer's wait: a joined rank shadows
             announced, self._announced = self._announced, None
             announced()
-        if self.reducer.enabled:  # this pass was all-reduced
+        if self.reducer.require_backward_grad_sync:  # this pass was all-reduced
             self.passes = 0
             if self._sparse or self._densified:  # runs after the reducer's write-back
                 torch.autograd.Variable._execution_engine.queue_callback(self._sparse_again)
@@ -233,7 +235,7 @@ class GradientSync:
 
     def _arm(self) -> None:
         """Enable the reducer for the next backward pass iff it completes a step's passes."""
-        self.reducer.enabled = self.passes + 1 >= self.passes_per_step
+        self.reducer.require_backward_grad_sync = self.passes + 1 >= self.passes_per_step
 
     def set_passes_per_step(self, passes: int) -> None:
         """Change ``backward_passes_per_step``; restarts the count."""
