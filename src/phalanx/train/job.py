@@ -46,6 +46,7 @@ from phalanx.train.loop_helpers import (
 from phalanx.train.metrics import MetricsLogger
 from phalanx.train.precision import Precision
 from phalanx.train.profiling import profile
+from phalanx.train.resume_point import ResumePoint
 from phalanx.train.stragglers import StragglerRule
 from phalanx.train.strategies import get_optimizer_hook, get_strategy
 
@@ -187,6 +188,9 @@ class Job(CheckpointMixin, PSMixin, DataMixin, PhaseMixin):
         self._micro = 0
         self._last_batch = False
         self._resumed = False
+        self._resume_point = ResumePoint(accumulates=grad_accum > 1)
+        self.resumed_extra: dict[str, Any] = {}
+        """The keyword values given to the ``save()`` this job resumed from (see :meth:`save`)."""
         self._timer = Timer()
 
     # ---- setup ---------------------------------------------------------------------------------
@@ -287,8 +291,6 @@ class Job(CheckpointMixin, PSMixin, DataMixin, PhaseMixin):
                 batch = to_device(batch, self.world.device)
                 self._mark_batch()
                 yield batch
-                if self.sampler is not None and hasattr(self.sampler, "advance"):
-                    self.sampler.advance(batch_len(batch))
                 self._timer.count(batch_len(batch))
                 self.profiler.step()
         finally:  # evaluation and checkpoints between epochs are no step's phase
@@ -335,6 +337,7 @@ class Job(CheckpointMixin, PSMixin, DataMixin, PhaseMixin):
             raise ValueError("Job.step(): no optimizer given and none passed to setup()")
         # Micro-steps done in this window; back to 0 ends it (so does the epoch's last batch).
         self._micro = 0 if self._last_batch else (self._micro + 1) % self.grad_accum
+        self._resume_point.stepped(pending=self._micro != 0)
         self._arm_sync()
         if self._micro:
             self.phases.enter("data")  # the next micro-batch

@@ -9,6 +9,7 @@ import torch
 from phalanx.comm.group import World
 from phalanx.data.sampler import DistributedSampler
 from phalanx.mesh.groups import ParallelGroups
+from phalanx.train.resume_point import ResumableLoader, ResumePoint
 
 __all__ = ["DataMixin"]
 
@@ -20,6 +21,7 @@ class DataMixin:
     seed: int
     groups: ParallelGroups | None
     sampler: DistributedSampler | None
+    _resume_point: ResumePoint
 
     def _replicas(self) -> tuple[int, int] | None:  # parameter servers override
         return None
@@ -34,7 +36,11 @@ class DataMixin:
         even_batches: bool = True,
         **kwargs: Any,
     ) -> torch.utils.data.DataLoader[Any]:
-        """A DataLoader over this rank's shard (``phalanx.DistributedSampler``)."""
+        """A DataLoader over this rank's shard (``phalanx.DistributedSampler``).
+
+        Its sampler's position advances as batches are handed out (loop over the loader or
+        ``job.progress(loader)``), so :meth:`save` can be called after any step.
+        """
         # Ranks of one replica (its pipeline stages, its tensor shards) read the same samples.
         replicas, replica = self.world.world_size, self.world.rank
         if self.groups is not None:
@@ -52,6 +58,12 @@ class DataMixin:
             even_batches=even_batches,
             batch_size=batch_size,
         )
-        return torch.utils.data.DataLoader(
-            dataset, batch_size=batch_size, sampler=self.sampler, drop_last=drop_last, **kwargs
+        self._resume_point.follow(self.sampler)
+        return ResumableLoader(
+            self._resume_point,
+            dataset,
+            batch_size=batch_size,
+            sampler=self.sampler,
+            drop_last=drop_last,
+            **kwargs,
         )
