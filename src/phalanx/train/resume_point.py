@@ -183,5 +183,9 @@ class ResumableLoader(torch.utils.data.DataLoader[Any]):
                 batch = next(batches)
             except StopIteration:
                 return
-            self.point.fetched(sampler, min(size, sampler.remaining))
+            left = sampler.remaining
+            taken = min(size, left)
+            if self.drop_last and left - taken < size:
+                taken = left  # the loader drops the short rest: this batch ends the epoch
+            self.point.fetched(sampler, taken)
             yield batch

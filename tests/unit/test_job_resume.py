@@ -1,4 +1,5 @@
-"""``job.save(**values)`` comes back as ``job.resumed_extra``; generator snapshots round-trip."""
+"""Job resume in one process: ``save(**values)`` comes back as ``job.resumed_extra``, a loader's
+dropped tail ends the epoch, old checkpoints still resume, generator snapshots round-trip."""
 
 from __future__ import annotations
 
@@ -50,6 +51,26 @@ def test_values_given_to_save_come_back_on_resume(tmp_path: Path) -> None:
         assert job.resumed_extra == values
         assert job.step_count == 1 and job.sampler is not None and job.sampler.position == 4
         assert sum(1 for _ in loader) == 2
+
+
+def test_a_save_after_the_last_batch_before_a_dropped_tail_ends_the_epoch(tmp_path: Path) -> None:
+    # 10 samples, batches of 4, drop_last: the loader drops the last 2, so 2 batches an epoch.
+    data = torch.utils.data.TensorDataset(torch.randn(10, 4), torch.randn(10, 1))
+    for run in range(2):
+        with phalanx.Job(strategy="single", checkpoint_dir=tmp_path) as job:
+            model, _ = job.setup(nn.Linear(4, 1))
+            job.optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            loader = job.loader(data, batch_size=4, drop_last=True, even_batches=False)
+            epochs = iter(job.epochs(3))
+            if run == 1:  # resumed after epoch 0's last batch: epoch 1 begins
+                assert next(epochs) == 1 and len(list(loader)) == 2
+                break
+            next(epochs)
+            for x, y in loader:
+                job.backward(nn.functional.mse_loss(model(x), y))
+                job.step()
+                if job.step_count == 2:
+                    job.save()
 
 
 def test_a_tensor_value_is_refused_naming_its_key(tmp_path: Path) -> None:
