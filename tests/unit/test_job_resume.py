@@ -73,6 +73,22 @@ def test_a_save_after_the_last_batch_before_a_dropped_tail_ends_the_epoch(tmp_pa
                     job.save()
 
 
+def test_the_loss_scale_comes_back(tmp_path: Path) -> None:
+    # fp16 needs CUDA; torch's CPU scaler stands in for its state, which is what is saved.
+    scales = []
+    for run in range(2):
+        job, loader = _job(tmp_path)
+        with job:
+            job.precision.scaler = torch.amp.GradScaler("cpu", init_scale=16.0, growth_interval=1)
+            for _ in job.epochs(1 + run):
+                for x, y in loader:
+                    job.backward(nn.functional.mse_loss(job.model(x), y))  # type: ignore[misc]
+                    job.step()
+                job.save()
+            scales.append(job.precision.scaler.get_scale())
+    assert scales == [16.0 * 2**3, 16.0 * 2**6]  # doubled after each of 3 steps an epoch
+
+
 def test_a_tensor_value_is_refused_naming_its_key(tmp_path: Path) -> None:
     job, _ = _job(tmp_path)
     with job, pytest.raises(TypeError, match=r"Job.save\(...\) key 'stats.mean' holds a tensor"):

@@ -8,6 +8,7 @@ from typing import Any, cast
 from phalanx.checkpoint import structure
 from phalanx.comm.group import World
 from phalanx.sharding.state import Sharded
+from phalanx.train.precision import Precision
 from phalanx.train.resume_point import ResumePoint, SamplerState
 
 __all__ = ["CheckpointMixin"]
@@ -29,12 +30,14 @@ class CheckpointMixin:
     epoch: int
     keep_last: int
     world: World
+    precision: Precision
     _resumed: bool
     _resume_point: ResumePoint
     resumed_extra: dict[str, Any]
 
     def save(self, **extra: Any) -> Any:
-        """Write a checkpoint of the model, optimizer, scheduler, sampler, RNG and step.
+        """Write a checkpoint of the model, optimizer, scheduler, sampler, RNG, step and the
+        fp16 loss scale.
 
         Call it anywhere between steps: after any ``step()``, mid-epoch or after an epoch's
         last batch, with accumulation micro-steps pending or not. A job resumed from it trains
@@ -60,6 +63,9 @@ class CheckpointMixin:
             consolidate(to=0)  # torch's ZeroRedundancyOptimizer gathers to rank 0 first
         model, optimizer = self._checkpointed()
         point = self._resume_point.record(self.epoch)
+        job_state = point.job_state()
+        if self.precision.scaler is not None:  # unchanged by pending micro-steps
+            job_state["scaler"] = self.precision.scaler.state_dict()
         return checkpoint.save(
             self.checkpoint_dir,
             self.step_count,
@@ -67,7 +73,7 @@ class CheckpointMixin:
             optimizer=optimizer,
             scheduler=self.scheduler,
             sampler=None if point.sampler is None else SamplerState(point.sampler),
-            extra={"job": point.job_state(), "values": extra},
+            extra={"job": job_state, "values": extra},
             keep_last=self.keep_last,
             rng_state=point.rng,
         )
@@ -97,6 +103,8 @@ class CheckpointMixin:
         job_state, self.resumed_extra = _split(info.extra)
         where = str(info.path / "manifest.json")
         self.epoch = self._resume_point.resumed(job_state, where)
+        if self.precision.scaler is not None and "scaler" in job_state:
+            self.precision.scaler.load_state_dict(job_state["scaler"])
         if self.world.is_main:
             log.info("resumed from %s (step %d, epoch %d)", info.path, info.step, self.epoch)
         return self.epoch
