@@ -192,8 +192,9 @@ class DistributedSampler(Sampler[int]):
         """Record that ``n_samples`` more samples of this epoch went to the loop.
 
         Call it as each batch is handed out, with the batch's length (``phalanx.Job``'s loader
-        does); :meth:`state_dict` then says where to resume. Reaching ``len(self)`` means the epoch is done; the next ``iter()`` of the same
-        epoch then starts it over (as torch's sampler does) unless :meth:`set_epoch` moves on.
+        does); :meth:`state_dict` then says where to resume. Reaching ``len(self)`` means the
+        epoch is done; the next ``iter()`` of the same epoch then starts it over (as torch's
+        sampler does) unless :meth:`set_epoch` moves on.
         """
         n_samples = check_int("n_samples", n_samples, where="DistributedSampler.advance")
         if n_samples < 0 or self.position + n_samples > self.num_samples:
