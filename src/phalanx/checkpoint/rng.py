@@ -33,7 +33,8 @@ class Snapshot:
 
 
 def snapshot() -> Snapshot:
-    """Copy this process's generator states (a few microseconds: no conversion to JSON)."""
+    """Copy this process's generator states, unconverted (~0.1 ms on a 2-core CPU machine,
+    mostly numpy's)."""
     cuda: tuple[torch.Tensor, ...] = ()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         cuda = tuple(torch.cuda.get_rng_state_all())
