@@ -79,8 +79,8 @@ def _run(strategy: str, ckpt: Path, keep: Path | None) -> dict[str, Any]:
     final = job.save()
     files = json.loads((final / "manifest.json").read_text())["files"]
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
-    out = {"losses": losses, "params": digest.hexdigest(), "files": files,
-           "extra": job.resumed_extra}  # fmt: skip
+    out = {"losses": losses, "params": digest.hexdigest(), "files": files}
+    out["extra"] = job.resumed_extra
     job.close()
     return out
 
