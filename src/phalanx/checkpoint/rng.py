@@ -4,21 +4,56 @@ Each rank draws different random numbers (dropout masks, augmentation), so each 
 own generators. torch's states are byte tensors (they go to the rank's safetensors file);
 Python's and numpy's Mersenne Twister states are lists of integers (JSON).
 CUDA generators are saved only when CUDA is already initialised (saving must not start CUDA).
+
+:func:`snapshot` and :func:`apply` copy the same states without converting them (cheap enough to
+take at every optimizer step: the job's resume point does); :func:`capture` turns a snapshot
+into what a checkpoint stores.
 """
 
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["capture", "restore"]
+__all__ = ["Snapshot", "apply", "capture", "restore", "snapshot"]
 
 
-def _numpy_state() -> dict[str, Any]:
-    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+@dataclass(frozen=True)
+class Snapshot:
+    """This process's generator states as their libraries return them (no conversion)."""
+
+    python: tuple[Any, ...]
+    numpy: tuple[Any, ...]
+    torch_cpu: torch.Tensor
+    torch_cuda: tuple[torch.Tensor, ...]
+
+
+def snapshot() -> Snapshot:
+    """Copy this process's generator states, unconverted (~0.1 ms on a 2-core CPU machine,
+    mostly numpy's)."""
+    cuda: tuple[torch.Tensor, ...] = ()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        cuda = tuple(torch.cuda.get_rng_state_all())
+    numpy = np.random.get_state(legacy=True)
+    assert isinstance(numpy, tuple)  # legacy=True: MT19937's (name, keys, pos, gauss, cached)
+    return Snapshot(random.getstate(), numpy, torch.get_rng_state(), cuda)
+
+
+def apply(state: Snapshot) -> None:
+    """Set this process's generators back to ``state`` (taken by :func:`snapshot` here)."""
+    random.setstate(state.python)
+    np.random.set_state(state.numpy)
+    torch.set_rng_state(state.torch_cpu)
+    for i, cuda in enumerate(state.torch_cuda):
+        torch.cuda.set_rng_state(cuda, i)
+
+
+def _numpy_state(state: tuple[Any, ...]) -> dict[str, Any]:
+    name, keys, pos, has_gauss, cached = state
     return {
         "name": str(name),
         "keys": [int(k) for k in keys],
@@ -28,17 +63,16 @@ def _numpy_state() -> dict[str, Any]:
     }
 
 
-def capture() -> dict[str, Any]:
-    """This process's generator states (plain data and torch's state tensors)."""
-    version, state, gauss = random.getstate()
-    cuda: list[torch.Tensor] = []
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        cuda = list(torch.cuda.get_rng_state_all())
+def capture(state: Snapshot | None = None) -> dict[str, Any]:
+    """``state`` (default: this process's generators now) as plain data and torch's state
+    tensors, as checkpoints store it."""
+    state = snapshot() if state is None else state
+    version, mt, gauss = state.python
     return {
-        "python": {"version": version, "state": list(state), "gauss_next": gauss},
-        "numpy": _numpy_state(),
-        "torch_cpu": torch.get_rng_state(),
-        "torch_cuda": cuda,
+        "python": {"version": version, "state": list(mt), "gauss_next": gauss},
+        "numpy": _numpy_state(state.numpy),
+        "torch_cpu": state.torch_cpu,
+        "torch_cuda": list(state.torch_cuda),
     }
 
 

@@ -182,6 +182,7 @@ def save(
     extra: dict[str, Any] | None = None,
     keep_last: int | None = 3,
     group: Any = None,
+    rng_state: dict[str, Any] | None = None,
 ) -> Path:
     """Write a checkpoint of ``step`` into ``directory``; collective over ``group``.
 
@@ -201,6 +202,8 @@ def save(
             None keeps all.
         group: Process group (None: the default group, or one process without
             torch.distributed). Every rank of it must call ``save``.
+        rng_state: This rank's generator states to record, as ``rng.capture()`` gives them
+            (default: the states now). ``phalanx.Job`` passes those of its resume point.
 
     Returns:
         The committed checkpoint directory.
@@ -219,7 +222,7 @@ def save(
         sampler=sampler,
     )
     extra_tree = _check(step, keep_last, extra)
-    rng_state = rng.capture()
+    rng_state = rng.capture() if rng_state is None else rng_state
     start = time.perf_counter()
     root = Path(directory)
     session = open_session(group)

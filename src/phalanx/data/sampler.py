@@ -35,10 +35,11 @@ default process group, and without one the sampler raises ``ValueError`` as torc
 (it never silently takes the whole dataset on every process).
 
 Resuming: the sampler does not watch its own iterator (a DataLoader prefetches indices ahead of
-the batches the loop has actually consumed). The loop calls :meth:`DistributedSampler.advance`
-with the number of samples of each batch it has *finished*; :meth:`state_dict` records the epoch
-and that position, and after :meth:`load_state_dict` the next ``iter(sampler)`` skips the indices
-already consumed in the epoch.
+the batches the loop has actually consumed). Whoever hands batches to the loop calls
+:meth:`DistributedSampler.advance` with the number of samples of each batch as it hands it out
+(``phalanx.Job``'s loader does, see ``phalanx/train/resume_point.py``); :meth:`state_dict` records
+the epoch and that position, and after :meth:`load_state_dict` the next ``iter(sampler)`` skips
+the indices already consumed in the epoch.
 """
 
 from __future__ import annotations
@@ -188,11 +189,12 @@ class DistributedSampler(Sampler[int]):
         self.epoch = epoch
 
     def advance(self, n_samples: int) -> None:
-        """Record that the loop has finished ``n_samples`` more samples of this epoch.
+        """Record that ``n_samples`` more samples of this epoch went to the loop.
 
-        Call it after each batch with the batch's length; :meth:`state_dict` then says where to
-        resume. Reaching ``len(self)`` means the epoch is done; the next ``iter()`` of the same
-        epoch then starts it over (as torch's sampler does) unless :meth:`set_epoch` moves on.
+        Call it as each batch is handed out, with the batch's length (``phalanx.Job``'s loader
+        does); :meth:`state_dict` then says where to resume. Reaching ``len(self)`` means the
+        epoch is done; the next ``iter()`` of the same epoch then starts it over (as torch's
+        sampler does) unless :meth:`set_epoch` moves on.
         """
         n_samples = check_int("n_samples", n_samples, where="DistributedSampler.advance")
         if n_samples < 0 or self.position + n_samples > self.num_samples:

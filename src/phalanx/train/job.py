@@ -45,6 +45,7 @@ from phalanx.train.metrics import MetricsLogger
 from phalanx.train.phases import PhaseClock
 from phalanx.train.precision import Precision
 from phalanx.train.profiling import profile
+from phalanx.train.resume_point import ResumableLoader, ResumePoint
 from phalanx.train.slowdown import Slowdown
 from phalanx.train.straggler_rule import StragglerFinding, StragglerRule
 from phalanx.train.strategies import JobOptions, Runner, Strategy, resolve
@@ -140,6 +141,9 @@ class Job:
         self._micro = 0
         self._last_batch = False
         self._resumed = False
+        self._resume_point = ResumePoint(accumulates=grad_accum > 1)
+        self.resumed_extra: dict[str, object] = {}
+        """The keyword values given to the ``save()`` this job resumed from (see :meth:`save`)."""
         self._timer = Timer()
 
     # ---- setup ---------------------------------------------------------------------------------
@@ -183,7 +187,11 @@ class Job:
         **kwargs: object,
     ) -> torch.utils.data.DataLoader[object]:
         """A DataLoader over this rank's shard (``phalanx.DistributedSampler``): ranks of one
-        replica read the same samples, replicas different ones."""
+        replica read the same samples, replicas different ones.
+
+        Its sampler's position advances as batches are handed out (loop over the loader or
+        ``job.progress(loader)``), so :meth:`save` can be called after any step.
+        """
         replicas, replica = self.runner.data_shard()
         if "sampler" in kwargs or "batch_sampler" in kwargs:
             raise ValueError("Job.loader() builds its own sampler; drop sampler=/batch_sampler=")
@@ -197,12 +205,14 @@ class Job:
             even_batches=even_batches,
             batch_size=batch_size,
         )
-        return torch.utils.data.DataLoader(
-            dataset,  # type: ignore[arg-type]
+        self._resume_point.follow(self.sampler)
+        return ResumableLoader(
+            self._resume_point,
+            dataset,
             batch_size=batch_size,
             sampler=self.sampler,
             drop_last=drop_last,
-            **kwargs,  # type: ignore[arg-type]
+            **kwargs,
         )
 
     @check_slow_down
@@ -251,8 +261,6 @@ class Job:
                 batch = to_device(batch, self.world.device)
                 self.timing.mark_batch()
                 yield batch
-                if self.sampler is not None:
-                    self.sampler.advance(batch_len(batch))
                 self._timer.count(batch_len(batch))
                 self.profiler.step()
         finally:  # evaluation and checkpoints between epochs are no step's phase
@@ -299,6 +307,7 @@ class Job:
         opt = optimizer or self.optimizer
         # Micro-steps done in this window; back to 0 ends it (so does the epoch's last batch).
         self._micro = 0 if self._last_batch else (self._micro + 1) % self.grad_accum
+        self._resume_point.stepped(pending=self._micro != 0)
         self._arm_sync()
         if self._micro:
             self.timing.enter("data")  # the next micro-batch
@@ -315,7 +324,9 @@ class Job:
 
     # ---- metrics and checkpoints -----------------------------------------------------------------
     def save(self, **extra: object) -> Path:
-        """Write a checkpoint of the model, optimizer, scheduler, sampler, RNG and step."""
+        """Write a checkpoint of the model, optimizer, scheduler, sampler, RNG, step and fp16
+        loss scale; call it after any ``step()``, mid-epoch or not. ``extra`` (JSON-able
+        values) comes back in :attr:`resumed_extra` on resume (``train/job_checkpoint.py``)."""
         return job_checkpoint.save(self, **extra)
 
     def resume(self) -> int:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from phalanx.checkpoint import structure
+from phalanx.train.resume_point import SamplerState
 
 if TYPE_CHECKING:  # the job calls these with itself; no import at run time
     from phalanx.train.job import Job
@@ -15,26 +18,47 @@ log = logging.getLogger(__name__)
 
 
 def save(job: Job, **extra: object) -> Path:
-    """Write a checkpoint of the model, optimizer, scheduler, sampler, RNG and step."""
+    """Write a checkpoint of the model, optimizer, scheduler, sampler, RNG, step and the
+    fp16 loss scale.
+
+    Call it anywhere between steps: after any ``step()``, mid-epoch or after an epoch's last
+    batch, with accumulation micro-steps pending or not. A job resumed from it trains on
+    bit-identically to the run that saved it (see :mod:`phalanx.train.resume_point`; with
+    micro-steps pending it redoes them). ``extra`` values (JSON-able: numbers, strings, lists,
+    dicts) come back in ``resumed_extra`` of the job that resumes.
+
+    Returns:
+        The committed checkpoint directory.
+    """
     if job.checkpoint_dir is None:
         raise ValueError("Job.save() needs Job(checkpoint_dir=...)")
+    structure.flatten(extra, "Job.save(...)", allow_tensors=False)  # names a bad value
     from phalanx import checkpoint
 
     model, optimizer = job.runner.checkpointed(saving=True)
+    point = job._resume_point.record(job.epoch)
+    job_state = point.job_state()
+    if job.precision.scaler is not None:  # unchanged by pending micro-steps
+        job_state["scaler"] = job.precision.scaler.state_dict()
     return checkpoint.save(
         job.checkpoint_dir,
         job.step_count,
         model=model,
         optimizer=optimizer,
         scheduler=job.scheduler,
-        sampler=job.sampler,
-        extra={"epoch": job.epoch, "epoch_done": _epoch_done(job), **extra},
+        sampler=None if point.sampler is None else SamplerState(point.sampler),
+        extra={"job": job_state, "values": extra},
         keep_last=job.keep_last,
+        rng_state=point.rng,
     )
 
 
 def resume(job: Job) -> int:
-    """Load the newest committed checkpoint (if any); return the epoch to start from."""
+    """Load the newest committed checkpoint (if any); return the epoch to start from.
+
+    Afterwards ``job.resumed_extra`` holds the keyword values given to the ``save()`` that
+    wrote the checkpoint (``{}`` when there was none).
+    """
     job._resumed = True
     if job.checkpoint_dir is None:
         return 0
@@ -51,13 +75,20 @@ def resume(job: Job) -> int:
     if info is None:
         return 0
     job.step_count = info.step
-    job.epoch = int(info.extra["epoch"]) + (1 if info.extra.get("epoch_done") else 0)
+    job_state, values = _split(info.extra)
+    job.resumed_extra = dict(values)
+    job.epoch = job._resume_point.resumed(job_state, str(info.path / "manifest.json"))
+    if job.precision.scaler is not None and "scaler" in job_state:
+        job.precision.scaler.load_state_dict(job_state["scaler"])
     if job.world.is_main:
         log.info("resumed from %s (step %d, epoch %d)", info.path, info.step, job.epoch)
     return job.epoch
 
 
-def _epoch_done(job: Job) -> bool:
-    # Without a resumable position the epoch can only be redone whole: count it as done.
-    sampler = job.sampler
-    return sampler is None or sampler.position >= len(sampler)
+def _split(extra: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The job's own fields and the user's values of a checkpoint's ``extra``."""
+    if "job" in extra and "values" in extra:
+        return extra["job"], extra["values"]
+    # Written before the two were kept apart: the job's fields beside the user's values.
+    job: dict[str, Any] = {k: extra[k] for k in ("epoch", "epoch_done") if k in extra}
+    return job, {k: v for k, v in extra.items() if k not in job}

@@ -1,0 +1,192 @@
+"""Where a resumed job picks up: the moment of its last optimizer step, recorded whole.
+
+A checkpoint holds the model and optimizer as the last optimizer step left them, so everything
+else it records must describe that same moment, or the resumed run trains a batch twice, skips
+one, or draws other dropout masks:
+
+- **The sampler position** counts the samples whose gradients are in the weights. It advances
+  when the job's loader hands a batch to the loop (:class:`ResumableLoader`), so a ``save()``
+  after ``step()`` counts the batch just trained, and one after the last batch ends the epoch,
+  whether the loop runs through ``job.progress(loader)`` or over ``loader`` itself.
+- **Pending micro-steps** (``step()`` returned False) are not in the checkpoint (accumulated
+  gradients are not saved): the resume point is then the start of the open accumulation window,
+  whose position and generator states were snapshotted before its first micro-batch was
+  fetched, and the resumed run redoes those micro-batches with the same dropout.
+- **The random generators** go back where the saving run had them for its next batch. A save
+  taken inside an epoch replays them when the resumed loader fetches its first batch: after the
+  new DataLoader iterator drew its worker seed from torch's generator (the saving run's iterator
+  drew its seed before the save), before the fetch (in-process augmentation) and the forward
+  (dropout). A save between epochs restores them at once, before the next epoch's iterator.
+
+Not restored: random draws inside DataLoader worker processes (their seeds come from the
+iterator, which a mid-epoch resume creates anew), and anything random the loop does between
+``save()`` and its next batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from phalanx.checkpoint import rng
+from phalanx.data.sampler import DistributedSampler
+
+__all__ = ["Record", "ResumableLoader", "ResumePoint", "SamplerState"]
+
+REPLAY_AT_BATCH, REPLAY_NOW = "next-batch", "now"
+"""When a resumed job restores the saved generator states (the ``rng_at`` of a record)."""
+
+
+@dataclass(frozen=True)
+class _Mark:
+    """The sampler and generators before the first micro-batch of an accumulation window."""
+
+    sampler: dict[str, Any]
+    generators: rng.Snapshot
+
+
+@dataclass(frozen=True)
+class Record:
+    """What ``Job.save()`` writes besides the model, optimizer and scheduler."""
+
+    epoch: int
+    """The epoch the resume point lies in."""
+    epoch_done: bool
+    """Every sample of that epoch is trained: a resumed job starts the next one."""
+    sampler: dict[str, Any] | None
+    """The sampler's ``state_dict()`` at the resume point (None without ``job.loader``)."""
+    rng: dict[str, Any]
+    """This rank's generator states at the resume point (``rng.capture()``'s form)."""
+    rng_at: str
+    """:data:`REPLAY_AT_BATCH` or :data:`REPLAY_NOW`."""
+
+    def job_state(self) -> dict[str, Any]:
+        """The JSON-able fields a resumed job reads back (see :meth:`ResumePoint.resumed`)."""
+        return {"epoch": self.epoch, "epoch_done": self.epoch_done, "rng_at": self.rng_at}
+
+
+class SamplerState:
+    """A saved sampler state standing in for the sampler in ``checkpoint.save(sampler=...)``."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self._state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._state
+
+
+class ResumePoint:
+    """Follows the job's loader and optimizer steps; records and restores the resume point.
+
+    Args:
+        accumulates: The job accumulates gradients over micro-steps (``grad_accum > 1``);
+            only then are windows snapshotted (one generator snapshot per optimizer step,
+            ~0.1 ms).
+    """
+
+    def __init__(self, accumulates: bool) -> None:
+        self.accumulates = accumulates
+        self.sampler: DistributedSampler | None = None
+        """The sampler of the job's loader, whose position the checkpoint records."""
+        self._pending = False
+        self._window: _Mark | None = None
+        self._started_epoch: int | None = None
+        self._replay: rng.Snapshot | None = None
+
+    def follow(self, sampler: DistributedSampler) -> None:
+        """``job.loader()`` made ``sampler`` the job's: its position is the one saved."""
+        self.sampler = sampler
+        self._started_epoch, self._window = None, None
+
+    # ---- events of the loop ----------------------------------------------------------------
+    def started(self, sampler: DistributedSampler) -> None:
+        """A loader iterator over ``sampler``'s epoch exists (it drew its seed)."""
+        if sampler is self.sampler:
+            self._started_epoch = sampler.epoch
+
+    def fetching(self, sampler: DistributedSampler) -> None:
+        """The loader is about to fetch a batch: replay the generators after a mid-epoch
+        resume; snapshot the start of an accumulation window."""
+        if sampler is not self.sampler:
+            return
+        if self._replay is not None:
+            rng.apply(self._replay)
+            self._replay = None
+        if self.accumulates and not self._pending:
+            self._window = _Mark(sampler.state_dict(), rng.snapshot())
+
+    def fetched(self, sampler: DistributedSampler, n_samples: int) -> None:
+        """The loader hands a batch of ``n_samples`` to the loop."""
+        if sampler is self.sampler:
+            sampler.advance(n_samples)
+
+    def stepped(self, pending: bool) -> None:
+        """``job.step()`` returned; ``pending``: micro-steps wait for the next optimizer step."""
+        self._pending = pending
+
+    # ---- save and resume -------------------------------------------------------------------
+    def record(self, epoch: int) -> Record:
+        """The resume point now; ``epoch`` is the job's (used when it has no loader)."""
+        sampler = self.sampler
+        if sampler is None:  # no position: the epoch can only be redone whole, count it done
+            return Record(epoch, True, None, rng.capture(), REPLAY_NOW)
+        if self._pending and self._window is not None:
+            state, snap, iterating = self._window.sampler, self._window.generators, True
+        else:
+            state, snap = sampler.state_dict(), rng.snapshot()
+            iterating = self._started_epoch == sampler.epoch
+        done = state["position"] >= state["num_samples"]
+        rng_at = REPLAY_AT_BATCH if iterating and not done else REPLAY_NOW
+        return Record(int(state["epoch"]), done, state, rng.capture(snap), rng_at)
+
+    def resumed(self, state: dict[str, Any], where: str) -> int:
+        """A checkpoint was loaded (generators restored); return the epoch to start from.
+
+        ``state`` is :meth:`Record.job_state` as saved. After a mid-epoch save the restored
+        generators are set aside and replayed when the loader fetches its first batch.
+
+        Raises:
+            ValueError: naming ``where`` when ``state`` is malformed.
+        """
+        try:
+            epoch, done = int(state["epoch"]), bool(state.get("epoch_done", False))
+            rng_at = state.get("rng_at", REPLAY_NOW)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{where}: malformed job state {state!r} ({exc!r})") from None
+        self._pending, self._window, self._started_epoch = False, None, None
+        self._replay = rng.snapshot() if rng_at == REPLAY_AT_BATCH else None
+        return epoch + 1 if done else epoch
+
+
+class ResumableLoader(torch.utils.data.DataLoader[Any]):
+    """``job.loader()``'s DataLoader: tells its :class:`ResumePoint` about each batch it hands
+    out (iterating it directly or through ``job.progress`` is the same)."""
+
+    def __init__(self, point: ResumePoint, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.point = point
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # a generator, not torch's
+        batches = super().__iter__()  # draws the workers' base seed from torch's generator
+        sampler = self.sampler
+        assert isinstance(sampler, DistributedSampler)
+        self.point.started(sampler)
+        return self._hand_out(batches, sampler)
+
+    def _hand_out(self, batches: Iterator[Any], sampler: DistributedSampler) -> Iterator[Any]:
+        size = self.batch_size or 1
+        while True:
+            self.point.fetching(sampler)
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            left = sampler.remaining
+            taken = min(size, left)
+            if self.drop_last and left - taken < size:
+                taken = left  # the loader drops the short rest: this batch ends the epoch
+            self.point.fetched(sampler, taken)
+            yield batch
