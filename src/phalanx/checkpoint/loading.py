@@ -28,7 +28,7 @@ from phalanx.checkpoint.manifest import (
     verify_files,
 )
 from phalanx.checkpoint.rng import restore as restore_rng
-from phalanx.checkpoint.saving import rank_section_name
+from phalanx.checkpoint.saving import OBJECTS, rank_section_name
 from phalanx.checkpoint.sections import load_into, load_model, read_section, unwrap
 from phalanx.checkpoint.sharded import as_sharded, is_sharded_in, read_sharded
 from phalanx.checkpoint.sync import Session, open_session
@@ -105,6 +105,7 @@ class _Targets:
     optimizer: Any
     scheduler: Any
     sampler: Any
+    objects: dict[str, Any]
     rng: bool
     strict: bool
 
@@ -142,6 +143,21 @@ def _load_optimizer(
         load_into(sharded if sharded is not None else opt, sd, "optimizer", where)
 
 
+def _load_objects(ckpt: Path, manifest: Manifest, objects: dict[str, Any], strict: bool) -> None:
+    state = _section(ckpt, manifest, OBJECTS, strict)
+    if state is None:
+        return
+    where = str(ckpt / f"{OBJECTS}.json")
+    for name, obj in objects.items():
+        if name in state:
+            load_into(obj, state[name], f"object {name!r}", where)
+            continue
+        message = f"{where} holds no object {name!r} (it holds: {', '.join(state) or 'none'})"
+        if strict:
+            raise CheckpointError(f"{message}; pass strict=False to load the rest")
+        warnings.warn(f"{message}; not restored (strict=False)", stacklevel=5)
+
+
 def _restore(ckpt: Path, session: Session, to: _Targets) -> CheckpointInfo:
     manifest = read_manifest(ckpt)
     notes: list[str] = []
@@ -152,6 +168,8 @@ def _restore(ckpt: Path, session: Session, to: _Targets) -> CheckpointInfo:
         _load_optimizer(ckpt, manifest, to.model, to.optimizer, sharded_opt, to.strict)
     if to.scheduler is not None and (sd := _section(ckpt, manifest, "scheduler", to.strict)):
         load_into(to.scheduler, sd, "scheduler", str(ckpt / "scheduler.json"))
+    if to.objects:
+        _load_objects(ckpt, manifest, to.objects, to.strict)
     own = _rank_state(ckpt, manifest, session, notes)
     if to.sampler is not None:
         if own["sampler"] is None:
@@ -199,6 +217,7 @@ def load(
     path: str | os.PathLike[str] | None = None,
     rng: bool = True,
     group: Any = None,
+    objects: dict[str, Any] | None = None,
 ) -> CheckpointInfo | None:
     """Restore the newest committed checkpoint of ``directory``; collective over ``group``.
 
@@ -214,6 +233,7 @@ def load(
             the newest one.
         rng: Restore this rank's torch / CUDA / numpy / Python random generators.
         group: Process group (every rank of it must call ``load``).
+        objects: Name -> object with ``load_state_dict``, as given to ``save(objects=...)``.
 
     Returns:
         What was loaded, or None when ``directory`` holds no committed checkpoint yet.
@@ -232,11 +252,12 @@ def load(
         optimizer=optimizer,
         scheduler=scheduler,
         sampler=sampler,
+        **{f"objects[{name!r}]": obj for name, obj in (objects or {}).items()},
     )
     strict, rng = check_bool("strict", strict, where="load"), check_bool("rng", rng, where="load")
     if path is not None:
         check_path("path", path, where="load")
-    targets = _Targets(model, optimizer, scheduler, sampler, rng, strict)
+    targets = _Targets(model, optimizer, scheduler, sampler, objects or {}, rng, strict)
     session = open_session(group)
     try:
         chosen = session.share("chosen", partial(_resolve, directory, path))

@@ -33,7 +33,10 @@ from phalanx.checkpoint.sections import Section, parallel, unwrap
 from phalanx.checkpoint.sharded import as_sharded, shard_section
 from phalanx.checkpoint.sync import Session, open_session
 
-__all__ = ["rank_section_name", "save"]
+__all__ = ["OBJECTS", "rank_section_name", "save"]
+
+OBJECTS = "objects"
+"""The section of the named objects given to ``save(objects=...)``."""
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +54,7 @@ class _Request:
     model: nn.Module | None
     optimizer: Any
     scheduler: Any
+    objects: dict[str, Any]
     extra: Any
     keep_last: int | None
 
@@ -86,6 +90,9 @@ def _replicated(req: _Request) -> list[Section]:
         sections.append(Section.of("optimizer", req.optimizer.state_dict(), "optimizer state"))
     if req.scheduler is not None:
         sections.append(Section.of("scheduler", req.scheduler.state_dict(), "scheduler state"))
+    if req.objects:
+        state = {name: obj.state_dict() for name, obj in req.objects.items()}
+        sections.append(Section.of(OBJECTS, state, "objects state"))
     return sections
 
 
@@ -183,6 +190,7 @@ def save(
     keep_last: int | None = 3,
     group: Any = None,
     rng_state: dict[str, Any] | None = None,
+    objects: dict[str, Any] | None = None,
 ) -> Path:
     """Write a checkpoint of ``step`` into ``directory``; collective over ``group``.
 
@@ -204,6 +212,8 @@ def save(
             torch.distributed). Every rank of it must call ``save``.
         rng_state: This rank's generator states to record, as ``rng.capture()`` gives them
             (default: the states now). ``phalanx.Job`` passes those of its resume point.
+        objects: Name -> anything with ``state_dict()`` (tensors and JSON-able values), saved
+            once (rank 0's) in the ``objects`` section; ``load(objects=...)`` restores them.
 
     Returns:
         The committed checkpoint directory.
@@ -220,6 +230,7 @@ def save(
         optimizer=optimizer,
         scheduler=scheduler,
         sampler=sampler,
+        **{f"objects[{name!r}]": obj for name, obj in (objects or {}).items()},
     )
     extra_tree = _check(step, keep_last, extra)
     rng_state = rng.capture() if rng_state is None else rng_state
@@ -235,7 +246,7 @@ def save(
         )
         if session.rank != 0:
             return _peer(session, own)
-        req = _Request(step, model, optimizer, scheduler, extra_tree, keep_last)
+        req = _Request(step, model, optimizer, scheduler, objects or {}, extra_tree, keep_last)
         path = _rank0(session, tmp, req, own)
         log.info("saved checkpoint %s in %.2f s", path, time.perf_counter() - start)
         return path

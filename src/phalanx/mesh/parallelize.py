@@ -149,11 +149,11 @@ class ParallelModel(nn.Module):
         loss.backward()
         return loss.detach()
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the whole model's gradient norm (summed over stages and tensor shards)."""
         from phalanx.mesh.clip import clip_grad_norm_
 
-        return clip_grad_norm_(self.module, max_norm, self.groups)
+        return clip_grad_norm_(self.module, max_norm, self.groups, norm_type)
 
     @property
     def require_backward_grad_sync(self) -> bool:

@@ -1,11 +1,13 @@
 """``phalanx.Job``: a whole distributed training job in a few calls.
 
     job = phalanx.Job(phalanx.DDP(), precision="bf16", grad_accum=4, checkpoint_dir="ckpt")
-    model, optimizer = job.setup(model, optimizer)
+    model, optimizer = job.setup(model, optimizer, scheduler)  # stepped with the optimizer
     loader = job.loader(dataset, batch_size=64, shuffle=True)
+    job.track("stats", stats)                     # any state_dict() object, checkpointed
     for epoch in job.epochs(10):                  # resumes from the newest checkpoint
         for x, y in job.progress(loader):         # tqdm on rank 0
             job.backward(loss_fn(model(x), y))    # syncs only on the last micro-step
+            job.clip_grad_norm_(1.0)              # unscaled, over every rank's shard
             job.step(optimizer)
         job.log(loss=...)                         # averaged over ranks
         job.save()
@@ -31,7 +33,7 @@ from phalanx.data.sampler import DistributedSampler
 from phalanx.mesh.groups import ParallelGroups
 from phalanx.parameter_server import ServerReport
 from phalanx.train import job_checkpoint
-from phalanx.train.job_args import check_epochs, check_job_args, check_slow_down
+from phalanx.train.job_args import check_clip, check_epochs, check_job_args, check_slow_down
 from phalanx.train.job_phases import JobPhases
 from phalanx.train.loop_helpers import (
     Timer,
@@ -41,6 +43,7 @@ from phalanx.train.loop_helpers import (
     seed_everything,
     to_device,
 )
+from phalanx.train.lr_schedule import check_schedule
 from phalanx.train.metrics import MetricsLogger
 from phalanx.train.phases import PhaseClock
 from phalanx.train.precision import Precision
@@ -49,7 +52,7 @@ from phalanx.train.resume_point import ResumableLoader, ResumePoint
 from phalanx.train.slowdown import Slowdown
 from phalanx.train.straggler_rule import StragglerFinding, StragglerRule
 from phalanx.train.strategies import JobOptions, Runner, Strategy, resolve
-from phalanx.train.strategies.base import LossFn, Scheduler
+from phalanx.train.strategies.base import LossFn, Scheduler, Stateful
 from phalanx.train.strategies.mesh import MeshRunner
 from phalanx.train.strategies.ps import PSRunner
 
@@ -132,6 +135,10 @@ class Job:
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Scheduler | None = None
+        self.schedule = "step"
+        """When the job steps :attr:`scheduler`: "step", "epoch" or "manual" (see ``setup``)."""
+        self.tracked: dict[str, Stateful] = {}
+        """Objects checkpointed by name with every save (:meth:`track`)."""
         self.sampler: DistributedSampler | None = None
         self.slowdown: Slowdown | None = None
         """An injected straggler (:meth:`slow_down`), for experiments."""
@@ -154,6 +161,7 @@ class Job:
         scheduler: Scheduler | None = None,
         *,
         loss_fn: LossFn | None = None,
+        schedule: str = "step",
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         """Move ``model`` to this rank's device, wrap it with the strategy, keep the optimizer.
 
@@ -167,7 +175,14 @@ class Job:
         ``phalanx.Mesh`` needs it (the last pipeline stage computes the loss), except for a
         :class:`phalanx.models.GPT`, whose default is the vocabulary-parallel cross-entropy
         over ``job.groups.tp``.
+
+        ``schedule`` says when the job steps ``scheduler`` (see :mod:`phalanx.train.lr_schedule`):
+        "step" after each optimizer step (Accelerate's way; parameter servers step it on the
+        servers), "epoch" at the end of each epoch, "manual" never (call ``scheduler.step()``
+        yourself; ``ReduceLROnPlateau`` needs this, for ``scheduler.step(val_loss)``). It is
+        checkpointed and resumed whichever it is.
         """
+        self.schedule = check_schedule(schedule, scheduler, self.runner)
         model.to(self.world.device)
         made = self.runner.setup(model, optimizer, scheduler, loss_fn, self.precision)
         self.model, self.optimizer, self.scheduler = made.model, made.stepped, made.scheduler
@@ -237,6 +252,8 @@ class Job:
             if self.sampler is not None:
                 self.sampler.set_epoch(epoch)
             yield epoch
+            if self.schedule == "epoch" and self.scheduler is not None:
+                self.scheduler.step()
             if self.runner.finished():
                 break
         self.runner.finish()
@@ -298,8 +315,37 @@ class Job:
         self.precision.backward(loss / self.grad_accum if self.grad_accum > 1 else loss)
         self.timing.enter("optimizer")
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients by the whole model's norm, as ``torch.nn.utils.clip_grad_norm_``
+        on one process would; return that norm (a tensor). Call it between the last
+        ``backward`` of a step and ``step()``.
+
+        In fp16 the gradients are unscaled first (the scaler's ``unscale_``, once per step:
+        ``step()`` then does not unscale again). The norm spans every rank's part where
+        parameters are split: ZeRO-1/2's optimizer ranges, ZeRO-3's flat shards, a mesh's
+        pipeline stages and tensor shards (collective there: every rank calls it). On a
+        micro-step whose gradients are still accumulating (``grad_accum``) nothing is clipped
+        and NaN is returned: clip on the step where ``step()`` will return True.
+
+        Raises:
+            ValueError: a parameter-server strategy (the servers apply each worker's own
+                gradient), no model set up, or a bad ``max_norm`` / ``norm_type``.
+        """
+        max_norm, norm_type = check_clip(max_norm, norm_type)
+        if self.model is None:
+            raise ValueError("Job.clip_grad_norm_() needs Job.setup(model, ...) first")
+        if not (self._micro + 1 >= self.grad_accum or self._last_batch):
+            return torch.tensor(float("nan"))
+        scaler = self.precision.scaler
+        if scaler is not None:
+            if self.optimizer is None:
+                raise ValueError("Job.clip_grad_norm_() in fp16 needs the optimizer in setup()")
+            scaler.unscale_(self.optimizer)
+        return self.runner.clip_grad_norm_(max_norm, norm_type)
+
     def step(self, optimizer: torch.optim.Optimizer | None = None) -> bool:
-        """Step the optimizer (and scheduler) at the end of an accumulation window.
+        """Step the optimizer (and with ``schedule="step"`` the scheduler) at the end of an
+        accumulation window.
 
         Returns:
             True when the optimizer stepped.
@@ -316,17 +362,35 @@ class Job:
         if self.slowdown is not None:
             self.slowdown.end(self.step_count)
         # Parameter servers step the optimizer (and the scheduler) on the servers.
-        if self.runner.step(opt, self.precision) and self.scheduler is not None:
+        stepped_here = self.runner.step(opt, self.precision)
+        if stepped_here and self.schedule == "step" and self.scheduler is not None:
             self.scheduler.step()
         self.step_count += 1
         self.timing.end_step(self.step_count, self.metrics)
         return True
 
     # ---- metrics and checkpoints -----------------------------------------------------------------
+    def track(self, name: str, obj: Stateful) -> Stateful:
+        """Checkpoint ``obj`` under ``name`` with every :meth:`save`; load it when the job
+        resumes. Returns ``obj``.
+
+        ``obj`` is anything with ``state_dict()`` / ``load_state_dict()`` (torch's ``Stateful``
+        protocol: a metric, an EMA of the weights, a data-loader state, a counter...) whose
+        state is tensors and JSON-able values (nothing is pickled); rank 0's is saved and every
+        rank loads it. Call it before ``job.epochs()``, which resumes.
+
+        Raises:
+            TypeError: ``name`` is not a string, or ``obj`` lacks the two methods.
+            ValueError: ``name`` is empty or tracked already, or the job has resumed already.
+        """
+        job_checkpoint.track(self, name, obj)
+        return obj
+
     def save(self, **extra: object) -> Path:
-        """Write a checkpoint of the model, optimizer, scheduler, sampler, RNG, step and fp16
-        loss scale; call it after any ``step()``, mid-epoch or not. ``extra`` (JSON-able
-        values) comes back in :attr:`resumed_extra` on resume (``train/job_checkpoint.py``)."""
+        """Write a checkpoint of the model, optimizer, scheduler, tracked objects, sampler,
+        RNG, step and fp16 loss scale; call it after any ``step()``, mid-epoch or not.
+        ``extra`` (JSON-able values) comes back in :attr:`resumed_extra` on resume
+        (``train/job_checkpoint.py``)."""
         return job_checkpoint.save(self, **extra)
 
     def resume(self) -> int:

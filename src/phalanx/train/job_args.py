@@ -23,7 +23,7 @@ from phalanx._check import (
 from phalanx.comm.group import BACKENDS
 from phalanx.train.precision import PRECISIONS
 
-__all__ = ["check_epochs", "check_job_args", "check_slow_down"]
+__all__ = ["check_clip", "check_epochs", "check_job_args", "check_slow_down"]
 
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed accepts
 
@@ -80,3 +80,13 @@ check_job_args = checked(
 def check_epochs(n: object) -> int:
     """``Job.epochs(n)``'s argument: the number of epochs, an int >= 0."""
     return check_int("n", n, min=0, where="Job.epochs")
+
+
+def check_clip(max_norm: object, norm_type: object) -> tuple[float, float]:
+    """``Job.clip_grad_norm_``'s arguments: ``max_norm`` > 0, ``norm_type`` > 0 or inf."""
+    where = "Job.clip_grad_norm_"
+    max_norm = check_float("max_norm", max_norm, above=0, where=where)
+    if norm_type == float("inf"):
+        return max_norm, float("inf")
+    fix = "e.g. 2.0, 1.0 or float('inf')"
+    return max_norm, check_float("norm_type", norm_type, above=0, where=where, fix=fix)

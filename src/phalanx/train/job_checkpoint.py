@@ -1,4 +1,9 @@
-"""``Job.save`` and ``Job.resume``: what a job checkpoints and how it picks up again."""
+"""``Job.save``, ``Job.resume`` and ``Job.track``: what a job checkpoints and how it picks up.
+
+Tracked objects follow Fabric's ``save(path, state)`` in naming each object (a name, not a
+position as Accelerate's ``register_for_checkpointing`` has, so adding one does not shift the
+others) and torch's ``Stateful`` protocol in what an object offers.
+"""
 
 from __future__ import annotations
 
@@ -6,20 +11,48 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from torch.distributed.checkpoint.stateful import Stateful
+
+from phalanx._check import check_str, fail
 from phalanx.checkpoint import structure
 from phalanx.train.resume_point import SamplerState
 
 if TYPE_CHECKING:  # the job calls these with itself; no import at run time
     from phalanx.train.job import Job
 
-__all__ = ["resume", "save"]
+__all__ = ["resume", "save", "track"]
 
 log = logging.getLogger(__name__)
 
 
+def track(job: Job, name: object, obj: object) -> None:
+    """Add ``obj`` to ``job.tracked`` under ``name`` (see :meth:`phalanx.Job.track`)."""
+    where = "Job.track"
+    name = check_str("name", name, where=where)
+    if not name:
+        raise ValueError("Job.track(name=''): name must be a non-empty string")
+    if not isinstance(obj, Stateful):  # torch's runtime-checkable protocol
+        what = "an object with state_dict() and load_state_dict()"
+        raise fail("obj", obj, what, where=f"{where}({name!r}, ...)", error=TypeError)
+    if name in job.tracked:
+        raise ValueError(f"Job.track({name!r}, ...): {name!r} is tracked already")
+    if job._resumed:
+        raise ValueError(
+            f"Job.track({name!r}, ...) after the job resumed (job.epochs() started): track "
+            f"objects before the loop, so that resuming restores them"
+        )
+    job.tracked[name] = obj
+
+
+def _check_tracked(job: Job) -> None:
+    """Every tracked object's state is storable, checked on every rank before any writes."""
+    for name, obj in job.tracked.items():
+        structure.flatten(obj.state_dict(), f"Job.track({name!r}) state")
+
+
 def save(job: Job, **extra: object) -> Path:
-    """Write a checkpoint of the model, optimizer, scheduler, sampler, RNG, step and the
-    fp16 loss scale.
+    """Write a checkpoint of the model, optimizer, scheduler, tracked objects, sampler, RNG,
+    step and the fp16 loss scale.
 
     Call it anywhere between steps: after any ``step()``, mid-epoch or after an epoch's last
     batch, with accumulation micro-steps pending or not. A job resumed from it trains on
@@ -33,6 +66,7 @@ def save(job: Job, **extra: object) -> Path:
     if job.checkpoint_dir is None:
         raise ValueError("Job.save() needs Job(checkpoint_dir=...)")
     structure.flatten(extra, "Job.save(...)", allow_tensors=False)  # names a bad value
+    _check_tracked(job)
     from phalanx import checkpoint
 
     model, optimizer = job.runner.checkpointed(saving=True)
@@ -50,6 +84,7 @@ def save(job: Job, **extra: object) -> Path:
         extra={"job": job_state, "values": extra},
         keep_last=job.keep_last,
         rng_state=point.rng,
+        objects=job.tracked,
     )
 
 
@@ -71,6 +106,7 @@ def resume(job: Job) -> int:
         optimizer=optimizer,
         scheduler=job.scheduler,
         sampler=job.sampler,
+        objects=job.tracked,
     )
     if info is None:
         return 0
@@ -78,6 +114,9 @@ def resume(job: Job) -> int:
     job_state, values = _split(info.extra)
     job.resumed_extra = dict(values)
     job.epoch = job._resume_point.resumed(job_state, str(info.path / "manifest.json"))
+    if job.schedule == "epoch" and job.scheduler is not None and job_state.get("epoch_done"):
+        # Saved at the end of an epoch's loop body, before the epoch's scheduler step.
+        job.scheduler.step()
     if job.precision.scaler is not None and "scaler" in job_state:
         job.precision.scaler.load_state_dict(job_state["scaler"])
     if job.world.is_main:

@@ -25,6 +25,7 @@ from typing import ClassVar, Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.stateful import Stateful as _Stateful
 from torch.optim.lr_scheduler import LRScheduler
 
 from phalanx._check import Rule
@@ -38,6 +39,7 @@ __all__ = [
     "Prepared",
     "Runner",
     "Scheduler",
+    "Stateful",
     "Strategy",
     "SyncOwner",
     "check_fields",
@@ -48,6 +50,10 @@ LossFn = Callable[..., torch.Tensor]
 
 Scheduler = LRScheduler
 """A learning-rate scheduler (``ReduceLROnPlateau`` included: it is one in torch >= 2.2)."""
+
+
+Stateful = _Stateful
+"""Anything with ``state_dict()`` / ``load_state_dict()`` (torch's checkpointing protocol)."""
 
 
 class SyncOwner(Protocol):
@@ -128,6 +134,20 @@ class Strategy:
         """Install communication-wait timing on torch's own objects; False if it cannot."""
         return self.comm_measured
 
+    def clip_grad_norm_(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        max_norm: float,
+        norm_type: float,
+    ) -> torch.Tensor:
+        """Clip the gradients by the whole model's norm; return that norm (as torch's).
+
+        The default suits strategies whose every rank holds whole, synchronised gradients
+        (DDP after its backward, one process, Hogwild's own); sharding strategies override it.
+        """
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
+
 
 class Runner:
     """One job's strategy at work: the protocol :class:`phalanx.Job` calls.
@@ -207,6 +227,16 @@ class Runner:
         precision.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
         return True
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float) -> torch.Tensor:
+        """Clip the (unscaled, synchronised) gradients by the whole model's ``norm_type``-norm,
+        over every rank's part of it; return that norm. Collective where parameters are split."""
+        assert self.model is not None
+        return self.strategy.clip_grad_norm_(self.model, self.optimizer, max_norm, norm_type)
+
+    def check_schedule(self, schedule: str) -> None:
+        """Refuse a learning-rate ``schedule`` ("step", "epoch", "manual") this strategy
+        cannot honour (``ValueError`` naming both)."""
 
     def checkpointed(self, saving: bool) -> tuple[nn.Module | None, torch.optim.Optimizer | None]:
         """The model and optimizer as checkpoints see them (``saving``: about to be saved)."""

@@ -221,6 +221,11 @@ class MeshRunner(Runner):
             return super().forward_backward(inputs, targets, loss_fn, backward)
         return self.parallel.train_step(inputs, targets)  # the whole schedule, every stage
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float) -> torch.Tensor:
+        """Over the whole model: summed over stages and tensor shards (``mesh/clip.py``)."""
+        assert self.parallel is not None
+        return self.parallel.clip_grad_norm_(max_norm, norm_type)
+
     def checkpointed(self, saving: bool) -> tuple[nn.Module | None, torch.optim.Optimizer | None]:
         """Per-rank pieces keyed by the unsplit model's names (``mesh/checkpoint.py``)."""
         assert self.parallel is not None

@@ -194,6 +194,22 @@ class PSRunner(Runner):
         self.model.zero_grad(set_to_none=True)
         return False
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float) -> torch.Tensor:
+        raise ValueError(
+            f"Job.clip_grad_norm_() with strategy PS(mode={self.options.mode!r}): workers push "
+            f"their own gradients and the servers apply them, so there is no whole gradient to "
+            f"clip (clipping on the servers is not supported); drop the clip or use "
+            f"phalanx.DDP() / phalanx.Zero()"
+        )
+
+    def check_schedule(self, schedule: str) -> None:
+        if schedule != "step":
+            raise ValueError(
+                f"Job.setup(schedule={schedule!r}) with strategy PS(mode={self.options.mode!r}): "
+                f"the servers step the scheduler after each of their optimizer steps; use "
+                f"schedule='step'"
+            )
+
     def finished(self) -> bool:
         return self.done
 

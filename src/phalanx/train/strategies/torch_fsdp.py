@@ -39,6 +39,19 @@ class TorchFSDP(Strategy):
     ) -> torch.optim.Optimizer:
         return rebuild_one_group(optimizer, model.parameters(), "torch-fsdp")
 
+    def clip_grad_norm_(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        max_norm: float,
+        norm_type: float,
+    ) -> torch.Tensor:
+        """torch's clip over DTensor gradients: the norm comes back a DTensor, made whole."""
+        from torch.distributed.tensor import DTensor
+
+        total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
+        return total.full_tensor() if isinstance(total, DTensor) else total
+
     def measure_comm(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> bool:
         return time_torch_fsdp(model)
 

@@ -84,6 +84,23 @@ class Zero(Strategy):
             **accepted(type(optimizer), optimizer.defaults),
         )
 
+    def clip_grad_norm_(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        max_norm: float,
+        norm_type: float,
+    ) -> torch.Tensor:
+        """Over every rank's shard: ZeRO-3's flat shards, or ZeRO-1/2's optimizer ranges."""
+        from phalanx.sharding import ZeroRedundancyOptimizer
+        from phalanx.sharding.zero3 import FullyShardedDataParallel
+
+        if isinstance(model, FullyShardedDataParallel):
+            return model.clip_grad_norm_(max_norm, norm_type)
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            return optimizer.clip_grad_norm_(max_norm, norm_type)
+        return super().clip_grad_norm_(model, optimizer, max_norm, norm_type)
+
     def sync_owners(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None
     ) -> list[SyncOwner]:
