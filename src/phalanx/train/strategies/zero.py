@@ -16,7 +16,7 @@ from torch import nn
 
 from phalanx._check import check_float, check_int, rule
 from phalanx.comm.group import World
-from phalanx.train.strategies.base import Strategy, SyncOwner, check_fields
+from phalanx.train.strategies.base import JobOptions, Runner, Strategy, SyncOwner, check_fields
 from phalanx.train.strategies.optimizers import (
     accepted,
     options,
@@ -55,6 +55,16 @@ class Zero(Strategy):
                 f"Zero(bucket_cap_mb={self.bucket_cap_mb}) applies to stages 1 and 2; stage 3 "
                 f"communicates per unit (drop bucket_cap_mb)"
             )
+
+    def start(self, world: World, job: JobOptions) -> Runner:
+        """Refuse fp16 at stage 2, whose gradient scaler would find no gradient to unscale."""
+        if self.stage == 2 and job.precision == "fp16":
+            raise ValueError(
+                "precision='fp16' with Zero(stage=2): the reduced gradient shards live in the "
+                "optimizer's buckets, out of reach of torch's GradScaler (its step would find "
+                "no gradient to check for inf); use precision='bf16', or Zero(stage=1 | 3)"
+            )
+        return Runner(self, world)
 
     def wrap(self, model: nn.Module, world: World) -> nn.Module:
         if self.stage < 3:
