@@ -8,6 +8,8 @@ others) and torch's ``Stateful`` protocol in what an object offers.
 from __future__ import annotations
 
 import logging
+import re
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +18,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from phalanx._check import check_str, fail
 from phalanx.checkpoint import structure
 from phalanx.train.resume_point import SamplerState
+from phalanx.train.strategies.base import Scheduler
 
 if TYPE_CHECKING:  # the job calls these with itself; no import at run time
     from phalanx.train.job import Job
@@ -115,13 +118,20 @@ def resume(job: Job) -> int:
     job.resumed_extra = dict(values)
     job.epoch = job._resume_point.resumed(job_state, str(info.path / "manifest.json"))
     if job.schedule == "epoch" and job.scheduler is not None and job_state.get("epoch_done"):
-        # Saved at the end of an epoch's loop body, before the epoch's scheduler step.
-        job.scheduler.step()
+        _step_after_resume(job.scheduler)
     if job.precision.scaler is not None and "scaler" in job_state:
         job.precision.scaler.load_state_dict(job_state["scaler"])
     if job.world.is_main:
         log.info("resumed from %s (step %d, epoch %d)", info.path, info.step, job.epoch)
     return job.epoch
+
+
+def _step_after_resume(scheduler: Scheduler) -> None:
+    """The epoch's scheduler step that followed the save (at the end of the epoch's loop body)
+    in the saving run. Its optimizer did step before it there; torch cannot know that here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()`"))
+        scheduler.step()
 
 
 def _split(extra: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
