@@ -160,6 +160,29 @@ def _slow_down(who: Any, factor: Any) -> None:
         job.slow_down(who, factor)
 
 
+def _clip(max_norm: Any, norm_type: Any = 2.0) -> None:
+    with Job("single") as job:
+        job.setup(_mlp())
+        job.clip_grad_norm_(max_norm, norm_type)
+
+
+def _schedule(schedule: Any, plateau: bool = False) -> None:
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched: Any = torch.optim.lr_scheduler.StepLR(opt, 1)
+    if plateau:
+        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+    with Job("single") as job:
+        job.setup(model, opt, sched, schedule=schedule)
+
+
+def _track(name: Any, obj: Any = None, twice: bool = False) -> None:
+    with Job("single") as job:
+        if twice:
+            job.track(name, torch.optim.SGD(_mlp().parameters(), lr=0.1))
+        job.track(name, torch.optim.SGD(_mlp().parameters(), lr=0.1) if obj is None else obj)
+
+
 def _main_first(group: Any) -> None:
     with phalanx.main_first(group):
         pass
@@ -310,6 +333,15 @@ CASES = [
     row(bad(Job, "single", straggler_rule={"z": 3.0}), TypeError, "StragglerRule | dict"),
     row(bad(Job, backend="tpu"), ValueError, "'gloo'"),
     row(bad(_epochs, n="3"), TypeError, "Job.epochs | str '3'"),
+    row(bad(_clip, max_norm=0), ValueError, "Job.clip_grad_norm_ | > 0"),
+    row(bad(_clip, max_norm="1"), TypeError, "a number | str '1'"),
+    row(bad(_clip, max_norm=1.0, norm_type=-2.0), ValueError, "> 0 | float('inf')"),
+    row(bad(_schedule, schedule="batch"), ValueError, "Job.setup | 'step', 'epoch', 'manual'"),
+    row(bad(_schedule, plateau=True, schedule="step"), ValueError, "ReduceLROnPlateau | 'manual'"),
+    row(bad(_track, name=""), ValueError, "Job.track | non-empty"),
+    row(bad(_track, name=3), TypeError, "Job.track | int 3"),
+    row(bad(_track, name="x", obj=3), TypeError, "state_dict() | tracking 'x'"),
+    row(bad(_track, twice=True, name="x"), ValueError, "tracked as 'x' already"),
     row(bad(register_strategy, "mine", strategy=3), TypeError, "Strategy subclass or instance"),
     row(bad(register_strategy, "mine", strategy=print), TypeError, "builtin_function"),
     row(bad(register_strategy, strategy=Zero, name=None), TypeError, "a non-empty str"),

@@ -220,3 +220,17 @@ def test_tracking_after_resume_is_refused(tmp_path: Path) -> None:
         next(iter(job.epochs(1)))
         with pytest.raises(ValueError, match=r"Job.track\('late', ...\) after the job resumed"):
             job.track("late", RunningLoss())
+
+
+# ---- parameter servers ----------------------------------------------------------------------
+def test_parameter_servers_refuse_clipping_and_other_schedules() -> None:
+    from phalanx.comm.group import World
+    from phalanx.train.strategies.ps import PSRunner
+
+    world = World(1, 2, 1, 2, 0, torch.device("cpu"), "gloo")  # a worker of 1 server + 1 worker
+    runner = PSRunner(phalanx.PS(mode="async"), world)
+    with pytest.raises(ValueError, match=r"clip_grad_norm_\(\) with strategy PS\(mode='async'\)"):
+        runner.clip_grad_norm_(1.0, 2.0)
+    runner.check_schedule("step")  # the servers step it
+    with pytest.raises(ValueError, match=r"schedule='epoch'\) with strategy PS\(mode='async'\)"):
+        runner.check_schedule("epoch")

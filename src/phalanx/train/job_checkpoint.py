@@ -36,9 +36,9 @@ def track(job: Job, name: object, obj: object) -> None:
         raise ValueError("Job.track(name=''): name must be a non-empty string")
     if not isinstance(obj, Stateful):  # torch's runtime-checkable protocol
         what = "an object with state_dict() and load_state_dict()"
-        raise fail("obj", obj, what, where=f"{where}({name!r}, ...)", error=TypeError)
+        raise fail("obj", obj, what, where=where, fix=f"tracking {name!r}", error=TypeError)
     if name in job.tracked:
-        raise ValueError(f"Job.track({name!r}, ...): {name!r} is tracked already")
+        raise ValueError(f"Job.track(name={name!r}): an object is tracked as {name!r} already")
     if job._resumed:
         raise ValueError(
             f"Job.track({name!r}, ...) after the job resumed (job.epochs() started): track "
