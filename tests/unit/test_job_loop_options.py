@@ -234,3 +234,16 @@ def test_parameter_servers_refuse_clipping_and_other_schedules() -> None:
     runner.check_schedule("step")  # the servers step it
     with pytest.raises(ValueError, match=r"schedule='epoch'\) with strategy PS\(mode='async'\)"):
         runner.check_schedule("epoch")
+
+
+def test_checkpoint_objects_load_by_name_and_a_missing_name_is_named(tmp_path: Path) -> None:
+    saved, loaded, other = RunningLoss(), RunningLoss(), RunningLoss()
+    saved.update(torch.tensor(1.0))
+    phalanx.checkpoint.save(tmp_path, 1, objects={"loss": saved})
+    phalanx.checkpoint.load(tmp_path, objects={"loss": loaded})
+    assert loaded.count == 1 and torch.equal(loaded.total, saved.total)
+    with pytest.raises(phalanx.checkpoint.CheckpointError, match=r"holds no object 'acc'"):
+        phalanx.checkpoint.load(tmp_path, objects={"acc": other})
+    with pytest.warns(UserWarning, match=r"holds no object 'acc'.*strict=False"):
+        phalanx.checkpoint.load(tmp_path, objects={"acc": other}, strict=False)
+    assert other.count == 0
