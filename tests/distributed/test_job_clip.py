@@ -1,7 +1,8 @@
 """``job.clip_grad_norm_`` on 2 gloo ranks clips like ``torch.nn.utils.clip_grad_norm_`` on one
 process over the global batch: ddp (whole gradients), zero1/zero2 (optimizer ranges), zero3
-(flat shards) and a tensor-parallel GPT (tp=2, shards plus replicated parameters), in fp32 and,
-with torch's CPU gradient scaler, on unscaled gradients.
+(flat shards), a tensor-parallel GPT (tp=2, shards plus replicated parameters) and a pipelined
+one (pp=2, each stage its own parameters), in fp32 and, with torch's CPU gradient scaler, on
+unscaled gradients.
 
 ``max_norm`` is small enough that every step clips. Tolerance: float32 reassociation of the
 averaged gradient and of the norm's partial sums (the same as the strategies' parity tests).
@@ -101,12 +102,12 @@ def _gpt_data() -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(x, torch.randint(0, 65, x.shape, generator=g))
 
 
-def _gpt_job() -> dict[str, Any]:
+def _gpt_job(options: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = GPT(GPTConfig(65, 16, 2, 4, 32))
     ref = copy.deepcopy(model)
-    job = phalanx.Job(phalanx.Mesh(tp=2))
+    job = phalanx.Job(phalanx.Mesh(**options))
     job.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
     norms, losses = [], []
     for x, y in job.progress(job.loader(_gpt_data(), batch_size=PER_RANK, shuffle=False)):
@@ -127,8 +128,11 @@ def _gpt_job() -> dict[str, Any]:
     return {"norms": norms, "losses": losses, "ref_norms": ref_norms, "ref_losses": ref_losses}
 
 
-def test_clip_with_tensor_parallel_matches_one_process() -> None:
-    for got in run_distributed(_gpt_job, world_size=2, timeout=90):
+@pytest.mark.parametrize(
+    "options", [{"tp": 2}, {"pp": 2, "micro_batches": 2}], ids=["tensor-tp2", "pipeline-pp2"]
+)
+def test_clip_with_a_split_model_matches_one_process(options: dict[str, Any]) -> None:
+    for got in run_distributed(_gpt_job, options, world_size=2, timeout=90):
         assert got["ref_norms"][0] > MAX_NORM
         assert got["norms"] == pytest.approx(got["ref_norms"], rel=1e-4)
         assert got["losses"] == pytest.approx(got["ref_losses"], rel=1e-5)  # clipped steps alike
