@@ -64,11 +64,17 @@ def _mlp_job(strategy: str, fp16: bool, norm_type: float) -> dict[str, Any]:
     if strategy == "zero3":
         state = model.full_state_dict(rank0_only=False)  # type: ignore[operator]
         params = [state[k] for k in ("0.weight", "0.bias", "2.weight", "2.bias")]
-    else:
-        params = [p.detach().clone() for p in model.parameters()]
+    else:  # torch FSDP's parameters are DTensors: made whole
+        params = [_whole(p.detach()).clone() for p in model.parameters()]
     scale = None if job.precision.scaler is None else job.precision.scaler.get_scale()
     job.close()
     return {"norms": norms, "params": params, "scale": scale}
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 MLP_CASES = [
@@ -80,6 +86,8 @@ MLP_CASES = [
     ("zero3", False, 1.0),
     ("ddp", True, 2.0),
     ("zero3", True, 2.0),
+    ("torch-zero1", False, 2.0),
+    ("torch-fsdp", False, 2.0),
 ]
 
 
