@@ -247,3 +247,13 @@ def test_checkpoint_objects_load_by_name_and_a_missing_name_is_named(tmp_path: P
     with pytest.warns(UserWarning, match=r"holds no object 'acc'.*strict=False"):
         phalanx.checkpoint.load(tmp_path, objects={"acc": other}, strict=False)
     assert other.count == 0
+
+
+def test_zero2_refuses_fp16_whose_scaler_cannot_see_its_gradient_shards() -> None:
+    from phalanx.comm.group import World
+    from phalanx.train.strategies import JobOptions
+
+    world = World(0, 2, 0, 2, 0, torch.device("cpu"), "gloo")  # Job refuses fp16 on CPU first
+    with pytest.raises(ValueError, match=r"precision='fp16' with Zero\(stage=2\).*GradScaler"):
+        phalanx.Zero(stage=2).start(world, JobOptions(precision="fp16"))
+    phalanx.Zero(stage=3).start(world, JobOptions(precision="fp16"))  # its shards are reachable

@@ -58,11 +58,11 @@ class Zero(Strategy):
 
     def start(self, world: World, job: JobOptions) -> Runner:
         """Refuse fp16 at stage 2, whose gradient scaler would find no gradient to unscale."""
-        if self.stage == 2 and job.precision == "fp16":
+        if self.stage == 2 and job.precision.startswith("fp16"):  # "fp16" or "fp16-mixed"
             raise ValueError(
-                "precision='fp16' with Zero(stage=2): the reduced gradient shards live in the "
-                "optimizer's buckets, out of reach of torch's GradScaler (its step would find "
-                "no gradient to check for inf); use precision='bf16', or Zero(stage=1 | 3)"
+                f"precision={job.precision!r} with Zero(stage=2): the reduced gradient shards "
+                f"live in the optimizer's buckets, out of reach of torch's GradScaler (its step "
+                f"would find no gradient to check for inf); use bf16, or Zero(stage=1 | 3)"
             )
         return Runner(self, world)
 
