@@ -64,7 +64,7 @@ check_job_args = checked(
     strategy=_strategy,
     precision=rule(check_choice, choices=PRECISIONS),
     grad_accum=rule(check_int, min=1),
-    seed=rule(check_int, min=SEED_RANGE[0], max=SEED_RANGE[1]),
+    seed=optional(rule(check_int, min=SEED_RANGE[0], max=SEED_RANGE[1])),
     checkpoint_dir=_path,
     keep_last=rule(check_int, min=1),
     metrics_file=_path,

@@ -115,6 +115,7 @@ class PSRunner(Runner):
         self.report: ServerReport | None = None
         """What the server did (server ranks, once served)."""
         self.done = False
+        self.workers: dist.ProcessGroup | None = None
 
     def setup(
         self,
@@ -215,7 +216,12 @@ class PSRunner(Runner):
 
     def metrics_group(self) -> dist.ProcessGroup | None:
         """The workers' group (servers do not log); every rank calls this, in the same order."""
-        return dist.new_group(list(range(self.options.servers, self.world.world_size)))
+        self.workers = dist.new_group(list(range(self.options.servers, self.world.world_size)))
+        return self.workers
+
+    def replica_group(self) -> dist.ProcessGroup | None:
+        """The workers' group (made by :meth:`metrics_group`, which ``Job()`` calls)."""
+        return self.workers
 
     def logs_in_step(self) -> bool:
         # Workers are not in step (one may be told to stop while another is mid-epoch).
