@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> float:
     parser.add_argument("--checkpoint-dir", default="runs/digits")
     parser.add_argument("--precision", default="fp32", help="fp32 or bf16 (fp16 on GPU)")
     parser.add_argument("--grad-accum", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0, help="seeds torch, numpy, random")
     args = parser.parse_args(argv)
 
     ps = args.strategy in ("ps-sync", "ps-async", "ssp")
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> float:
         strategy,
         precision=args.precision,
         grad_accum=args.grad_accum,
+        seed=args.seed,
         checkpoint_dir=None if ps else args.checkpoint_dir,
     )
     if args.straggler is not None:

@@ -60,7 +60,7 @@ def test_gather_in_a_world_of_one() -> None:
         assert torch.equal(job.gather(torch.tensor(2)), torch.tensor([2]))  # type: ignore[arg-type]
         assert job.gather(3) == [3] and job.gather(0.5) == [0.5] and job.gather(True) == [True]
         assert job.gather(np.float64(1.5)) == [1.5]
-        with pytest.raises(TypeError, match=r"Job.gather\(value\).*str 'x'"):
+        with pytest.raises(TypeError, match=r"Job.gather\(value='x'\).*str 'x'"):
             job.gather("x")  # type: ignore[arg-type]
 
 

@@ -92,8 +92,8 @@ def gather(
         return gather_tensor(value, group)
     if not isinstance(value, int | float):  # bool is an int
         raise TypeError(
-            f"Job.gather(value): expected a tensor or a number, got {type(value).__name__} "
-            f"{value!r}"
+            f"Job.gather(value={value!r}): expected a tensor or a number, got "
+            f"{type(value).__name__} {value!r}"
         )
     kind: type[Number] = bool if isinstance(value, bool) else int
     if not isinstance(value, int):

@@ -1,6 +1,6 @@
 """``phalanx.Job``: a whole distributed training job in a few calls.
 
-    job = phalanx.Job(phalanx.DDP(), precision="bf16", grad_accum=4, checkpoint_dir="ckpt")
+    job = phalanx.Job(phalanx.DDP(), precision="bf16-mixed", grad_accum=4, checkpoint_dir="ckpt")
     model, optimizer = job.setup(model, optimizer)
     loader = job.loader(dataset, batch_size=64, shuffle=True)
     for epoch in job.epochs(10):                  # resumes from the newest checkpoint
@@ -71,7 +71,9 @@ class Job:
         strategy: A strategy (``phalanx.DDP()``, ``phalanx.Zero(stage=2)``,
             ``phalanx.Mesh(pp=2, micro_batches=4)``, ``phalanx.PS(mode="ssp", staleness=2)``,
             ...) or a preset name ("ddp", "zero2", "pipeline", ...; ``strategy_names()``).
-        precision: "fp32", "bf16" (autocast, CPU and GPU) or "fp16" (GPU, gradient scaler).
+        precision: "fp32", "bf16-mixed" (autocast, CPU and GPU), "fp16-mixed" (autocast and a
+            gradient scaler, GPU) or "bf16-true" (the model, its gradients and optimizer state
+            in bf16); "bf16" and "fp16" are the mixed ones (``phalanx.precisions``).
         grad_accum: Micro-steps per optimizer step; gradients sync only on the last one.
         seed: None (the default) touches no random generator: seed your own code as you
             would without phalanx. An int seeds torch, numpy and random with it on every rank
@@ -185,7 +187,7 @@ class Job:
         :class:`phalanx.models.GPT`, whose default is the vocabulary-parallel cross-entropy
         over ``job.groups.tp``.
         """
-        model.to(self.world.device)
+        self.precision.place(model, self.world.device)
         made = self.runner.setup(model, optimizer, scheduler, loss_fn, self.precision)
         self.model, self.optimizer, self.scheduler = made.model, made.stepped, made.scheduler
         self.loss_fn = made.loss_fn
@@ -221,8 +223,12 @@ class Job:
         ``even_batches`` do not apply.
         """
         replicas, replica = self.runner.data_shard()
-        if "sampler" in kwargs or "batch_sampler" in kwargs:
-            raise ValueError("Job.loader() builds its own sampler; drop sampler=/batch_sampler=")
+        for given in ("sampler", "batch_sampler"):
+            if given in kwargs:
+                raise ValueError(
+                    f"Job.loader({given}={kwargs[given]!r}): the job builds its own sampler "
+                    f"(eval=True for evaluation); drop {given}="
+                )
         if eval:
             return self._eval_loader(dataset, batch_size, bool(shuffle), kwargs)
         self.sampler = DistributedSampler(

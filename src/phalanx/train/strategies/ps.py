@@ -95,10 +95,10 @@ class PS(Strategy):
                 f"checkpoint_dir={str(job.checkpoint_dir)!r}: parameter-server strategies do not "
                 f"checkpoint yet (the state lives on the servers); drop checkpoint_dir"
             )
-        if job.precision == "fp16":
+        if job.precision == "fp16-mixed":
             raise ValueError(
-                "precision='fp16' with a parameter server: workers would push loss-scaled "
-                "gradients; use precision='bf16' or 'fp32'"
+                "precision='fp16-mixed' with a parameter server: workers would push loss-scaled "
+                "gradients; use precision='bf16-mixed' or 'fp32'"
             )
         return PSRunner(self, world)
 
