@@ -14,23 +14,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from phalanx.pipeline.p2p import DTYPES
+
 __all__ = ["gather"]
 
-_DTYPES = (
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-    torch.complex64,
-    torch.complex128,
-)
-"""The dtypes :func:`gather` sends; each rank says which by its index here."""
+_DTYPES = DTYPES
+"""The dtypes :func:`gather` sends, each named by its index (the pipeline header's codes)."""
 
 Number = int | float | bool
 

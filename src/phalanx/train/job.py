@@ -77,13 +77,14 @@ class Job:
         grad_accum: Micro-steps per optimizer step; gradients sync only on the last one.
         seed: None (the default) touches no random generator: seed your own code as you
             would without phalanx. An int seeds torch, numpy and random with it on every rank
-            (so models built after ``Job()`` start equal on every rank, which strategies that
-            shard the model as each rank built it rely on: ``Zero(stage=3)``, ``Mesh`` with
-            tp or pp, ``PS``, ``TorchFSDP``; DDP and ZeRO-1/2 broadcast rank 0's parameters
-            anyway) and is the loaders' shuffle seed. With None the shuffle seed is
-            :data:`DATA_SEED` (0, torch's ``DistributedSampler`` default): the same on every
-            rank without communication, and the same run after run, so a resumed job (which
-            also restores the sampler's seed from the checkpoint) shuffles as the saved one.
+            (so a model built after ``Job()`` is the same on every rank, which strategies that
+            keep each rank's piece of the model it built need: ``Mesh`` with tp > 1, ``PS``
+            with several servers, ``TorchFSDP``; DDP, ``Zero`` and a pipeline's replicas
+            start from one rank's parameters anyway) and is the loaders' shuffle seed. With
+            None the shuffle seed is :data:`DATA_SEED` (0, torch's ``DistributedSampler``
+            default): the same on every rank without communication, and the same run after
+            run, so a resumed job (which also restores the sampler's seed from the
+            checkpoint) shuffles as the saved one.
         checkpoint_dir: Where :meth:`save` writes and :meth:`epochs` resumes from.
         keep_last: Committed checkpoints to keep.
         metrics_file: JSONL file for :meth:`log` (default ``checkpoint_dir/metrics.jsonl``).
