@@ -84,3 +84,22 @@ def _mesh_eval() -> tuple[list[int], list[int]]:
 def test_ranks_of_one_replica_read_the_same_samples_and_gather_over_dp() -> None:
     for mine, gathered in run_distributed(_mesh_eval, world_size=2):
         assert mine == gathered == list(range(N))
+
+
+def _ps_eval() -> list[int] | None:
+    job = phalanx.Job(phalanx.PS(mode="sync"))
+    net = _model()
+    model, _ = job.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    for _ in job.epochs(1):  # servers serve here until the workers are done
+        for _, x, y in job.progress(job.loader(_data(), 2)):
+            job.backward(nn.functional.cross_entropy(model(x), y))
+            job.step()
+    ids = [i for i, _, _ in job.progress(job.loader(_data(), 2, eval=True))]
+    gathered = None if job.is_server else job.gather(torch.cat(ids)).tolist()  # type: ignore[union-attr]
+    job.close()
+    return gathered
+
+
+def test_parameter_server_workers_evaluate_after_training() -> None:
+    server, *workers = run_distributed(_ps_eval, world_size=3, timeout=120)
+    assert server is None and workers == [list(range(N))] * 2

@@ -315,13 +315,13 @@ class Job:
         """
         from phalanx.train.progress import progress
 
-        if self.runner.serving():
-            return
         shown = self.world.rank == self.runner.progress_rank()
-        if isinstance(loader, EvalLoader):
+        if isinstance(loader, EvalLoader):  # also after training (parameter-server workers)
             bar = progress(loader, desc=desc or "eval", total=len(loader), enabled=shown)
-            for batch in bar:
+            for batch in bar if not self.is_server else ():
                 yield to_device(batch, self.world.device)
+            return
+        if self.runner.serving():
             return
         total = batches_left(loader, self.sampler)
         bar = progress(loader, desc=desc or f"epoch {self.epoch}", total=total, enabled=shown)
