@@ -292,6 +292,7 @@ CASES = [
     row(bad(Job, "single", seed=2.5), TypeError, "float 2.5"),
     row(bad(_gather, value="x"), TypeError, "Job.gather | a tensor or a number | str 'x'"),
     row(bad(_loader, shuffle=False, eval=True, sampler=[0]), ValueError, "own sampler"),
+    row(bad(_loader, eval=True, shuffle="no"), TypeError, "EvalSampler | True or False"),
     row(bad(EvalSampler, [1, 2], num_replicas=2, rank=2), ValueError, "[0, num_replicas)"),
     row(bad(EvalSampler, [1], rank=0, num_replicas=0), ValueError, "int >= 1"),
     row(bad(EvalSampler, 5, 1, 0), TypeError, "map-style dataset"),

@@ -230,8 +230,10 @@ class Job:
                     f"Job.loader({given}={kwargs[given]!r}): the job builds its own sampler "
                     f"(eval=True for evaluation); drop {given}="
                 )
-        if eval:
-            return self._eval_loader(dataset, batch_size, bool(shuffle), kwargs)
+        if eval:  # not shuffled unless asked; not the job's sampler
+            order = False if shuffle is None else shuffle
+            sampler = EvalSampler(dataset, replicas, replica, order, self.data_seed)
+            return EvalLoader(dataset, batch_size, sampler=sampler, **kwargs)  # type: ignore[arg-type]
         self.sampler = DistributedSampler(
             dataset,
             num_replicas=replicas,
@@ -251,13 +253,6 @@ class Job:
             drop_last=drop_last,
             **kwargs,
         )
-
-    def _eval_loader(
-        self, dataset: Sized, batch_size: int, shuffle: bool, kwargs: dict[str, object]
-    ) -> EvalLoader:
-        replicas, replica = self.runner.data_shard()
-        sampler = EvalSampler(dataset, replicas, replica, shuffle=shuffle, seed=self.data_seed)
-        return EvalLoader(dataset, batch_size=batch_size, sampler=sampler, **kwargs)  # type: ignore[arg-type]
 
     def gather(self, value: torch.Tensor | Number) -> torch.Tensor | list[Number]:
         """``value`` from every replica, in replica (rank) order: exact evaluation metrics.
