@@ -70,8 +70,11 @@ def main(argv: list[str] | None = None) -> float:
         "--straggler", default=None, help="WHO:FACTOR, e.g. 1:4 (worker 1 4x slower) or random:4"
     )
     parser.add_argument("--checkpoint-dir", default="runs/digits")
-    parser.add_argument("--precision", default="fp32", help="fp32 or bf16 (fp16 on GPU)")
+    parser.add_argument(
+        "--precision", default="fp32", help="fp32, bf16-mixed or bf16-true (fp16-mixed on GPU)"
+    )
     parser.add_argument("--grad-accum", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0, help="seeds torch, numpy, random")
     args = parser.parse_args(argv)
 
     ps = args.strategy in ("ps-sync", "ps-async", "ssp")
@@ -83,6 +86,7 @@ def main(argv: list[str] | None = None) -> float:
         strategy,
         precision=args.precision,
         grad_accum=args.grad_accum,
+        seed=args.seed,
         checkpoint_dir=None if ps else args.checkpoint_dir,
     )
     if args.straggler is not None:

@@ -36,8 +36,10 @@ import phalanx
 import phalanx.horovod as hvd
 from phalanx import checkpoint, hogwild
 from phalanx._check import check_bool, check_float, check_int, check_timeout
+from phalanx.data.eval import EvalSampler
 from phalanx.parameter_server import ParameterServer
 from phalanx.pipeline import Pipeline, schedule
+from phalanx.plan.memory import estimate
 from phalanx.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -183,6 +185,16 @@ def _track(name: Any, obj: Any = None, twice: bool = False) -> None:
         job.track(name, torch.optim.SGD(_mlp().parameters(), lr=0.1) if obj is None else obj)
 
 
+def _gather(value: Any) -> None:
+    with Job("single") as job:
+        job.gather(value)
+
+
+def _loader(**kwargs: Any) -> None:
+    with Job("single") as job:
+        job.loader([1, 2, 3], 2, **kwargs)
+
+
 def _main_first(group: Any) -> None:
     with phalanx.main_first(group):
         pass
@@ -297,6 +309,17 @@ CASES = [
     row(bad(Job, strategy=3), TypeError, "int 3"),
     row(bad(Job, "single", precision="fp64"), ValueError, "'bf16'"),
     row(bad(Job, "single", keep_last=0), ValueError, "int >= 1"),
+    row(bad(Job, "single", precision="fp16-master"), ValueError, "'bf16-mixed' | plan"),
+    row(bad(Job, "single", precision="mixed"), ValueError, "'fp16-master' | plan"),
+    row(bad(Job, "single", precision=16), TypeError, "int 16 | 'bf16-true'"),
+    row(bad(Job, "single", seed=2.5), TypeError, "float 2.5"),
+    row(bad(_gather, value="x"), TypeError, "Job.gather | a tensor or a number | str 'x'"),
+    row(bad(_loader, shuffle=False, eval=True, sampler=[0]), ValueError, "own sampler"),
+    row(bad(_loader, eval=True, shuffle="no"), TypeError, "EvalSampler | True or False"),
+    row(bad(EvalSampler, [1, 2], num_replicas=2, rank=2), ValueError, "[0, num_replicas)"),
+    row(bad(EvalSampler, [1], rank=0, num_replicas=0), ValueError, "int >= 1"),
+    row(bad(EvalSampler, 5, 1, 0), TypeError, "map-style dataset"),
+    row(bad(estimate, 1e9, 8, precision="bf17"), ValueError, "'fp16-master' | 'bf16' (bf16-mixed)"),
     row(bad(Job, "single", checkpoint_dir=3), TypeError, "a path"),
     row(bad(Job, "single", metrics_file=""), ValueError, "non-empty"),
     row(bad(Job, "single", profile_dir=b"p"), TypeError, "bytes"),
@@ -530,6 +553,7 @@ CASES = [
     cli("run --rdzv-backend foo", "--rdzv-backend 'foo'"),
     cli("plan --params -5", "--params | -5"),
     cli("plan --params 1e9 --optimizer rmsprop", "--optimizer | 'rmsprop'"),
+    cli("plan --params 1e9 --precision bf17", "--precision | 'bf17' | 'bf16-true' | 'mixed'"),
     cli("bench nosuch", "'nosuch'"),
 ]
 

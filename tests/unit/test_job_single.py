@@ -34,9 +34,10 @@ def test_bf16_autocasts_the_forward_and_keeps_fp32_master_weights(tmp_path: Path
     assert not phalanx.is_initialized()  # the job created the group, so it destroyed it
 
 
-def test_fp16_on_cpu_is_refused_with_the_fix() -> None:
-    with pytest.raises(ValueError, match=r"precision=.fp16. needs a CUDA device.*bf16"):
-        phalanx.Job(strategy="single", precision="fp16")
+@pytest.mark.parametrize("name", ["fp16", "fp16-mixed"])
+def test_fp16_on_cpu_is_refused_with_the_fix(name: str) -> None:
+    with pytest.raises(ValueError, match=r"precision=.fp16-mixed. needs a CUDA device.*bf16-mixed"):
+        phalanx.Job(strategy="single", precision=name)
     assert not phalanx.is_initialized()
 
 

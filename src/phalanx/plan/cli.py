@@ -1,6 +1,6 @@
 """``phalanx plan``: memory per device and communication per step, by strategy.
 
-    phalanx plan --params 7.5e9 --dp 64 [--optimizer adam] [--precision mixed] [--json]
+    phalanx plan --params 7.5e9 --dp 64 [--optimizer adam] [--precision fp16-master] [--json]
     phalanx plan SCRIPT.py --batch-size 16 --dp 4 [--device-memory 16GB] [--json]
 
 With ``--params``, model states from the ZeRO paper's formulas for Ψ parameters. With a script,
@@ -22,7 +22,8 @@ import torch
 
 from phalanx.plan.fit import Recommendation, device_total, parse_size, recommend
 from phalanx.plan.measure import load_script, parameter_count, saved_activation_bytes
-from phalanx.plan.memory import OPTIMIZERS, PRECISIONS, StrategyEstimate, estimate
+from phalanx.plan.memory import OPTIMIZERS, StrategyEstimate, estimate
+from phalanx.precisions import check_precision
 
 __all__ = ["main"]
 
@@ -30,7 +31,12 @@ ACTIVATION_NOTE = (
     "activations = tensors saved for backward during one forward of one micro-batch, "
     "excluding temporaries and backward-pass buffers"
 )
-_PRECISION_OF_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "mixed"}
+# The precision of a model built in each dtype, in the names of phalanx.precisions.
+_PRECISION_OF_DTYPE = {
+    torch.float32: "fp32",
+    torch.bfloat16: "bf16-true",
+    torch.float16: "fp16-master",
+}
 
 
 def _gb(x: float) -> str:
@@ -41,6 +47,13 @@ def _size(text: str) -> int:
     try:
         return parse_size(text)
     except ValueError as e:  # argparse reports it as "argument --device-memory: ..."
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _precision(text: str) -> str:
+    try:
+        return check_precision("--precision", text)
+    except ValueError as e:  # argparse reports it as "argument --precision: ..."
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
@@ -58,7 +71,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--dp", type=int, default=1, help="data-parallel degree N")
     parser.add_argument("--optimizer", default="adam", choices=sorted(OPTIMIZERS))
     parser.add_argument(
-        "--precision", choices=PRECISIONS, help="default: mixed; with a script, the model's dtype"
+        "--precision",
+        type=_precision,
+        help="fp32, bf16-mixed, fp16-mixed, bf16-true or fp16-master (phalanx.precisions; old: "
+        "bf16, fp16, mixed); default: fp16-master, with a script the model's dtype",
     )
     parser.add_argument(
         "--device-memory", type=_size, metavar="SIZE", help="per device, e.g. 16GB, 16GiB, 512MB"
@@ -96,7 +112,7 @@ def main(argv: list[str]) -> int:
 
 
 def _plan_params(args: argparse.Namespace) -> int:
-    precision = args.precision or "mixed"
+    precision = args.precision or "fp16-master"
     rows = estimate(args.params, args.dp, args.optimizer, precision)
     if args.json:
         print(json.dumps([{**asdict(r), "total": r.total} for r in rows]))

@@ -9,19 +9,23 @@ parameter (K = 12 for mixed-precision Adam: fp32 master weights, momentum and va
     ZeRO-2  2Ψ + (2 + K)Ψ/N        2Ψ
     ZeRO-3  (2 + 2 + K)Ψ / N       all-gather twice + reduce-scatter: 3Ψ
 
-for fp16 parameters and gradients (2 bytes each). In fp32 training they are 4 bytes each and K
-counts only the optimizer's own state (8 for Adam).
+for fp16 parameters and gradients (2 bytes each): precision "fp16-master" (old spelling
+"mixed"). The other precisions of :mod:`phalanx.precisions` change the bytes per parameter:
+fp32 and the autocast ones a ``phalanx.Job`` trains in ("bf16-mixed", "fp16-mixed") hold fp32
+parameters and gradients (4 bytes each) and K counts only the optimizer's own state (8 for
+Adam); "bf16-true" holds everything in bf16 (2, 2 and K/2).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from phalanx.precisions import PRECISIONS, check_precision
+
 __all__ = ["OPTIMIZERS", "PRECISIONS", "StrategyEstimate", "bytes_per_param", "estimate"]
 
 # Optimizer state in fp32 bytes per parameter, without a master copy of the weights.
 OPTIMIZERS = {"adam": 8, "adamw": 8, "sgd": 0, "sgd-momentum": 4, "adagrad": 4}
-PRECISIONS = ("mixed", "fp32", "bf16")
 
 
 @dataclass(frozen=True)
@@ -50,18 +54,17 @@ def bytes_per_param(optimizer: str, precision: str) -> tuple[int, int, int]:
     """(parameter bytes, gradient bytes, K optimizer bytes) per parameter."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
+    precision = check_precision("precision", precision, where="estimate")
     state = OPTIMIZERS[optimizer]
-    if precision == "fp32":
+    if precision in ("fp32", "bf16-mixed", "fp16-mixed"):  # fp32 parameters and gradients
         return 4, 4, state
-    if precision == "bf16":  # pure bf16 training: no master copy
+    if precision == "bf16-true":  # pure bf16 training: no master copy
         return 2, 2, state // 2
-    return 2, 2, state + 4  # mixed: fp32 master weights join the optimizer state
+    return 2, 2, state + 4  # fp16-master: fp32 master weights join the optimizer state
 
 
 def estimate(
-    params: float, dp: int, optimizer: str = "adam", precision: str = "mixed"
+    params: float, dp: int, optimizer: str = "adam", precision: str = "fp16-master"
 ) -> list[StrategyEstimate]:
     """Per-device model-state memory and per-step communication for DDP and ZeRO-1/2/3.
 
@@ -69,7 +72,9 @@ def estimate(
         params: Number of parameters Ψ.
         dp: Data-parallel degree N.
         optimizer: One of ``OPTIMIZERS``.
-        precision: "mixed" (fp16/bf16 compute, fp32 master weights), "fp32" or "bf16".
+        precision: A name of :mod:`phalanx.precisions` (or an old spelling): "fp16-master"
+            (the paper's: fp16 parameters and gradients, fp32 master weights), "fp32",
+            "bf16-mixed", "fp16-mixed" or "bf16-true".
     """
     if params <= 0:
         raise ValueError(f"params must be positive, got {params}")

@@ -1,6 +1,6 @@
 """``phalanx.Job``: a whole distributed training job in a few calls.
 
-    job = phalanx.Job(phalanx.DDP(), precision="bf16", grad_accum=4, checkpoint_dir="ckpt")
+    job = phalanx.Job(phalanx.DDP(), precision="bf16-mixed", grad_accum=4, checkpoint_dir="ckpt")
     model, optimizer = job.setup(model, optimizer, scheduler)  # stepped with the optimizer
     loader = job.loader(dataset, batch_size=64, shuffle=True)
     job.track("stats", stats)                     # any state_dict() object, checkpointed
@@ -29,10 +29,12 @@ import torch
 from torch import nn
 
 from phalanx.comm import group as pg
+from phalanx.data.eval import EvalLoader, EvalSampler
 from phalanx.data.sampler import DistributedSampler
 from phalanx.mesh.groups import ParallelGroups
 from phalanx.parameter_server import ServerReport
 from phalanx.train import job_checkpoint
+from phalanx.train.gather import Number, gather
 from phalanx.train.job_args import check_clip, check_epochs, check_job_args, check_slow_down
 from phalanx.train.job_phases import JobPhases
 from phalanx.train.loop_helpers import (
@@ -56,9 +58,13 @@ from phalanx.train.strategies.base import LossFn, Scheduler, Stateful
 from phalanx.train.strategies.mesh import MeshRunner
 from phalanx.train.strategies.ps import PSRunner
 
-__all__ = ["Job"]
+__all__ = ["DATA_SEED", "Job"]
 
 log = logging.getLogger(__name__)
+
+DATA_SEED = 0
+"""The loaders' shuffle seed of a ``Job(seed=None)`` (torch's ``DistributedSampler`` default):
+a constant, so every rank agrees without a broadcast and every run shuffles alike."""
 
 
 class Job:
@@ -68,10 +74,20 @@ class Job:
         strategy: A strategy (``phalanx.DDP()``, ``phalanx.Zero(stage=2)``,
             ``phalanx.Mesh(pp=2, micro_batches=4)``, ``phalanx.PS(mode="ssp", staleness=2)``,
             ...) or a preset name ("ddp", "zero2", "pipeline", ...; ``strategy_names()``).
-        precision: "fp32", "bf16" (autocast, CPU and GPU) or "fp16" (GPU, gradient scaler).
+        precision: "fp32", "bf16-mixed" (autocast, CPU and GPU), "fp16-mixed" (autocast and a
+            gradient scaler, GPU) or "bf16-true" (the model, its gradients and optimizer state
+            in bf16); "bf16" and "fp16" are the mixed ones (``phalanx.precisions``).
         grad_accum: Micro-steps per optimizer step; gradients sync only on the last one.
-        seed: Seeds torch, numpy and random identically on every rank (data order comes from
-            the sampler's seed, so replicas start equal and shuffle in agreement).
+        seed: None (the default) touches no random generator: seed your own code as you
+            would without phalanx. An int seeds torch, numpy and random with it on every rank
+            (so a model built after ``Job()`` is the same on every rank, which strategies that
+            keep each rank's piece of the model it built need: ``Mesh`` with tp > 1, ``PS``
+            with several servers, ``TorchFSDP``; DDP, ``Zero`` and a pipeline's replicas
+            start from one rank's parameters anyway) and is the loaders' shuffle seed. With
+            None the shuffle seed is :data:`DATA_SEED` (0, torch's ``DistributedSampler``
+            default): the same on every rank without communication, and the same run after
+            run, so a resumed job (which also restores the sampler's seed from the
+            checkpoint) shuffles as the saved one.
         checkpoint_dir: Where :meth:`save` writes and :meth:`epochs` resumes from.
         keep_last: Committed checkpoints to keep.
         metrics_file: JSONL file for :meth:`log` (default ``checkpoint_dir/metrics.jsonl``).
@@ -92,7 +108,7 @@ class Job:
         *,
         precision: str = "fp32",
         grad_accum: int = 1,
-        seed: int = 0,
+        seed: int | None = None,
         checkpoint_dir: str | os.PathLike[str] | None = None,
         keep_last: int = 3,
         metrics_file: str | os.PathLike[str] | None = None,
@@ -109,6 +125,9 @@ class Job:
         self.owns_group = not pg.is_initialized()
         self.world = pg.init_process_group(backend) if self.owns_group else pg.world()
         self.seed = seed
+        """The seed given (None: no generator was seeded)."""
+        self.data_seed = DATA_SEED if seed is None else seed
+        """The loaders' shuffle seed (and an injected straggler's draw): the same on every rank."""
         options = JobOptions(precision, grad_accum, checkpoint_dir)
         try:  # a mistake in any option leaves no half-made job (nor its process group) behind
             self.precision = Precision(precision, self.world.device)
@@ -126,7 +145,8 @@ class Job:
         self.grad_accum = grad_accum
         self.checkpoint_dir = checkpoint_dir
         self.keep_last = keep_last
-        seed_everything(seed)
+        if seed is not None:
+            seed_everything(seed)
         configure_logging(self.world.rank)
         self.metrics = MetricsLogger.for_job(
             metrics_file, checkpoint_dir, tensorboard_dir, self.runner.metrics_group()
@@ -183,7 +203,7 @@ class Job:
         checkpointed and resumed whichever it is.
         """
         self.schedule = check_schedule(schedule, scheduler, self.runner)
-        model.to(self.world.device)
+        self.precision.place(model, self.world.device)
         made = self.runner.setup(model, optimizer, scheduler, loss_fn, self.precision)
         self.model, self.optimizer, self.scheduler = made.model, made.stepped, made.scheduler
         self.loss_fn = made.loss_fn
@@ -196,26 +216,45 @@ class Job:
         dataset: Sized,
         batch_size: int,
         *,
-        shuffle: bool = True,
+        shuffle: bool | None = None,
         drop_last: bool = False,
         even_batches: bool = True,
+        eval: bool = False,
         **kwargs: object,
     ) -> torch.utils.data.DataLoader[object]:
-        """A DataLoader over this rank's shard (``phalanx.DistributedSampler``): ranks of one
-        replica read the same samples, replicas different ones.
+        """A DataLoader over this rank's shard: ranks of one replica read the same samples,
+        replicas different ones.
 
-        Its sampler's position advances as batches are handed out (loop over the loader or
+        Training (the default, shuffled unless ``shuffle=False``): the job's sampler
+        (``phalanx.DistributedSampler``, :attr:`sampler`), which pads the replicas to equal
+        full batches (``even_batches``) and is set to each epoch by :meth:`epochs`; its
+        position advances as batches are handed out (loop over the loader or
         ``job.progress(loader)``), so :meth:`save` can be called after any step.
+
+        ``eval=True``: every sample exactly once over the replicas, never repeated nor dropped
+        (``phalanx.data.eval.EvalSampler``: contiguous blocks, in the dataset's order unless
+        ``shuffle=True``). Replicas may get different numbers of batches, so run no collective
+        per batch: collect the outputs and :meth:`gather` them after the loop. It is not the
+        job's sampler (checkpoints neither record nor change it); ``drop_last`` and
+        ``even_batches`` do not apply.
         """
         replicas, replica = self.runner.data_shard()
-        if "sampler" in kwargs or "batch_sampler" in kwargs:
-            raise ValueError("Job.loader() builds its own sampler; drop sampler=/batch_sampler=")
+        for given in ("sampler", "batch_sampler"):
+            if given in kwargs:
+                raise ValueError(
+                    f"Job.loader({given}={kwargs[given]!r}): the job builds its own sampler "
+                    f"(eval=True for evaluation); drop {given}="
+                )
+        if eval:  # not shuffled unless asked; not the job's sampler
+            order = False if shuffle is None else shuffle
+            sampler = EvalSampler(dataset, replicas, replica, order, self.data_seed)
+            return EvalLoader(dataset, batch_size, sampler=sampler, **kwargs)  # type: ignore[arg-type]
         self.sampler = DistributedSampler(
             dataset,
             num_replicas=replicas,
             rank=replica,
-            shuffle=shuffle,
-            seed=self.seed,
+            shuffle=True if shuffle is None else shuffle,
+            seed=self.data_seed,
             drop_last=drop_last,
             even_batches=even_batches,
             batch_size=batch_size,
@@ -230,6 +269,26 @@ class Job:
             **kwargs,
         )
 
+    def gather(self, value: torch.Tensor | Number) -> torch.Tensor | list[Number]:
+        """``value`` from every replica, in replica (rank) order: exact evaluation metrics.
+
+        A tensor of any leading size per rank (the predictions of an ``eval=True`` loader's
+        uneven batches, concatenated) comes back as one tensor joined along dimension 0; a
+        Python number as the list of every replica's. Ranks of one replica (pipeline stages,
+        tensor shards of a ``phalanx.Mesh``) read the same samples, so the gather runs over
+        the data-parallel group only (``job.groups.dp``; the workers of a parameter server).
+        Collective: every rank of that group calls it, once per value (after the eval loop,
+        not per batch). Nothing is dropped or deduplicated: an eval loader pads nothing.
+
+        Raises:
+            TypeError: ``value`` is neither a tensor nor a number.
+            ValueError: the ranks' tensors differ in dtype or beyond the first dimension
+                (on every rank alike); called on a parameter-server rank.
+        """
+        if self.is_server:
+            raise ValueError("Job.gather(): a parameter-server rank holds no replica's values")
+        return gather(value, self.runner.replica_group(), self.world.device)
+
     @check_slow_down
     def slow_down(self, who: int | str, factor: float) -> None:
         """Make rank (or parameter-server worker) ``who``, or a random one each step with
@@ -238,7 +297,7 @@ class Job:
         place = self.runner.participants()
         if place is not None:  # servers do not compute steps
             count, index = place
-            self.slowdown = Slowdown(factor, who, index=index, count=count, seed=self.seed)
+            self.slowdown = Slowdown(factor, who, index=index, count=count, seed=self.data_seed)
 
     # ---- the loop ------------------------------------------------------------------------------
     def epochs(self, n: int) -> Iterator[int]:
@@ -259,13 +318,24 @@ class Job:
         self.runner.finish()
 
     def progress(self, loader: Iterable[object], desc: str | None = None) -> Iterator[object]:
-        """Iterate ``loader`` with a progress bar on rank 0, moving batches to the device."""
+        """Iterate ``loader`` with a progress bar on rank 0, moving batches to the device.
+
+        Batches of any structure are moved (tensors inside tuples, lists, dicts, namedtuples,
+        ``UserDict`` mappings such as Hugging Face's ``BatchEncoding``; see
+        ``loop_helpers.to_device``). An ``eval=True`` loader's batches are only moved: no
+        step timing, gradient-sync flag or parameter-server pull around them.
+        """
         from phalanx.train.progress import progress
 
+        shown = self.world.rank == self.runner.progress_rank()
+        if isinstance(loader, EvalLoader):  # also after training (parameter-server workers)
+            bar = progress(loader, desc=desc or "eval", total=len(loader), enabled=shown)
+            for batch in bar if not self.is_server else ():
+                yield to_device(batch, self.world.device)
+            return
         if self.runner.serving():
             return
         total = batches_left(loader, self.sampler)
-        shown = self.world.rank == self.runner.progress_rank()
         bar = progress(loader, desc=desc or f"epoch {self.epoch}", total=total, enabled=shown)
         self._timer.start_epoch()
         self.timing.enter("data")

@@ -21,7 +21,7 @@ from phalanx._check import (
     rule,
 )
 from phalanx.comm.group import BACKENDS
-from phalanx.train.precision import PRECISIONS
+from phalanx.precisions import JOB_PRECISIONS, check_precision
 
 __all__ = ["check_clip", "check_epochs", "check_job_args", "check_slow_down"]
 
@@ -62,9 +62,9 @@ _path = optional(rule(check_path))
 
 check_job_args = checked(
     strategy=_strategy,
-    precision=rule(check_choice, choices=PRECISIONS),
+    precision=rule(check_precision, allowed=JOB_PRECISIONS),
     grad_accum=rule(check_int, min=1),
-    seed=rule(check_int, min=SEED_RANGE[0], max=SEED_RANGE[1]),
+    seed=optional(rule(check_int, min=SEED_RANGE[0], max=SEED_RANGE[1])),
     checkpoint_dir=_path,
     keep_last=rule(check_int, min=1),
     metrics_file=_path,

@@ -5,15 +5,18 @@ Kept apart from :mod:`phalanx.train.job` so that module reads as the loop's stor
 
 from __future__ import annotations
 
+import copy
 import logging
 import random
 import sys
 import time
+from collections import UserDict
 from collections.abc import Iterable, Sized
 from typing import Any, cast
 
 import numpy as np
 import torch
+from torch.utils._pytree import tree_leaves, tree_map
 
 __all__ = [
     "Timer",
@@ -112,16 +115,30 @@ def configure_logging(rank: int) -> None:
         top.setLevel(logging.INFO)
 
 
+def _user_dict(value: object) -> bool:
+    return isinstance(value, UserDict)
+
+
 def to_device(batch: Any, device: torch.device) -> Any:
-    if device.type == "cpu":
-        return batch
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    return batch
+    """``batch`` with every tensor in it moved to ``device``, its structure kept.
+
+    Any nesting of what torch's pytree utilities know (tuples, lists, dicts, ``OrderedDict``,
+    ``defaultdict``, namedtuples, ``deque``) comes back as the same types. A
+    ``collections.UserDict`` (a Hugging Face ``BatchEncoding`` is one) comes back as a shallow
+    copy of the same class (``copy.copy``: its other attributes kept) whose ``data`` dict holds
+    the moved values. Anything else is left as it is.
+    """
+
+    def move(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.to(device, non_blocking=True)
+        if isinstance(value, UserDict):
+            moved = copy.copy(value)
+            moved.data = to_device(value.data, device)
+            return moved
+        return value
+
+    return tree_map(move, batch, is_leaf=_user_dict)
 
 
 def batches_left(loader: Iterable[Any], sampler: Any) -> int | None:
@@ -134,7 +151,10 @@ def batches_left(loader: Iterable[Any], sampler: Any) -> int | None:
 
 
 def batch_len(batch: Any) -> int:
-    first = batch[0] if isinstance(batch, (list, tuple)) else batch
-    if isinstance(first, dict):
-        first = next(iter(first.values()))
-    return int(first.shape[0]) if isinstance(first, torch.Tensor) else 1
+    """Samples in ``batch``: the first dimension of its first tensor (1 if it has none)."""
+    for leaf in tree_leaves(batch, is_leaf=_user_dict):
+        if isinstance(leaf, UserDict):
+            return batch_len(leaf.data)
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    return 1

@@ -207,6 +207,11 @@ class Runner:
         """(replicas, this rank's replica): ranks of one replica read the same samples."""
         return self.world.world_size, self.world.rank
 
+    def replica_group(self) -> dist.ProcessGroup | None:
+        """The group of one rank per replica that includes this rank (None: every rank), in
+        replica order: what ``Job.gather`` gathers over. Not collective (made beforehand)."""
+        return None
+
     def forward_backward(
         self,
         inputs: object,

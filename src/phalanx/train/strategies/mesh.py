@@ -18,6 +18,7 @@ from functools import partial
 from typing import ClassVar, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from phalanx._check import check_choice, check_int, optional, rule
@@ -208,6 +209,9 @@ class MeshRunner(Runner):
     def data_shard(self) -> tuple[int, int]:
         # Ranks of one replica (its pipeline stages, its tensor shards) read the same samples.
         return self.groups.topology.dp, self.groups.index("dp")
+
+    def replica_group(self) -> dist.ProcessGroup | None:
+        return self.groups.dp
 
     def forward_backward(
         self,

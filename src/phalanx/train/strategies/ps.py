@@ -95,10 +95,10 @@ class PS(Strategy):
                 f"checkpoint_dir={str(job.checkpoint_dir)!r}: parameter-server strategies do not "
                 f"checkpoint yet (the state lives on the servers); drop checkpoint_dir"
             )
-        if job.precision == "fp16":
+        if job.precision == "fp16-mixed":
             raise ValueError(
-                "precision='fp16' with a parameter server: workers would push loss-scaled "
-                "gradients; use precision='bf16' or 'fp32'"
+                "precision='fp16-mixed' with a parameter server: workers would push loss-scaled "
+                "gradients; use precision='bf16-mixed' or 'fp32'"
             )
         return PSRunner(self, world)
 
@@ -115,6 +115,7 @@ class PSRunner(Runner):
         self.report: ServerReport | None = None
         """What the server did (server ranks, once served)."""
         self.done = False
+        self.workers: dist.ProcessGroup | None = None
 
     def setup(
         self,
@@ -231,7 +232,12 @@ class PSRunner(Runner):
 
     def metrics_group(self) -> dist.ProcessGroup | None:
         """The workers' group (servers do not log); every rank calls this, in the same order."""
-        return dist.new_group(list(range(self.options.servers, self.world.world_size)))
+        self.workers = dist.new_group(list(range(self.options.servers, self.world.world_size)))
+        return self.workers
+
+    def replica_group(self) -> dist.ProcessGroup | None:
+        """The workers' group (made by :meth:`metrics_group`, which ``Job()`` calls)."""
+        return self.workers
 
     def logs_in_step(self) -> bool:
         # Workers are not in step (one may be told to stop while another is mid-epoch).

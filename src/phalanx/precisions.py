@@ -1,0 +1,70 @@
+"""One precision vocabulary for ``phalanx.Job(precision=)`` and ``phalanx plan --precision``.
+
+=================  ===========================================================  ==============
+name               what is stored and computed                                  model states
+=================  ===========================================================  ==============
+``fp32``           everything in fp32                                           4 + 4 + K
+``bf16-mixed``     bf16 autocast around the forward; fp32 parameters, gradients  4 + 4 + K
+                   and optimizer state (the master weights are the parameters)
+``fp16-mixed``     as ``bf16-mixed`` in fp16, with a gradient scaler (GPU)      4 + 4 + K
+``bf16-true``      parameters, gradients, optimizer state and inputs in bf16    2 + 2 + K/2
+``fp16-master``    the ZeRO paper's mixed precision: fp16 parameters and        2 + 2 + (K+4)
+                   gradients, an fp32 master copy in the optimizer state
+=================  ===========================================================  ==============
+
+(bytes per parameter: parameters + gradients + optimizer state, K being the optimizer's fp32
+state, 8 for Adam; Lightning's names where it has one.) ``fp16-master`` is what DeepSpeed and
+the ZeRO paper's formulas assume; ``phalanx plan`` estimates it, ``Job`` does not train in it.
+
+Old spellings keep their meaning where they had one everywhere: ``bf16`` is ``bf16-mixed`` and
+``fp16`` is ``fp16-mixed`` (``Job``'s meaning; ``phalanx plan --precision bf16`` used to mean
+pure bf16, now spelled ``bf16-true``), ``mixed`` (``phalanx plan``'s default) is
+``fp16-master``. Pure Python: the planner imports it without torch's training code.
+"""
+
+from __future__ import annotations
+
+from phalanx._check import fail
+
+__all__ = ["ALIASES", "JOB_PRECISIONS", "PRECISIONS", "check_precision", "precision_name"]
+
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp16-master")
+"""Every precision, by its one name."""
+
+JOB_PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
+"""The precisions ``phalanx.Job`` trains in."""
+
+ALIASES = {"bf16": "bf16-mixed", "fp16": "fp16-mixed", "mixed": "fp16-master"}
+"""Older spellings, each meaning what it meant wherever it was accepted."""
+
+
+def precision_name(value: str) -> str | None:
+    """The one name of ``value`` (a name or an alias); None when it is neither."""
+    if value in PRECISIONS:
+        return value
+    return ALIASES.get(value)
+
+
+def _accepted(names: tuple[str, ...]) -> str:
+    aliases = [f"{a!r} ({n})" for a, n in ALIASES.items() if n in names]
+    return ", ".join(repr(n) for n in names) + (f"; or {', '.join(aliases)}" if aliases else "")
+
+
+def check_precision(
+    name: str, value: object, *, where: str = "", allowed: tuple[str, ...] = PRECISIONS
+) -> str:
+    """``value`` as its one name, if it is one of ``allowed`` (or an alias of one).
+
+    Raises:
+        TypeError: ``value`` is not a string.
+        ValueError: an unknown precision, or one not in ``allowed``, naming the argument, the
+            value and the accepted names.
+    """
+    what = "one of " + _accepted(allowed)
+    if not isinstance(value, str):
+        raise fail(name, value, what, where=where, error=TypeError)
+    found = precision_name(value)
+    if found is None or found not in allowed:
+        fix = "" if found is None else f"{found!r} is for `phalanx plan` estimates only"
+        raise fail(name, value, what, where=where, fix=fix)
+    return found
