@@ -132,6 +132,7 @@ _SUBMODULES = (
     "parameter_server",
     "pipeline",
     "plan",
+    "precisions",
     "sharding",
     "tensor_parallel",
     "testing",
