@@ -29,28 +29,25 @@ import torch
 from torch import nn
 
 from phalanx.comm import group as pg
-from phalanx.data.eval import EvalLoader, EvalSampler
 from phalanx.data.sampler import DistributedSampler
 from phalanx.mesh.groups import ParallelGroups
 from phalanx.parameter_server import ServerReport
-from phalanx.train import job_checkpoint
-from phalanx.train.gather import Number, gather
-from phalanx.train.job_args import check_clip, check_epochs, check_job_args, check_slow_down
+from phalanx.train import job_checkpoint, job_clip, job_data
+from phalanx.train.gather import Number
+from phalanx.train.job_args import check_epochs, check_job_args, check_slow_down
+from phalanx.train.job_data import DATA_SEED
 from phalanx.train.job_phases import JobPhases
 from phalanx.train.loop_helpers import (
     Timer,
-    batch_len,
-    batches_left,
     configure_logging,
     seed_everything,
-    to_device,
 )
 from phalanx.train.lr_schedule import check_schedule
 from phalanx.train.metrics import MetricsLogger
 from phalanx.train.phases import PhaseClock
 from phalanx.train.precision import Precision
 from phalanx.train.profiling import profile
-from phalanx.train.resume_point import ResumableLoader, ResumePoint
+from phalanx.train.resume_point import ResumePoint
 from phalanx.train.slowdown import Slowdown
 from phalanx.train.straggler_rule import StragglerFinding, StragglerRule
 from phalanx.train.strategies import JobOptions, Runner, Strategy, resolve
@@ -60,11 +57,8 @@ from phalanx.train.strategies.ps import PSRunner
 
 __all__ = ["DATA_SEED", "Job"]
 
-log = logging.getLogger(__name__)
 
-DATA_SEED = 0
-"""The loaders' shuffle seed of a ``Job(seed=None)`` (torch's ``DistributedSampler`` default):
-a constant, so every rank agrees without a broadcast and every run shuffles alike."""
+log = logging.getLogger(__name__)
 
 
 class Job:
@@ -78,16 +72,9 @@ class Job:
             gradient scaler, GPU) or "bf16-true" (the model, its gradients and optimizer state
             in bf16); "bf16" and "fp16" are the mixed ones (``phalanx.precisions``).
         grad_accum: Micro-steps per optimizer step; gradients sync only on the last one.
-        seed: None (the default) touches no random generator: seed your own code as you
-            would without phalanx. An int seeds torch, numpy and random with it on every rank
-            (so a model built after ``Job()`` is the same on every rank, which strategies that
-            keep each rank's piece of the model it built need: ``Mesh`` with tp > 1, ``PS``
-            with several servers, ``TorchFSDP``; DDP, ``Zero`` and a pipeline's replicas
-            start from one rank's parameters anyway) and is the loaders' shuffle seed. With
-            None the shuffle seed is :data:`DATA_SEED` (0, torch's ``DistributedSampler``
-            default): the same on every rank without communication, and the same run after
-            run, so a resumed job (which also restores the sampler's seed from the
-            checkpoint) shuffles as the saved one.
+        seed: None (the default) touches no random generator; an int seeds torch, numpy and
+            random on every rank and is the loaders' shuffle seed (see :data:`DATA_SEED` for
+            None, and for the strategies that need equal builds on every rank).
         checkpoint_dir: Where :meth:`save` writes and :meth:`epochs` resumes from.
         keep_last: Committed checkpoints to keep.
         metrics_file: JSONL file for :meth:`log` (default ``checkpoint_dir/metrics.jsonl``).
@@ -196,11 +183,8 @@ class Job:
         :class:`phalanx.models.GPT`, whose default is the vocabulary-parallel cross-entropy
         over ``job.groups.tp``.
 
-        ``schedule`` says when the job steps ``scheduler`` (see :mod:`phalanx.train.lr_schedule`):
-        "step" after each optimizer step (Accelerate's way; parameter servers step it on the
-        servers), "epoch" at the end of each epoch, "manual" never (call ``scheduler.step()``
-        yourself; ``ReduceLROnPlateau`` needs this, for ``scheduler.step(val_loss)``). It is
-        checkpointed and resumed whichever it is.
+        ``schedule`` says when the job steps ``scheduler``: "step" (after each optimizer step),
+        "epoch" or "manual" (``ReduceLROnPlateau``; see :mod:`phalanx.train.lr_schedule`).
         """
         self.schedule = check_schedule(schedule, scheduler, self.runner)
         self.precision.place(model, self.world.device)
@@ -222,72 +206,16 @@ class Job:
         eval: bool = False,
         **kwargs: object,
     ) -> torch.utils.data.DataLoader[object]:
-        """A DataLoader over this rank's shard: ranks of one replica read the same samples,
-        replicas different ones.
-
-        Training (the default, shuffled unless ``shuffle=False``): the job's sampler
-        (``phalanx.DistributedSampler``, :attr:`sampler`), which pads the replicas to equal
-        full batches (``even_batches``) and is set to each epoch by :meth:`epochs`; its
-        position advances as batches are handed out (loop over the loader or
-        ``job.progress(loader)``), so :meth:`save` can be called after any step.
-
-        ``eval=True``: every sample exactly once over the replicas, never repeated nor dropped
-        (``phalanx.data.eval.EvalSampler``: contiguous blocks, in the dataset's order unless
-        ``shuffle=True``). Replicas may get different numbers of batches, so run no collective
-        per batch: collect the outputs and :meth:`gather` them after the loop. It is not the
-        job's sampler (checkpoints neither record nor change it); ``drop_last`` and
-        ``even_batches`` do not apply.
-        """
-        replicas, replica = self.runner.data_shard()
-        for given in ("sampler", "batch_sampler"):
-            if given in kwargs:
-                raise ValueError(
-                    f"Job.loader({given}={kwargs[given]!r}): the job builds its own sampler "
-                    f"(eval=True for evaluation); drop {given}="
-                )
-        if eval:  # not shuffled unless asked; not the job's sampler
-            order = False if shuffle is None else shuffle
-            sampler = EvalSampler(dataset, replicas, replica, order, self.data_seed)
-            return EvalLoader(dataset, batch_size, sampler=sampler, **kwargs)  # type: ignore[arg-type]
-        self.sampler = DistributedSampler(
-            dataset,
-            num_replicas=replicas,
-            rank=replica,
-            shuffle=True if shuffle is None else shuffle,
-            seed=self.data_seed,
-            drop_last=drop_last,
-            even_batches=even_batches,
-            batch_size=batch_size,
-        )
-        self._resume_point.follow(self.sampler)
-        return ResumableLoader(
-            self._resume_point,
-            dataset,
-            batch_size=batch_size,
-            sampler=self.sampler,
-            drop_last=drop_last,
-            **kwargs,
+        """A DataLoader over this rank's shard: the job's resumable training loader, or with
+        ``eval=True`` one that reads every sample exactly once (``train/job_data.py``)."""
+        return job_data.make_loader(
+            self, dataset, batch_size, shuffle, drop_last, even_batches, eval, kwargs
         )
 
     def gather(self, value: torch.Tensor | Number) -> torch.Tensor | list[Number]:
-        """``value`` from every replica, in replica (rank) order: exact evaluation metrics.
-
-        A tensor of any leading size per rank (the predictions of an ``eval=True`` loader's
-        uneven batches, concatenated) comes back as one tensor joined along dimension 0; a
-        Python number as the list of every replica's. Ranks of one replica (pipeline stages,
-        tensor shards of a ``phalanx.Mesh``) read the same samples, so the gather runs over
-        the data-parallel group only (``job.groups.dp``; the workers of a parameter server).
-        Collective: every rank of that group calls it, once per value (after the eval loop,
-        not per batch). Nothing is dropped or deduplicated: an eval loader pads nothing.
-
-        Raises:
-            TypeError: ``value`` is neither a tensor nor a number.
-            ValueError: the ranks' tensors differ in dtype or beyond the first dimension
-                (on every rank alike); called on a parameter-server rank.
-        """
-        if self.is_server:
-            raise ValueError("Job.gather(): a parameter-server rank holds no replica's values")
-        return gather(value, self.runner.replica_group(), self.world.device)
+        """``value`` from every replica in rank order, for exact evaluation metrics
+        (collective over the data-parallel group; ``train/job_data.py``)."""
+        return job_data.gather_values(self, value)
 
     @check_slow_down
     def slow_down(self, who: int | str, factor: float) -> None:
@@ -318,48 +246,9 @@ class Job:
         self.runner.finish()
 
     def progress(self, loader: Iterable[object], desc: str | None = None) -> Iterator[object]:
-        """Iterate ``loader`` with a progress bar on rank 0, moving batches to the device.
-
-        Batches of any structure are moved (tensors inside tuples, lists, dicts, namedtuples,
-        ``UserDict`` mappings such as Hugging Face's ``BatchEncoding``; see
-        ``loop_helpers.to_device``). An ``eval=True`` loader's batches are only moved: no
-        step timing, gradient-sync flag or parameter-server pull around them.
-        """
-        from phalanx.train.progress import progress
-
-        shown = self.world.rank == self.runner.progress_rank()
-        if isinstance(loader, EvalLoader):  # also after training (parameter-server workers)
-            bar = progress(loader, desc=desc or "eval", total=len(loader), enabled=shown)
-            for batch in bar if not self.is_server else ():
-                yield to_device(batch, self.world.device)
-            return
-        if self.runner.serving():
-            return
-        total = batches_left(loader, self.sampler)
-        bar = progress(loader, desc=desc or f"epoch {self.epoch}", total=total, enabled=shown)
-        self._timer.start_epoch()
-        self.timing.enter("data")
-        try:
-            for i, batch in enumerate(bar):
-                self._last_batch = total is not None and i == total - 1
-                self._arm_sync()
-                if not self._before_batch():
-                    break
-                batch = to_device(batch, self.world.device)
-                self.timing.mark_batch()
-                yield batch
-                self._timer.count(batch_len(batch))
-                self.profiler.step()
-        finally:  # evaluation and checkpoints between epochs are no step's phase
-            self.timing.enter(None)
-
-    def _before_batch(self) -> bool:
-        """Pull fresh parameters (parameter servers) and start the step's clock; False: stop."""
-        if not self.runner.before_batch():
-            return False
-        if self.slowdown is not None:
-            self.slowdown.begin()
-        return True
+        """Iterate ``loader`` with a progress bar on rank 0, moving batches (of any structure:
+        ``loop_helpers.to_device``) to the device; ``train/job_data.py``."""
+        return job_data.progress(self, loader, desc)
 
     def _arm_sync(self) -> None:
         # DDP decides at *forward* time whether the coming backward communicates (torch's and
@@ -386,32 +275,10 @@ class Job:
         self.timing.enter("optimizer")
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the gradients by the whole model's norm, as ``torch.nn.utils.clip_grad_norm_``
-        on one process would; return that norm (a tensor). Call it between the last
-        ``backward`` of a step and ``step()``.
-
-        In fp16 the gradients are unscaled first (the scaler's ``unscale_``, once per step:
-        ``step()`` then does not unscale again). The norm spans every rank's part where
-        parameters are split: ZeRO-1/2's optimizer ranges, ZeRO-3's flat shards, a mesh's
-        pipeline stages and tensor shards (collective there: every rank calls it). On a
-        micro-step whose gradients are still accumulating (``grad_accum``) nothing is clipped
-        and NaN is returned: clip on the step where ``step()`` will return True.
-
-        Raises:
-            ValueError: a parameter-server strategy (the servers apply each worker's own
-                gradient), no model set up, or a bad ``max_norm`` / ``norm_type``.
-        """
-        max_norm, norm_type = check_clip(max_norm, norm_type)
-        if self.model is None:
-            raise ValueError("Job.clip_grad_norm_() needs Job.setup(model, ...) first")
-        if not (self._micro + 1 >= self.grad_accum or self._last_batch):
-            return torch.tensor(float("nan"))
-        scaler = self.precision.scaler
-        if scaler is not None:
-            if self.optimizer is None:
-                raise ValueError("Job.clip_grad_norm_() in fp16 needs the optimizer in setup()")
-            scaler.unscale_(self.optimizer)
-        return self.runner.clip_grad_norm_(max_norm, norm_type)
+        """Clip the gradients by the whole model's norm and return it, as torch's
+        ``clip_grad_norm_`` on one process; call it between the step's last ``backward`` and
+        ``step()`` (unscaled first in fp16; see ``train/job_clip.py``)."""
+        return job_clip.clip(self, max_norm, norm_type)
 
     def step(self, optimizer: torch.optim.Optimizer | None = None) -> bool:
         """Step the optimizer (and with ``schedule="step"`` the scheduler) at the end of an
@@ -441,18 +308,9 @@ class Job:
 
     # ---- metrics and checkpoints -----------------------------------------------------------------
     def track(self, name: str, obj: Stateful) -> Stateful:
-        """Checkpoint ``obj`` under ``name`` with every :meth:`save`; load it when the job
-        resumes. Returns ``obj``.
-
-        ``obj`` is anything with ``state_dict()`` / ``load_state_dict()`` (torch's ``Stateful``
-        protocol: a metric, an EMA of the weights, a data-loader state, a counter...) whose
-        state is tensors and JSON-able values (nothing is pickled); rank 0's is saved and every
-        rank loads it. Call it before ``job.epochs()``, which resumes.
-
-        Raises:
-            TypeError: ``name`` is not a string, or ``obj`` lacks the two methods.
-            ValueError: ``name`` is empty or tracked already, or the job has resumed already.
-        """
+        """Checkpoint ``obj`` (anything with ``state_dict()`` / ``load_state_dict()``) under
+        ``name`` with every :meth:`save` and load it on resume; call it before ``epochs()``.
+        Returns ``obj`` (``train/job_checkpoint.py``)."""
         job_checkpoint.track(self, name, obj)
         return obj
 
@@ -484,14 +342,10 @@ class Job:
     def summary(self) -> dict[str, float]:
         """Samples/s over the job, this rank's seconds waiting for communication
         (``comm_wait_seconds``) and their share of its time (``comm_share``; :meth:`phase_shares`
-        has each phase's). Both are NaN where the strategy's wait is not measured (a torch
-        version without the hook used), never a silent 0."""
-        share = self.timing.shares()["communication_share"]
-        waited = sum(self.timing.clock.total_wait)
-        if not self.runner.comm_measured:
-            share = waited = float("nan")
+        has each phase's). Both are NaN where the strategy's wait is not measured, never a
+        silent 0."""
         times = self._timer.summary(self.world.world_size)
-        return {**times, "comm_share": share, "comm_wait_seconds": waited}
+        return {**times, **self.timing.comm_summary(self.runner.comm_measured)}
 
     def phase_shares(self) -> dict[str, float]:
         """Each phase's share of this rank's measured time (``data_share``, ...,

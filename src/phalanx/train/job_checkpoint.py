@@ -29,7 +29,17 @@ log = logging.getLogger(__name__)
 
 
 def track(job: Job, name: object, obj: object) -> None:
-    """Add ``obj`` to ``job.tracked`` under ``name`` (see :meth:`phalanx.Job.track`)."""
+    """Add ``obj`` to ``job.tracked`` under ``name`` (:meth:`phalanx.Job.track`).
+
+    ``obj`` is anything with ``state_dict()`` / ``load_state_dict()`` (torch's ``Stateful``
+    protocol: a metric, an EMA of the weights, a data-loader state, a counter...) whose state is
+    tensors and JSON-able values (nothing is pickled); rank 0's is saved and every rank loads
+    it. Call it before ``job.epochs()``, which resumes.
+
+    Raises:
+        TypeError: ``name`` is not a string, or ``obj`` lacks the two methods.
+        ValueError: ``name`` is empty or tracked already, or the job has resumed already.
+    """
     where = "Job.track"
     name = check_str("name", name, where=where)
     if not name:

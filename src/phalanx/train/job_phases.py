@@ -104,6 +104,13 @@ class JobPhases:
         """Each phase's share of this rank's measured time."""
         return self.clock.shares()
 
+    def comm_summary(self, measured: bool) -> dict[str, float]:
+        """``comm_share`` and ``comm_wait_seconds``: NaN where the wait is not ``measured``."""
+        if not measured:
+            return {"comm_share": float("nan"), "comm_wait_seconds": float("nan")}
+        share = self.shares()["communication_share"]
+        return {"comm_share": share, "comm_wait_seconds": sum(self.clock.total_wait)}
+
     def close(self) -> None:
         if self.monitor is not None:
             self.monitor.close()

@@ -1,0 +1,151 @@
+"""The data side of :class:`phalanx.Job`: its loaders, exact evaluation and ``gather``.
+
+Training loaders use the job's sampler (``phalanx.DistributedSampler``): it pads the replicas to
+equal full batches (``even_batches``), is set to each epoch by ``Job.epochs`` and its position
+advances as batches are handed out (loop over the loader or ``job.progress(loader)``), so
+``Job.save`` can be called after any step (:mod:`phalanx.train.resume_point`).
+
+``eval=True`` loaders read every sample exactly once over the replicas, never repeated nor
+dropped (``phalanx.data.eval.EvalSampler``: contiguous blocks, in the dataset's order unless
+``shuffle=True``). Replicas may get different numbers of batches, so run no collective per
+batch: collect the outputs and ``job.gather`` them after the loop. An eval loader is not the
+job's sampler (checkpoints neither record nor change it); ``drop_last`` and ``even_batches``
+do not apply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sized
+from typing import TYPE_CHECKING
+
+import torch
+
+from phalanx.data.eval import EvalLoader, EvalSampler
+from phalanx.data.sampler import DistributedSampler
+from phalanx.train.gather import Number, gather
+from phalanx.train.loop_helpers import batch_len, batches_left, to_device
+from phalanx.train.resume_point import ResumableLoader
+
+if TYPE_CHECKING:  # the job calls these with itself; no import at run time
+    from phalanx.train.job import Job
+
+__all__ = ["DATA_SEED", "gather_values", "make_loader", "progress"]
+
+DATA_SEED = 0
+"""The loaders' shuffle seed of a ``Job(seed=None)`` (torch's ``DistributedSampler`` default):
+a constant, so every rank agrees without a broadcast, every run shuffles alike, and a resumed job
+(which also restores the sampler's seed) shuffles as the saved one. Strategies that keep each
+rank's own build of the model (``Mesh`` with tp > 1, ``PS`` with several servers,
+``TorchFSDP``) need ``Job(seed=N)`` or an equal build on every rank; DDP, ``Zero`` and a
+pipeline's replicas start from one rank's parameters anyway."""
+
+
+def make_loader(
+    job: Job,
+    dataset: Sized,
+    batch_size: int,
+    shuffle: bool | None,
+    drop_last: bool,
+    even_batches: bool,
+    eval: bool,
+    kwargs: dict[str, object],
+) -> torch.utils.data.DataLoader[object]:
+    """``job.loader(...)``: ranks of one replica read the same samples, replicas different ones."""
+    replicas, replica = job.runner.data_shard()
+    for given in ("sampler", "batch_sampler"):
+        if given in kwargs:
+            raise ValueError(
+                f"Job.loader({given}={kwargs[given]!r}): the job builds its own sampler "
+                f"(eval=True for evaluation); drop {given}="
+            )
+    if eval:  # not shuffled unless asked; not the job's sampler
+        order = False if shuffle is None else shuffle
+        sampler = EvalSampler(dataset, replicas, replica, order, job.data_seed)
+        return EvalLoader(dataset, batch_size, sampler=sampler, **kwargs)  # type: ignore[arg-type]
+    job.sampler = DistributedSampler(
+        dataset,
+        num_replicas=replicas,
+        rank=replica,
+        shuffle=True if shuffle is None else shuffle,
+        seed=job.data_seed,
+        drop_last=drop_last,
+        even_batches=even_batches,
+        batch_size=batch_size,
+    )
+    job._resume_point.follow(job.sampler)
+    return ResumableLoader(
+        job._resume_point,
+        dataset,
+        batch_size=batch_size,
+        sampler=job.sampler,
+        drop_last=drop_last,
+        **kwargs,
+    )
+
+
+def progress(job: Job, loader: Iterable[object], desc: str | None) -> Iterator[object]:
+    """``job.progress(loader)``: batches moved to the device, with a bar on one rank.
+
+    Batches of any structure are moved (tensors inside tuples, lists, dicts, namedtuples,
+    ``UserDict`` mappings such as Hugging Face's ``BatchEncoding``; see
+    ``loop_helpers.to_device``). A training loader's batch is a micro-step: the gradient-sync
+    flag is armed, parameter servers pull, phases are marked. An ``eval=True`` loader's batches
+    are only moved (also after training, on parameter-server workers).
+    """
+    from phalanx.train.progress import progress as bar_over
+
+    shown = job.world.rank == job.runner.progress_rank()
+    if isinstance(loader, EvalLoader):
+        bar = bar_over(loader, desc=desc or "eval", total=len(loader), enabled=shown)
+        for batch in bar if not job.is_server else ():
+            yield to_device(batch, job.world.device)
+        return
+    if job.runner.serving():
+        return
+    total = batches_left(loader, job.sampler)
+    bar = bar_over(loader, desc=desc or f"epoch {job.epoch}", total=total, enabled=shown)
+    job._timer.start_epoch()
+    job.timing.enter("data")
+    try:
+        for i, batch in enumerate(bar):
+            job._last_batch = total is not None and i == total - 1
+            job._arm_sync()
+            if not _before_batch(job):
+                break
+            batch = to_device(batch, job.world.device)
+            job.timing.mark_batch()
+            yield batch
+            job._timer.count(batch_len(batch))
+            job.profiler.step()
+    finally:  # evaluation and checkpoints between epochs are no step's phase
+        job.timing.enter(None)
+
+
+def _before_batch(job: Job) -> bool:
+    """Pull fresh parameters (parameter servers) and start the step's clock; False: stop."""
+    if not job.runner.before_batch():
+        return False
+    if job.slowdown is not None:
+        job.slowdown.begin()
+    return True
+
+
+def gather_values(job: Job, value: torch.Tensor | Number) -> torch.Tensor | list[Number]:
+    """``value`` from every replica, in replica (rank) order: exact evaluation metrics.
+
+    A tensor of any leading size per rank (the predictions of an ``eval=True`` loader's uneven
+    batches, concatenated) comes back as one tensor joined along dimension 0; a Python number
+    as the list of every replica's. Ranks of one replica (pipeline stages, tensor shards of a
+    ``phalanx.Mesh``) read the same samples, so the gather runs over the data-parallel group
+    only (``job.groups.dp``; the workers of a parameter server). Collective: every rank of that
+    group calls it, once per value (after the eval loop, not per batch). Nothing is dropped or
+    deduplicated: an eval loader pads nothing.
+
+    Raises:
+        TypeError: ``value`` is neither a tensor nor a number.
+        ValueError: the ranks' tensors differ in dtype or beyond the first dimension (on every
+            rank alike); called on a parameter-server rank.
+    """
+    if job.is_server:
+        raise ValueError("Job.gather(): a parameter-server rank holds no replica's values")
+    return gather(value, job.runner.replica_group(), job.world.device)
