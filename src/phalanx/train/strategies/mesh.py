@@ -26,6 +26,7 @@ from phalanx.comm.group import World
 from phalanx.mesh import ParallelConfig, ParallelGroups, ParallelModel, make_groups, parallelize
 from phalanx.pipeline.balance import balance_arg
 from phalanx.pipeline.schedules import SCHEDULES
+from phalanx.train.grad_scaler import GradShards
 from phalanx.train.precision import Precision
 from phalanx.train.strategies.base import (
     JobOptions,
@@ -120,6 +121,12 @@ class Mesh(Strategy):
                 f"grad_accum={job.grad_accum} with a pipeline (pp={config.pp}): the pipeline "
                 f"already accumulates over micro_batches={config.micro_batches}; raise that "
                 f"instead"
+            )
+        if config.pp > 1 and job.precision == "fp16-mixed":
+            raise ValueError(
+                f"precision='fp16-mixed' with a pipeline (pp={config.pp}): the pipeline's "
+                f"schedule runs its own backward, without the fp16 loss scaler; use "
+                f"precision='bf16-mixed', or pp=1"
             )
         return MeshRunner(self, world, config, make_groups(config.topology(world.world_size)))
 
@@ -229,6 +236,12 @@ class MeshRunner(Runner):
         """Over the whole model: summed over stages and tensor shards (``mesh/clip.py``)."""
         assert self.parallel is not None
         return self.parallel.clip_grad_norm_(max_norm, norm_type)
+
+    def grad_shards(self, optimizer: torch.optim.Optimizer) -> GradShards | None:
+        """fp16: tensor shards hold different gradients, so overflows are agreed over every
+        rank (one all-reduce; data-parallel replicas hold equal, averaged ones anyway)."""
+        agree = self.groups.topology.tp * self.groups.topology.pp > 1
+        return GradShards(optimizer, agree) if agree else None
 
     def checkpointed(self, saving: bool) -> tuple[nn.Module | None, torch.optim.Optimizer | None]:
         """Per-rank pieces keyed by the unsplit model's names (``mesh/checkpoint.py``)."""

@@ -10,6 +10,7 @@ from torch import nn
 
 from phalanx.comm.group import World
 from phalanx.train.comm_timing import time_torch_fsdp
+from phalanx.train.grad_scaler import GradShards
 from phalanx.train.strategies.base import JobOptions, Runner, Strategy
 from phalanx.train.strategies.optimizers import rebuild_one_group, unit_policy
 
@@ -51,6 +52,12 @@ class TorchFSDP(Strategy):
 
         total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
         return total.full_tensor() if isinstance(total, DTensor) else total
+
+    def grad_shards(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, world: World
+    ) -> GradShards | None:
+        """fp16: each rank checks its DTensor shards; overflows are agreed over every rank."""
+        return GradShards(optimizer, agree=True) if world.world_size > 1 else None
 
     def measure_comm(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> bool:
         return time_torch_fsdp(model)
