@@ -37,6 +37,7 @@ from phalanx.train.strategies.base import (
     Strategy,
     check_fields,
 )
+from phalanx.train.strategies.initial_state import start_from_rank0
 from phalanx.train.strategies.optimizers import rebuild_by_name
 
 __all__ = ["Mesh", "MeshRunner", "default_loss"]
@@ -184,6 +185,8 @@ class MeshRunner(Runner):
                 f"loss_fn=...) for a {type(model).__name__}: the loss is computed inside the "
                 f"parallel step (on the last pipeline stage)"
             )
+        if config.tp > 1:  # each rank slices its shards from its own build (seed=None)
+            start_from_rank0(model)
         names = {id(p): name for name, p in model.named_parameters()}
         parallel = parallelize(model, self.groups, config, loss_fn)
         # Autocast where the forward runs: around each local pipeline chunk, or the whole model.

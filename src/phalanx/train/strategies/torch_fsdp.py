@@ -12,6 +12,7 @@ from phalanx.comm.group import World
 from phalanx.train.comm_timing import time_torch_fsdp
 from phalanx.train.grad_scaler import GradShards
 from phalanx.train.strategies.base import JobOptions, Runner, Strategy
+from phalanx.train.strategies.initial_state import start_from_rank0
 from phalanx.train.strategies.optimizers import rebuild_one_group, unit_policy
 
 __all__ = ["TorchFSDP"]
@@ -19,7 +20,8 @@ __all__ = ["TorchFSDP"]
 
 @dataclass(frozen=True)
 class TorchFSDP(Strategy):
-    """``fully_shard`` on each unit and the root; not checkpointed (its parameters are DTensors)."""
+    """``fully_shard`` on each unit and the root, from rank 0's parameters; not checkpointed
+    (its parameters are DTensors)."""
 
     name: ClassVar[str] = "torch-fsdp"
     rebuilds_optimizer: ClassVar[bool] = True
@@ -30,6 +32,7 @@ class TorchFSDP(Strategy):
     def wrap(self, model: nn.Module, world: World) -> nn.Module:
         from torch.distributed.fsdp import fully_shard
 
+        start_from_rank0(model)  # each rank keeps a shard of its own build (seed=None)
         for unit in unit_policy(model):
             fully_shard(unit)
         fully_shard(model)
