@@ -1,4 +1,5 @@
-"""``precision="fp16-mixed"`` on 2 gloo ranks (CPU autocast, torch's CPU gradient scaler).
+"""``precision="fp16-mixed"`` on 2 gloo ranks, and a dp x tp mesh on 4 (CPU autocast, torch's CPU
+gradient scaler).
 
 Each strategy trains like one process running the ranks' half-batches as micro-batches under
 the same scaler settings, and an inf injected into ONE rank's gradient makes every rank skip
@@ -152,9 +153,9 @@ def test_fp16_matches_one_process_and_every_rank_skips_an_overflow(strategy: str
                 assert torch.equal(p, want), f"rank {rank} step {step}: not the reference's"
 
 
-def _gpt_data() -> torch.utils.data.TensorDataset:
+def _gpt_data(replicas: int = 1) -> torch.utils.data.TensorDataset:
     g = torch.Generator().manual_seed(3)
-    x = torch.randint(0, 65, (STEPS * PER_RANK, 16), generator=g)
+    x = torch.randint(0, 65, (STEPS * PER_RANK * replicas, 16), generator=g)
     return torch.utils.data.TensorDataset(x, torch.randint(0, 65, x.shape, generator=g))
 
 
@@ -169,20 +170,20 @@ def _poison_hook(on: dict[str, bool]) -> Any:
     return hook
 
 
-def _gpt_job() -> dict[str, Any]:
-    """Mesh(tp=2): rank 1 poisons one of its own shard's gradients at POISONED."""
+def _gpt_job(dp: int) -> dict[str, Any]:
+    """Mesh(dp=dp, tp=2): rank 1 poisons one of its own shard's gradients at POISONED."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = GPT(GPTConfig(65, 16, 2, 4, 32))
     ref = copy.deepcopy(model)
-    job = phalanx.Job(phalanx.Mesh(tp=2), precision="fp16-mixed")
+    job = phalanx.Job(phalanx.Mesh(dp=dp, tp=2), precision="fp16-mixed")
     job.precision.configure_scaler(init_scale=SCALE, growth_interval=GROWTH)
     job.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
     assert job.model is not None and job.precision.scaler is not None
     on = {"now": False}
     next(job.model.parameters()).register_hook(_poison_hook(on))
     losses, scales, skipped = [], [], []
-    for step, (x, y) in enumerate(job.progress(job.loader(_gpt_data(), PER_RANK, shuffle=False))):
+    for step, (x, y) in enumerate(job.progress(job.loader(_gpt_data(dp), PER_RANK, shuffle=False))):
         on["now"] = step == POISONED and job.world.rank == 1
         before = [p.detach().clone() for p in job.model.parameters()]
         losses.append(float(job.forward_backward(x, y)))
@@ -190,8 +191,13 @@ def _gpt_job() -> dict[str, Any]:
         scales.append(job.precision.scaler.get_scale())
         after = list(job.model.parameters())
         skipped.append(all(torch.equal(a, b) for a, b in zip(before, after, strict=True)))
+    params = [p.detach().clone() for p in job.model.parameters()]
     job.close()
-    return {"losses": losses, "scales": scales, "skipped": skipped, "ref": _gpt_reference(ref)}
+    reference = _gpt_reference(ref) if dp == 1 else None
+    return {
+        "losses": losses, "scales": scales, "skipped": skipped, "params": params,
+        "ref": reference,
+    }  # fmt: skip
 
 
 def _gpt_reference(model: nn.Module) -> list[float]:
@@ -220,9 +226,22 @@ most on these losses; 4 fp16 units of margin."""
 
 
 def test_fp16_tensor_parallel_agrees_on_one_shards_overflow() -> None:
-    ranks = run_distributed(_gpt_job, world_size=2, timeout=90)
+    ranks = run_distributed(_gpt_job, 1, world_size=2, timeout=90)
     for got in ranks:
         assert got["scales"] == [SCALE, SCALE / 2, SCALE / 2, SCALE]
         assert got["skipped"] == [step == POISONED for step in range(STEPS)]
         assert got["losses"] == pytest.approx(got["ref"], rel=GPT_RTOL)
     assert ranks[0]["losses"] == ranks[1]["losses"]
+
+
+def test_fp16_dp_by_tp_mesh_agrees_on_one_shards_overflow() -> None:
+    # dp=2 x tp=2: rank 1's inf reaches rank 3 (its data-parallel peer) through DDP's
+    # all-reduce, never ranks 0 and 2 (the other tensor shard): they skip because they agree.
+    ranks = run_distributed(_gpt_job, 2, world_size=4, timeout=120)
+    for got in ranks:
+        assert got["scales"] == [SCALE, SCALE / 2, SCALE / 2, SCALE]
+        assert got["skipped"] == [step == POISONED for step in range(STEPS)]
+    for a, b in ((0, 2), (1, 3)):  # data-parallel replicas of one tensor shard stay identical
+        assert all(
+            torch.equal(p, q) for p, q in zip(ranks[a]["params"], ranks[b]["params"], strict=True)
+        )
