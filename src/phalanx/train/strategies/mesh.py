@@ -241,8 +241,9 @@ class MeshRunner(Runner):
         return self.parallel.clip_grad_norm_(max_norm, norm_type)
 
     def grad_shards(self, optimizer: torch.optim.Optimizer) -> GradShards | None:
-        """fp16: tensor shards hold different gradients, so overflows are agreed over every
-        rank (one all-reduce; data-parallel replicas hold equal, averaged ones anyway)."""
+        """fp16: tensor shards (and pipeline stages, which refuse fp16 for now) hold different
+        gradients, so overflows are agreed over every rank: one all-reduce of one flag
+        (data-parallel replicas hold equal, averaged gradients anyway)."""
         agree = self.groups.topology.tp * self.groups.topology.pp > 1
         return GradShards(optimizer, agree) if agree else None
 

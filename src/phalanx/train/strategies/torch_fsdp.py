@@ -59,7 +59,8 @@ class TorchFSDP(Strategy):
     def grad_shards(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, world: World
     ) -> GradShards | None:
-        """fp16: each rank checks its DTensor shards; overflows are agreed over every rank."""
+        """fp16: each rank checks its DTensor shards; overflows are agreed over every rank
+        (torch 2.13's DTensor unscale was seen to agree by itself; one flag more keeps it so)."""
         return GradShards(optimizer, agree=True) if world.world_size > 1 else None
 
     def measure_comm(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> bool:
