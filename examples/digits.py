@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> float:
     )
     parser.add_argument("--checkpoint-dir", default="runs/digits")
     parser.add_argument(
-        "--precision", default="fp32", help="fp32, bf16-mixed or bf16-true (fp16-mixed on GPU)"
+        "--precision", default="fp32", help="fp32, bf16-mixed, fp16-mixed or bf16-true"
     )
     parser.add_argument("--grad-accum", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0, help="seeds torch, numpy, random")

@@ -6,7 +6,7 @@ name               what is stored and computed                                  
 ``fp32``           everything in fp32                                           4 + 4 + K
 ``bf16-mixed``     bf16 autocast around the forward; fp32 parameters, gradients  4 + 4 + K
                    and optimizer state (the master weights are the parameters)
-``fp16-mixed``     as ``bf16-mixed`` in fp16, with a gradient scaler (GPU)      4 + 4 + K
+``fp16-mixed``     as ``bf16-mixed`` in fp16, with a gradient scaler            4 + 4 + K
 ``bf16-true``      parameters, gradients, optimizer state and inputs in bf16    2 + 2 + K/2
 ``fp16-master``    the ZeRO paper's mixed precision: fp16 parameters and        2 + 2 + (K+4)
                    gradients, an fp32 master copy in the optimizer state

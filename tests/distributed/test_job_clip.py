@@ -1,11 +1,14 @@
 """``job.clip_grad_norm_`` on 2 gloo ranks clips like ``torch.nn.utils.clip_grad_norm_`` on one
 process over the global batch: ddp (whole gradients), zero1/zero2 (optimizer ranges), zero3
 (flat shards), a tensor-parallel GPT (tp=2, shards plus replicated parameters) and a pipelined
-one (pp=2, each stage its own parameters), in fp32 and, with torch's CPU gradient scaler, on
-unscaled gradients.
+one (pp=2, each stage its own parameters), in fp32 and in ``precision="fp16-mixed"`` (CPU
+autocast and torch's CPU gradient scaler), on unscaled gradients.
 
-``max_norm`` is small enough that every step clips. Tolerance: float32 reassociation of the
-averaged gradient and of the norm's partial sums (the same as the strategies' parity tests).
+``max_norm`` is small enough that every step clips. The one-process reference runs each rank's
+half-batch as a micro-batch (loss halved, gradients accumulated): in fp16 the rounding of each
+half's fp16 backward is then the one a rank does, and the halving, the scale and the unscaling
+are powers of two (exact). Tolerance: float32 reassociation of the norm's partial sums over the
+shards (the same as the strategies' parity tests).
 """
 
 from __future__ import annotations
@@ -37,13 +40,28 @@ def _mlp_data() -> torch.utils.data.TensorDataset:
     )
 
 
-def _mlp_reference(norm_type: float) -> dict[str, Any]:
+def _halves(step: int) -> list[list[int]]:
+    """The samples each of the 2 ranks reads at ``step`` (the job's sampler, unshuffled)."""
+    data = _mlp_data()
+    ranks = [list(phalanx.DistributedSampler(data, 2, r, shuffle=False)) for r in range(2)]
+    return [idx[step * PER_RANK : (step + 1) * PER_RANK] for idx in ranks]
+
+
+def _mlp_reference(norm_type: float, fp16: bool) -> dict[str, Any]:
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    x, y = _mlp_data().tensors
     norms = []
-    for x, y in torch.utils.data.DataLoader(_mlp_data(), batch_size=2 * PER_RANK):
+    for step in range(STEPS):
         opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
+        for half in _halves(step):
+            with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
+                out = model(x[half])
+            scale = SCALE if fp16 else 1.0
+            (nn.functional.mse_loss(out, y[half]) * (scale / 2)).backward()
+        for p in model.parameters():
+            assert p.grad is not None
+            p.grad.div_(scale)  # a power of two: exact
         norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, norm_type)))
         opt.step()
     return {"norms": norms, "params": [p.detach().clone() for p in model.parameters()]}
@@ -52,9 +70,9 @@ def _mlp_reference(norm_type: float) -> dict[str, Any]:
 def _mlp_job(strategy: str, fp16: bool, norm_type: float) -> dict[str, Any]:
     torch.set_num_threads(1)
     model = _mlp()
-    job = phalanx.Job(strategy)
-    if fp16:  # torch's CPU scaler: the loss is scaled, the clip must see unscaled gradients
-        job.precision.scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    job = phalanx.Job(strategy, precision="fp16-mixed" if fp16 else "fp32")
+    if fp16:  # the loss is scaled, the clip must see unscaled gradients
+        job.precision.configure_scaler(init_scale=SCALE)
     model, _ = job.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
     norms = []
     for x, y in job.progress(job.loader(_mlp_data(), batch_size=PER_RANK, shuffle=False)):
@@ -85,6 +103,8 @@ MLP_CASES = [
     ("zero3", False, 2.0),
     ("zero3", False, 1.0),
     ("ddp", True, 2.0),
+    ("zero1", True, 2.0),
+    ("zero2", True, 2.0),
     ("zero3", True, 2.0),
     ("torch-zero1", False, 2.0),
     ("torch-fsdp", False, 2.0),
@@ -94,7 +114,7 @@ MLP_CASES = [
 @pytest.mark.parametrize(("strategy", "fp16", "norm_type"), MLP_CASES)
 def test_clip_matches_one_process(strategy: str, fp16: bool, norm_type: float) -> None:
     results = run_distributed(_mlp_job, strategy, fp16, norm_type, world_size=2, timeout=90)
-    ref = _mlp_reference(norm_type)
+    ref = _mlp_reference(norm_type, fp16)
     assert ref["norms"][0] > MAX_NORM  # the reference clips: the test sees clipping
     for got in results:
         assert got["scale"] == (SCALE if fp16 else None)  # no inf/nan skipped a step

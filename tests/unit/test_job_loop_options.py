@@ -42,12 +42,15 @@ def _params(model: nn.Module) -> list[torch.Tensor]:
 def test_clip_in_fp16_sees_unscaled_gradients_and_step_unscales_once() -> None:
     x, y = _data().tensors
     ref = _model()
-    nn.functional.mse_loss(ref(x), y).backward()
+    with torch.autocast("cpu", dtype=torch.float16):  # fp16's forward, on CPU as on a GPU
+        loss = nn.functional.mse_loss(ref(x), y)
+    loss.backward()
     want = nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
     torch.optim.SGD(ref.parameters(), lr=LR).step()
-    with phalanx.Job("single") as job:
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)  # Job(precision="fp16") is GPU's
-        job.precision.scaler = scaler
+    with phalanx.Job("single", precision="fp16-mixed") as job:
+        job.precision.configure_scaler(init_scale=2.0**12)
+        scaler = job.precision.scaler
+        assert scaler is not None
         model = _model()
         model, _ = job.setup(model, torch.optim.SGD(model.parameters(), lr=LR))
         job.backward(nn.functional.mse_loss(model(x), y))
@@ -249,11 +252,40 @@ def test_checkpoint_objects_load_by_name_and_a_missing_name_is_named(tmp_path: P
     assert other.count == 0
 
 
-def test_zero2_refuses_fp16_whose_scaler_cannot_see_its_gradient_shards() -> None:
+def test_fp16_runs_on_cpu_with_every_zero_stage_but_not_a_pipeline() -> None:
     from phalanx.comm.group import World
     from phalanx.train.strategies import JobOptions
 
-    world = World(0, 2, 0, 2, 0, torch.device("cpu"), "gloo")  # Job refuses fp16 on CPU first
-    with pytest.raises(ValueError, match=r"precision='fp16' with Zero\(stage=2\).*GradScaler"):
-        phalanx.Zero(stage=2).start(world, JobOptions(precision="fp16"))
-    phalanx.Zero(stage=3).start(world, JobOptions(precision="fp16"))  # its shards are reachable
+    world = World(0, 2, 0, 2, 0, torch.device("cpu"), "gloo")
+    for stage in (1, 2, 3):  # ZeRO-2's scaler unscales its reduced ranges
+        phalanx.Zero(stage=stage).start(world, JobOptions(precision="fp16-mixed"))
+    with pytest.raises(ValueError, match=r"precision='fp16-mixed' with a pipeline \(pp=2\)"):
+        phalanx.Mesh(pp=2).start(world, JobOptions(precision="fp16-mixed"))
+
+
+def test_configure_scaler_sets_torch_options_and_refuses_bad_ones() -> None:
+    with phalanx.Job("single", precision="fp16") as job:
+        job.precision.configure_scaler(init_scale=8.0, growth_interval=3)
+        assert job.precision.scaler is not None
+        assert job.precision.scaler.get_scale() == 8.0
+        assert job.precision.scaler.get_growth_interval() == 3
+        bad: list[tuple[dict[str, Any], str]] = [
+            ({"init_scale": 0.0}, "init_scale"),
+            ({"growth_factor": 0.5}, "growth_factor"),
+            ({"backoff_factor": 1.5}, "backoff_factor"),
+            ({"growth_interval": 0}, "growth_interval"),
+        ]
+        for options, name in bad:
+            value = next(iter(options.values()))
+            with pytest.raises(ValueError, match=rf"{name}.*{value}"):
+                job.precision.configure_scaler(**options)
+        model, _ = job.setup(_model(), None)
+        x, y = _data().tensors
+        job.backward(nn.functional.mse_loss(model(x), y))
+        with pytest.raises(ValueError, match=r"before the first backward"):
+            job.precision.configure_scaler(init_scale=8.0)
+    with (
+        phalanx.Job("single") as job,
+        pytest.raises(ValueError, match=r"precision='fp32' has no gradient scaler"),
+    ):
+        job.precision.configure_scaler(init_scale=8.0)

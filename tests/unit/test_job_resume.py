@@ -25,8 +25,10 @@ def _data() -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(torch.randn(12, 4), torch.randn(12, 1))
 
 
-def _job(ckpt: Path) -> tuple[phalanx.Job, torch.utils.data.DataLoader[object]]:
-    job = phalanx.Job(strategy="single", checkpoint_dir=ckpt)
+def _job(
+    ckpt: Path, precision: str = "fp32"
+) -> tuple[phalanx.Job, torch.utils.data.DataLoader[object]]:
+    job = phalanx.Job(strategy="single", checkpoint_dir=ckpt, precision=precision)
     model, _ = job.setup(nn.Linear(4, 1))
     job.optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     return job, job.loader(_data(), batch_size=4)
@@ -74,12 +76,12 @@ def test_a_save_after_the_last_batch_before_a_dropped_tail_ends_the_epoch(tmp_pa
 
 
 def test_the_loss_scale_comes_back(tmp_path: Path) -> None:
-    # fp16 needs CUDA; torch's CPU scaler stands in for its state, which is what is saved.
     scales = []
     for run in range(2):
-        job, loader = _job(tmp_path)
+        job, loader = _job(tmp_path, "fp16-mixed")  # torch's CPU scaler and fp16 autocast
         with job:
-            job.precision.scaler = torch.amp.GradScaler("cpu", init_scale=16.0, growth_interval=1)
+            job.precision.configure_scaler(init_scale=16.0, growth_interval=1)
+            assert job.precision.scaler is not None
             for _ in job.epochs(1 + run):
                 for x, y in loader:
                     job.backward(nn.functional.mse_loss(job.model(x), y))  # type: ignore[misc]

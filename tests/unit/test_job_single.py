@@ -35,9 +35,22 @@ def test_bf16_autocasts_the_forward_and_keeps_fp32_master_weights(tmp_path: Path
 
 
 @pytest.mark.parametrize("name", ["fp16", "fp16-mixed"])
-def test_fp16_on_cpu_is_refused_with_the_fix(name: str) -> None:
-    with pytest.raises(ValueError, match=r"precision=.fp16-mixed. needs a CUDA device.*bf16-mixed"):
-        phalanx.Job(strategy="single", precision=name)
+def test_fp16_on_cpu_autocasts_and_scales_the_loss(name: str) -> None:
+    # torch 2.13 autocasts Linear to fp16 on CPU and has a CPU GradScaler: no GPU needed.
+    with phalanx.Job(strategy="single", precision=name) as job:
+        job.precision.configure_scaler(init_scale=2.0**8)
+        torch.manual_seed(0)
+        model, _ = job.setup(nn.Linear(4, 3), None)
+        job.optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        before = model.weight.detach().clone()
+        out = model(torch.randn(2, 4))
+        assert out.dtype == torch.float16
+        job.backward(out.float().pow(2).mean())
+        assert model.weight.grad is not None and model.weight.grad.dtype == torch.float32
+        scaled = model.weight.grad.clone()  # 2**8 times the true gradient until step()
+        assert job.step()
+        torch.testing.assert_close(model.weight.detach(), before - 0.1 * scaled / 2.0**8)
+        assert job.precision.scaler is not None and job.precision.scaler.get_scale() == 2.0**8
     assert not phalanx.is_initialized()
 
 

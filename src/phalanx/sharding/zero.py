@@ -276,14 +276,21 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, JoinableZero):
         """
         if not max_norm > 0:
             raise ValueError(f"clip_grad_norm_: max_norm must be positive, got {max_norm!r}")
+        grads = self.owned_grads()
+        device = self.params[0].device
+        return clip_pieces_(grads, max_norm, norm_type, self.process_group, device, self.world)
+
+    def owned_grads(self) -> list[torch.Tensor]:
+        """This rank's ranges' averaged gradients, as the inner optimizer (``self.optim``) will
+        step them: stages 1/2 reduce now (collective) unless a synchronised backward already
+        did; ``stage=None`` views the parameters' own gradients. For clipping and fp16
+        unscaling (``step()`` then does not reduce again)."""
         if self._reducer is None:
             refresh(self.owned, self.params)
             attach_local_grads(self.owned, self.params)
         else:
             self._reducer.ensure_reduced()
-        grads = [r.tensor.grad for mine in self.owned for r in mine if r.tensor.grad is not None]
-        device = self.params[0].device
-        return clip_pieces_(grads, max_norm, norm_type, self.process_group, device, self.world)
+        return [r.tensor.grad for mine in self.owned for r in mine if r.tensor.grad is not None]
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -95,14 +95,19 @@ class _CopyToTPLinear(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
         gx = gw = gb = work = None
+        # Under autocast the forward's linear ran in grad's dtype (fp16 / bf16): so does this
+        # backward, and each gradient comes back in its input's dtype (no-ops otherwise).
+        low = grad.dtype
         if ctx.needs_input_grad[0]:
-            gx = grad.matmul(weight)  # (..., out/tp) @ (out/tp, in): fresh, reduce in place
+            # (..., out/tp) @ (out/tp, in): fresh, reduce in place
+            gx = grad.matmul(weight.to(low)).to(x.dtype)
             work = comm.all_reduce(gx, group=ctx.group, async_op=True)
         g2 = grad.reshape(-1, grad.shape[-1])  # (N, out/tp)
         if ctx.needs_input_grad[1]:  # computed while the all-reduce is in flight
-            gw = g2.t().matmul(x.reshape(-1, x.shape[-1]))  # (out/tp, N) @ (N, in)
+            x2 = x.reshape(-1, x.shape[-1]).to(low)  # (N, in)
+            gw = g2.t().matmul(x2).to(weight.dtype)  # (out/tp, N) @ (N, in)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            gb = g2.sum(dim=0)
+            gb = g2.sum(dim=0).to(weight.dtype)
         if work is not None:
             work.wait()
         return gx, gw, gb, None

@@ -68,9 +68,10 @@ class Job:
         strategy: A strategy (``phalanx.DDP()``, ``phalanx.Zero(stage=2)``,
             ``phalanx.Mesh(pp=2, micro_batches=4)``, ``phalanx.PS(mode="ssp", staleness=2)``,
             ...) or a preset name ("ddp", "zero2", "pipeline", ...; ``strategy_names()``).
-        precision: "fp32", "bf16-mixed" (autocast, CPU and GPU), "fp16-mixed" (autocast and a
-            gradient scaler, GPU) or "bf16-true" (the model, its gradients and optimizer state
-            in bf16); "bf16" and "fp16" are the mixed ones (``phalanx.precisions``).
+        precision: "fp32", "bf16-mixed" (autocast), "fp16-mixed" (autocast and a gradient
+            scaler: ``job.precision.configure_scaler``) or "bf16-true" (the model, its
+            gradients and optimizer state in bf16), CPU and GPU alike; "bf16" and "fp16" are
+            the mixed ones (``phalanx.precisions``).
         grad_accum: Micro-steps per optimizer step; gradients sync only on the last one.
         seed: None (the default) touches no random generator; an int seeds torch, numpy and
             random on every rank and is the loaders' shuffle seed (see :data:`DATA_SEED` for

@@ -1,11 +1,13 @@
 """``Job.clip_grad_norm_``: clip by the whole model's norm, for every strategy.
 
 In fp16 the gradients are unscaled first (the scaler's ``unscale_``, once per step: ``step()``
-then does not unscale again). The norm spans every rank's part where parameters are split:
-ZeRO-1/2's optimizer ranges, ZeRO-3's flat shards, a mesh's pipeline stages and tensor shards
-(collective there: every rank calls it); the strategy's runner computes it. On a micro-step whose
-gradients are still accumulating (``grad_accum``) nothing is clipped and NaN is returned: clip
-on the step where ``step()`` will return True.
+then does not unscale again), where this rank holds them (ZeRO-2's reduced ranges included),
+with the overflow check agreed over the ranks (``train/grad_scaler.py``). The norm spans every
+rank's part where parameters are split: ZeRO-1/2's optimizer ranges, ZeRO-3's flat shards, a
+mesh's pipeline stages and tensor shards (collective there: every rank calls it); the
+strategy's runner computes it. On a micro-step whose gradients are still accumulating
+(``grad_accum``) nothing is clipped and NaN is returned: clip on the step where ``step()`` will
+return True.
 """
 
 from __future__ import annotations
@@ -34,9 +36,8 @@ def clip(job: Job, max_norm: float, norm_type: float) -> torch.Tensor:
         raise ValueError("Job.clip_grad_norm_() needs Job.setup(model, ...) first")
     if not (job._micro + 1 >= job.grad_accum or job._last_batch):
         return torch.tensor(float("nan"))
-    scaler = job.precision.scaler
-    if scaler is not None:
+    if job.precision.scaler is not None:
         if job.optimizer is None:
             raise ValueError("Job.clip_grad_norm_() in fp16 needs the optimizer in setup()")
-        scaler.unscale_(job.optimizer)
+        job.precision.unscale_(job.optimizer, job.runner.grad_shards(job.optimizer))
     return job.runner.clip_grad_norm_(max_norm, norm_type)

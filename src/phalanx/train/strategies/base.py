@@ -30,6 +30,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from phalanx._check import Rule
 from phalanx.comm.group import World
+from phalanx.train.grad_scaler import GradShards
 from phalanx.train.loop_helpers import repoint
 from phalanx.train.precision import Precision
 
@@ -148,6 +149,14 @@ class Strategy:
         """
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
 
+    def grad_shards(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, world: World
+    ) -> GradShards | None:
+        """Where fp16's scaler finds the gradients ``optimizer`` steps on this rank, and who
+        must agree on an overflow (``train/grad_scaler.py``). The default, None: the
+        optimizer's own gradients, equal on every rank (DDP's after its all-reduce)."""
+        return None
+
 
 class Runner:
     """One job's strategy at work: the protocol :class:`phalanx.Job` calls.
@@ -229,9 +238,16 @@ class Runner:
         """Step at the end of an accumulation window; True when the job's scheduler steps too."""
         if optimizer is None:
             raise ValueError("Job.step(): no optimizer given and none passed to setup()")
-        precision.step(optimizer)
+        precision.step(optimizer, self.grad_shards(optimizer))
         optimizer.zero_grad(set_to_none=True)
         return True
+
+    def grad_shards(self, optimizer: torch.optim.Optimizer) -> GradShards | None:
+        """Where fp16's scaler finds ``optimizer``'s gradients on this rank, and over which
+        ranks overflows are agreed (None: its own gradients, whole and equal everywhere)."""
+        if self.model is None:
+            return None
+        return self.strategy.grad_shards(self.model, optimizer, self.world)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float) -> torch.Tensor:
         """Clip the (unscaled, synchronised) gradients by the whole model's ``norm_type``-norm,

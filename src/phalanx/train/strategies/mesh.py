@@ -26,6 +26,7 @@ from phalanx.comm.group import World
 from phalanx.mesh import ParallelConfig, ParallelGroups, ParallelModel, make_groups, parallelize
 from phalanx.pipeline.balance import balance_arg
 from phalanx.pipeline.schedules import SCHEDULES
+from phalanx.train.grad_scaler import GradShards
 from phalanx.train.precision import Precision
 from phalanx.train.strategies.base import (
     JobOptions,
@@ -36,6 +37,7 @@ from phalanx.train.strategies.base import (
     Strategy,
     check_fields,
 )
+from phalanx.train.strategies.initial_state import start_from_rank0
 from phalanx.train.strategies.optimizers import rebuild_by_name
 
 __all__ = ["Mesh", "MeshRunner", "default_loss"]
@@ -121,6 +123,12 @@ class Mesh(Strategy):
                 f"already accumulates over micro_batches={config.micro_batches}; raise that "
                 f"instead"
             )
+        if config.pp > 1 and job.precision == "fp16-mixed":
+            raise ValueError(
+                f"precision='fp16-mixed' with a pipeline (pp={config.pp}): the pipeline's "
+                f"schedule runs its own backward, without the fp16 loss scaler; use "
+                f"precision='bf16-mixed', or pp=1"
+            )
         return MeshRunner(self, world, config, make_groups(config.topology(world.world_size)))
 
 
@@ -177,6 +185,8 @@ class MeshRunner(Runner):
                 f"loss_fn=...) for a {type(model).__name__}: the loss is computed inside the "
                 f"parallel step (on the last pipeline stage)"
             )
+        if config.tp > 1:  # each rank slices its shards from its own build (seed=None)
+            start_from_rank0(model)
         names = {id(p): name for name, p in model.named_parameters()}
         parallel = parallelize(model, self.groups, config, loss_fn)
         # Autocast where the forward runs: around each local pipeline chunk, or the whole model.
@@ -229,6 +239,13 @@ class MeshRunner(Runner):
         """Over the whole model: summed over stages and tensor shards (``mesh/clip.py``)."""
         assert self.parallel is not None
         return self.parallel.clip_grad_norm_(max_norm, norm_type)
+
+    def grad_shards(self, optimizer: torch.optim.Optimizer) -> GradShards | None:
+        """fp16: tensor shards (and pipeline stages, which refuse fp16 for now) hold different
+        gradients, so overflows are agreed over every rank: one all-reduce of one flag
+        (data-parallel replicas hold equal, averaged gradients anyway)."""
+        agree = self.groups.topology.tp * self.groups.topology.pp > 1
+        return GradShards(optimizer, agree) if agree else None
 
     def checkpointed(self, saving: bool) -> tuple[nn.Module | None, torch.optim.Optimizer | None]:
         """Per-rank pieces keyed by the unsplit model's names (``mesh/checkpoint.py``)."""

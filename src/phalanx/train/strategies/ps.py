@@ -34,6 +34,7 @@ from phalanx.train.strategies.base import (
     Strategy,
     check_fields,
 )
+from phalanx.train.strategies.initial_state import start_from_rank0
 from phalanx.train.strategies.optimizers import rebuild_by_name
 
 __all__ = ["PS", "PSRunner"]
@@ -145,6 +146,8 @@ class PSRunner(Runner):
         # The parameter server speaks over gloo; with NCCL for the model, a gloo group of all.
         group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         o = self.options
+        if o.servers > 1:  # each server serves its shard of its own build (seed=None)
+            start_from_rank0(model)
         self.server = ParameterServer(
             model,
             make_optimizer,

@@ -10,7 +10,9 @@ from torch import nn
 
 from phalanx.comm.group import World
 from phalanx.train.comm_timing import time_torch_fsdp
+from phalanx.train.grad_scaler import GradShards
 from phalanx.train.strategies.base import JobOptions, Runner, Strategy
+from phalanx.train.strategies.initial_state import start_from_rank0
 from phalanx.train.strategies.optimizers import rebuild_one_group, unit_policy
 
 __all__ = ["TorchFSDP"]
@@ -18,7 +20,8 @@ __all__ = ["TorchFSDP"]
 
 @dataclass(frozen=True)
 class TorchFSDP(Strategy):
-    """``fully_shard`` on each unit and the root; not checkpointed (its parameters are DTensors)."""
+    """``fully_shard`` on each unit and the root, from rank 0's parameters; not checkpointed
+    (its parameters are DTensors)."""
 
     name: ClassVar[str] = "torch-fsdp"
     rebuilds_optimizer: ClassVar[bool] = True
@@ -29,6 +32,7 @@ class TorchFSDP(Strategy):
     def wrap(self, model: nn.Module, world: World) -> nn.Module:
         from torch.distributed.fsdp import fully_shard
 
+        start_from_rank0(model)  # each rank keeps a shard of its own build (seed=None)
         for unit in unit_policy(model):
             fully_shard(unit)
         fully_shard(model)
@@ -51,6 +55,13 @@ class TorchFSDP(Strategy):
 
         total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
         return total.full_tensor() if isinstance(total, DTensor) else total
+
+    def grad_shards(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, world: World
+    ) -> GradShards | None:
+        """fp16: each rank checks its DTensor shards; overflows are agreed over every rank
+        (torch 2.13's DTensor unscale was seen to agree by itself; one flag more keeps it so)."""
+        return GradShards(optimizer, agree=True) if world.world_size > 1 else None
 
     def measure_comm(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> bool:
         return time_torch_fsdp(model)

@@ -16,7 +16,8 @@ from torch import nn
 
 from phalanx._check import check_float, check_int, rule
 from phalanx.comm.group import World
-from phalanx.train.strategies.base import JobOptions, Runner, Strategy, SyncOwner, check_fields
+from phalanx.train.grad_scaler import GradShards
+from phalanx.train.strategies.base import Strategy, SyncOwner, check_fields
 from phalanx.train.strategies.optimizers import (
     accepted,
     options,
@@ -55,16 +56,6 @@ class Zero(Strategy):
                 f"Zero(bucket_cap_mb={self.bucket_cap_mb}) applies to stages 1 and 2; stage 3 "
                 f"communicates per unit (drop bucket_cap_mb)"
             )
-
-    def start(self, world: World, job: JobOptions) -> Runner:
-        """Refuse fp16 at stage 2, whose gradient scaler would find no gradient to unscale."""
-        if self.stage == 2 and job.precision.startswith("fp16"):  # "fp16" or "fp16-mixed"
-            raise ValueError(
-                f"precision={job.precision!r} with Zero(stage=2): the reduced gradient shards "
-                f"live in the optimizer's buckets, out of reach of torch's GradScaler (its step "
-                f"would find no gradient to check for inf); use bf16, or Zero(stage=1 | 3)"
-            )
-        return Runner(self, world)
 
     def wrap(self, model: nn.Module, world: World) -> nn.Module:
         if self.stage < 3:
@@ -110,6 +101,15 @@ class Zero(Strategy):
         if isinstance(optimizer, ZeroRedundancyOptimizer):
             return optimizer.clip_grad_norm_(max_norm, norm_type)
         return super().clip_grad_norm_(model, optimizer, max_norm, norm_type)
+
+    def grad_shards(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, world: World
+    ) -> GradShards | None:
+        """fp16: each rank unscales what it steps (ZeRO-1/2's reduced ranges, ZeRO-3's flat
+        shards) and the ranks agree on overflows (``strategies/zero_scaling.py``)."""
+        from phalanx.train.strategies.zero_scaling import zero_grad_shards
+
+        return zero_grad_shards(model, optimizer)
 
     def sync_owners(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None
