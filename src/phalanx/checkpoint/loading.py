@@ -10,6 +10,7 @@ store, so a failure on any rank raises on every rank instead of leaving the othe
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from dataclasses import dataclass
 from functools import partial
@@ -74,6 +75,32 @@ def _section(ckpt: Path, manifest: Manifest, name: str, strict: bool) -> Any | N
     return None
 
 
+_RANK_FILE = re.compile(r"rank-(\d+)(?:-\d+)?\.(?:json|safetensors)")
+
+
+def _verify_absent_ranks(ckpt: Path, manifest: Manifest, size: int) -> None:
+    """Verify the files of saved ranks >= ``size`` (one pass over the manifest's entries)."""
+    own = {
+        k: v
+        for k, v in manifest.files.items()
+        if (m := _RANK_FILE.fullmatch(k)) is not None and int(m.group(1)) >= size
+    }
+    verify_files(ckpt, Manifest(manifest.step, manifest.world_size, own, []))
+
+
+def _checked(state: Any, where: Path) -> dict[str, Any]:
+    """A rank file's state: a dict with ``rng`` (a dict) and ``sampler``."""
+    if not isinstance(state, dict) or not isinstance(state.get("rng"), dict):
+        found = type(state.get("rng") if isinstance(state, dict) else state).__name__
+        raise CheckpointError(
+            f"{where}: a rank's state is an object with the generators under 'rng' (an "
+            f"object) and 'sampler'; found {found}. The file is corrupt or crafted"
+        )
+    if "sampler" not in state:
+        raise CheckpointError(f"{where}: the rank's state has no 'sampler' entry")
+    return state
+
+
 def _rank_state(
     ckpt: Path, manifest: Manifest, session: Session, notes: list[str]
 ) -> dict[str, Any]:
@@ -85,15 +112,13 @@ def _rank_state(
             f"state is rank 0's"
         )
         name = rank_section_name(0)
-    state = read_section(ckpt, manifest, name)
+    state = _checked(read_section(ckpt, manifest, name), ckpt / f"{name}.json")
     if session.rank == 0 and manifest.world_size > session.size:
         notes.append(
             f"saved by {manifest.world_size} ranks, loaded by {session.size}: the RNG "
             f"states of ranks {session.size}..{manifest.world_size - 1} are ignored"
         )
-        for r in range(session.size, manifest.world_size):
-            own = {k: v for k, v in manifest.files.items() if k.startswith(rank_section_name(r))}
-            verify_files(ckpt, Manifest(manifest.step, manifest.world_size, own, []))
+        _verify_absent_ranks(ckpt, manifest, session.size)
     return state if name == rank_section_name(session.rank) else {"sampler": state["sampler"]}
 
 
@@ -177,7 +202,10 @@ def _restore(ckpt: Path, session: Session, to: _Targets) -> CheckpointInfo:
         load_into(to.sampler, own["sampler"], "sampler", str(ckpt))
     if to.rng and "rng" in own:
         name = rank_section_name(session.rank)
-        notes.extend(restore_rng(own["rng"], str(ckpt / f"{name}.json")))
+        try:
+            notes.extend(restore_rng(own["rng"], str(ckpt / f"{name}.json")))
+        except ValueError as exc:  # names the file
+            raise CheckpointError(str(exc)) from None
     extra = structure.unflatten(manifest.extra, {}, str(ckpt / "manifest.json"))
     return CheckpointInfo(ckpt, manifest.step, extra, manifest.world_size, tuple(notes))
 
