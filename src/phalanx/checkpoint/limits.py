@@ -125,8 +125,8 @@ def parse_json(
         deep = True
     except ValueError as exc:
         raise error(f"{where}: not valid JSON ({exc})") from None
-    else:
-        deep = deeper_than(doc, MAX_DEPTH)
+    else:  # fewer brackets than levels allowed cannot nest too deep: skip the walk
+        deep = raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and deeper_than(doc, MAX_DEPTH)
     if deep:
         raise error(f"{where}: JSON nested deeper than {MAX_DEPTH} levels; refusing it")
     return doc
