@@ -214,6 +214,7 @@ ROWS: dict[str, tuple[Callable[[_Saved], tuple[Callable[[], Any], Path]], str]] 
         _shard({"num_params": 10**9, "param_groups": _GROUPS}, []),
         "num_params 1000000000 is not the number of parameters",
     ),
+    "sharded optimizer meta of no optimizer": (_shard({}, []), "pieces do not fit"),
     "manifest.json over the JSON cap": (_oversized("manifest.json"), OVER_CAP),
     "section JSON over the JSON cap": (_oversized("model.json"), OVER_CAP),
     "list-shaped rank file": (_list_rank_file, "a rank's state is an object"),

@@ -12,10 +12,11 @@ from __future__ import annotations
 import os
 import re
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from torch import nn
 
@@ -31,11 +32,18 @@ from phalanx.checkpoint.manifest import (
 from phalanx.checkpoint.rng import restore as restore_rng
 from phalanx.checkpoint.saving import OBJECTS, rank_section_name
 from phalanx.checkpoint.sections import load_into, load_model, read_section, unwrap
-from phalanx.checkpoint.sharded import as_sharded, is_sharded_in, read_sharded
+from phalanx.checkpoint.sharded import (
+    as_sharded,
+    is_sharded_in,
+    read_sharded,
+    shard_section_name,
+)
 from phalanx.checkpoint.sync import Session, open_session
 from phalanx.sharding.optimizer_pieces import full_optimizer_state
 
 __all__ = ["CheckpointInfo", "load"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -135,6 +143,20 @@ class _Targets:
     strict: bool
 
 
+def _from_pieces(ckpt: Path, what: str, read: Callable[[], T]) -> T:
+    """``read()`` (saved pieces of ``what`` into an object), naming the files when they do not
+    fit: torch and the sharded objects raise ValueError, KeyError, ... on a crafted index."""
+    try:
+        return read()
+    except CheckpointError:
+        raise
+    except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as exc:
+        raise CheckpointError(
+            f"{ckpt / shard_section_name(what, 0)}.json (and the other ranks'): the saved "
+            f"{what} pieces do not fit the {what} they are loaded into: {exc}"
+        ) from exc
+
+
 def _load_model(
     ckpt: Path, manifest: Manifest, model: nn.Module, sharded: Any, strict: bool
 ) -> None:
@@ -142,9 +164,9 @@ def _load_model(
     if is_sharded_in(manifest, "model"):
         meta, reader = read_sharded(ckpt, manifest, "model")
         if sharded is not None:
-            sharded.load_sharded_state(meta, reader)
+            _from_pieces(ckpt, "model", partial(sharded.load_sharded_state, meta, reader))
             return
-        full = {k: reader.full(k) for k in reader.keys()}  # noqa: SIM118
+        full = _from_pieces(ckpt, "model", lambda: {k: reader.full(k) for k in reader.keys()})  # noqa: SIM118
         load_model(model, full, strict, where)
     elif (sd := _section(ckpt, manifest, "model", strict)) is not None:
         if sharded is not None:
@@ -160,10 +182,12 @@ def _load_optimizer(
     if is_sharded_in(manifest, "optimizer"):
         meta, reader = read_sharded(ckpt, manifest, "optimizer")
         if sharded is not None:
-            sharded.load_sharded_state(meta, reader)
+            _from_pieces(ckpt, "optimizer", partial(sharded.load_sharded_state, meta, reader))
         else:
             names = [n for n, _ in unwrap(model).named_parameters()] if model is not None else None
-            load_into(opt, full_optimizer_state(meta, reader, names), "optimizer", where)
+            read = partial(full_optimizer_state, meta, reader, names)
+            state = _from_pieces(ckpt, "optimizer", read)
+            load_into(opt, state, "optimizer", where)
     elif (sd := _section(ckpt, manifest, "optimizer", strict)) is not None:
         load_into(sharded if sharded is not None else opt, sd, "optimizer", where)
 
