@@ -83,22 +83,32 @@ def _kind(mode: int) -> str:
     return "a device or socket"
 
 
+def _refuse_unless_regular(path: str | os.PathLike[str], mode: int) -> None:
+    if not stat.S_ISREG(mode):
+        raise CheckpointError(
+            f"{os.fspath(path)}: is {_kind(mode)}, not a regular file; a checkpoint reads only "
+            f"regular files (refusing to open it)"
+        )
+
+
 def open_regular(path: str | os.PathLike[str]) -> io.FileIO:
     """Open ``path`` for reading if it is a regular file, without ever blocking on the open.
+
+    ``stat`` refuses the rest before the open (a socket cannot be opened at all), ``fstat`` after
+    it (the path may have been replaced in between; ``O_NONBLOCK`` keeps a FIFO from blocking).
 
     Raises:
         FileNotFoundError: when it does not exist.
         CheckpointError: naming ``path`` when it is anything but a regular file.
     """
+    _refuse_unless_regular(path, os.stat(path).st_mode)
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | os.O_CLOEXEC)
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
+    try:
+        _refuse_unless_regular(path, os.fstat(fd).st_mode)
+        os.set_blocking(fd, True)
+    except BaseException:
         os.close(fd)
-        raise CheckpointError(
-            f"{path}: is {_kind(mode)}, not a regular file; a checkpoint reads only regular "
-            f"files (refusing to open it)"
-        )
-    os.set_blocking(fd, True)
+        raise
     return io.FileIO(fd, "rb", closefd=True)
 
 
