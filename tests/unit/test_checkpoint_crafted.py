@@ -267,7 +267,12 @@ def test_save_refuses_what_load_would_refuse(saved: _Saved) -> None:
     big = {"x": "y" * (128 * 1024)}
     with pytest.raises(ValueError, match=f"objects.json would be .* {MAX_JSON_ENV}"):
         checkpoint.save(saved.root, 4, model=saved.model, objects={"o": _State(big)})
+    with pytest.raises(ValueError, match=r"save\(extra=\.\.\.\) nests deeper than 99 levels"):
+        checkpoint.save(saved.root, 4, model=saved.model, extra={"x": deep})
+    with pytest.raises(ValueError, match=f"manifest.json would be .* {MAX_JSON_ENV}"):
+        checkpoint.save(saved.root, 4, model=saved.model, extra=big)
     assert checkpoint.latest(saved.root) == saved.step
+    assert sorted(os.listdir(saved.root)) == ["latest", "step-000003"]  # nothing left behind
 
 
 class _State:
