@@ -1,6 +1,7 @@
 """SIGKILL inside ``checkpoint.save`` leaves the previous checkpoint loadable and unchanged.
 
-Each fault point (``PHALANX_CHECKPOINT_FAULT``) runs in its own process, all three at once.
+Each fault point (``PHALANX_CHECKPOINT_FAULT``) runs in its own process, all four at once; the
+fourth re-saves a step and dies between the renames of its old and new directories.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from tests.e2e.scripts.checkpoint_crash import model_and_optimizer
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "checkpoint_crash.py"
 POINTS = ("mid-tensor-file", "before-manifest", "before-latest")
+RESAVE = "between-renames"
 Crashes = dict[str, tuple[Path, subprocess.CompletedProcess[str]]]
 
 
@@ -33,7 +35,7 @@ def crashes(tmp_path_factory: pytest.TempPathFactory) -> Crashes:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     procs = {}
-    for point in POINTS:
+    for point in (*POINTS, RESAVE):
         directory = tmp_path_factory.mktemp(point)
         cmd = [sys.executable, str(SCRIPT), str(directory), point]
         procs[point] = (
@@ -117,3 +119,40 @@ def test_leftovers_are_named_then_cleaned_by_the_next_save(crashes: Crashes) -> 
             and info.step == 3
             and torch.equal(fresh.state_dict()["0.weight"], model.state_dict()["0.weight"])
         )
+
+
+def test_sigkill_between_the_renames_of_a_resaved_step_loses_nothing(crashes: Crashes) -> None:
+    directory, run = crashes[RESAVE]
+    assert run.returncode == -signal.SIGKILL, run.stderr
+    committed = json.loads(run.stdout.splitlines()[0])
+    (aside,) = directory.glob(".replaced-step-000001-*")
+    (new,) = directory.glob(".tmp-step-000001-*")
+    # the kill landed between the renames: the old copy is aside, the new one complete but
+    # not in its place, and keep_last=1 left no other checkpoint
+    assert not (directory / "step-000001").exists() and (new / "manifest.json").exists()
+    assert (directory / "latest").read_text() == "step-000001\n"
+    assert _digests(aside) == committed
+
+    model, opt = model_and_optimizer()
+    with pytest.warns(UserWarning, match="names step-000001, which is missing"):
+        info = checkpoint.load(directory, model=model, optimizer=opt)
+    assert info is not None and info.step == 1 and info.extra == {"tag": "one"}  # the old state
+
+    # the next save gives the old copy its name back and its prune deletes only the
+    # interrupted save's leftovers
+    checkpoint.save(directory, 2, model=model, optimizer=opt, keep_last=2)
+    assert sorted(os.listdir(directory)) == ["latest", "step-000001", "step-000002"]
+    assert _digests(directory / "step-000001") == committed
+    fresh, _ = model_and_optimizer()
+    info = checkpoint.load(directory, model=fresh, path="step-000001")
+    assert info is not None and info.extra == {"tag": "one"}
+    assert torch.equal(fresh.state_dict()["0.weight"], model.state_dict()["0.weight"])
+
+    # re-saving the step now completes: the new state replaces the old, nothing else is left
+    with torch.no_grad():
+        model.state_dict()["0.weight"].add_(1.0)
+    checkpoint.save(directory, 1, model=model, optimizer=opt, extra={"tag": "new"}, keep_last=1)
+    assert sorted(os.listdir(directory)) == ["latest", "step-000001"]
+    info = checkpoint.load(directory, model=fresh)
+    assert info is not None and info.step == 1 and info.extra == {"tag": "new"}
+    assert torch.equal(fresh.state_dict()["0.weight"], model.state_dict()["0.weight"])

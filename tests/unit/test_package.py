@@ -40,6 +40,21 @@ def test_every_subpackage_is_an_attribute_after_import_phalanx() -> None:
     assert proc.returncode == 0, proc.stderr
 
 
+def test_checkpoint_save_and_load_through_the_package_attribute(tmp_path: Path) -> None:
+    # issue 17: ``phalanx.checkpoint.save(...)`` after ``import phalanx`` raised AttributeError
+    code = (
+        "import sys, torch, phalanx\n"
+        "model = torch.nn.Linear(2, 2)\n"
+        "path = phalanx.checkpoint.save(sys.argv[1], 5, model=model)\n"
+        "info = phalanx.checkpoint.load(sys.argv[1], model=torch.nn.Linear(2, 2))\n"
+        "assert info.step == 5 and info.path == path, info\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_an_unknown_attribute_is_still_an_attribute_error() -> None:
     with pytest.raises(AttributeError, match="has no attribute 'chekpoint'"):
         _ = phalanx.chekpoint  # type: ignore[attr-defined]

@@ -19,14 +19,17 @@ temporary directory, fsyncs, renames and then updates ``latest``, so a crash at 
 leaves the previous checkpoint in force (fault injection for tests: ``PHALANX_CHECKPOINT_FAULT``,
 see :mod:`phalanx.checkpoint.atomic`). Ranks wait for rank 0's commit on the rendezvous store,
 not in a collective, so a long write cannot trip the collective timeout (see ``sync.py``).
-Plain ``torch.save`` state dicts come in through :func:`import_torch_state_dict`.
+Plain ``torch.save`` state dicts come in through :func:`import_torch_state_dict`. A checkpoint
+is untrusted input: every size, count and depth read from one is bounded before use, only regular
+files are opened, and a crafted file is a :class:`CheckpointError` naming it (see
+:mod:`phalanx.checkpoint.limits`).
 """
 
 from __future__ import annotations
 
 from phalanx.checkpoint.catalog import latest
+from phalanx.checkpoint.errors import CheckpointError, ChecksumError
 from phalanx.checkpoint.loading import CheckpointInfo, load
-from phalanx.checkpoint.manifest import CheckpointError, ChecksumError
 from phalanx.checkpoint.saving import save
 from phalanx.checkpoint.sections import StateMismatchError
 from phalanx.checkpoint.torch_import import import_torch_state_dict

@@ -4,7 +4,8 @@ A checkpoint is committed in this order (a crash at any point leaves the previou
 
 1. data files are written into ``.tmp-step-000123-<token>/``, each fsync'd (hashed as written);
 2. ``manifest.json`` (the sha256 of every file) is written and fsync'd, then the directory;
-3. the directory is renamed to ``step-000123`` and the parent directory fsync'd;
+3. the directory is renamed to ``step-000123`` (an existing one, of a re-saved step, is renamed
+   aside first: ``catalog.py``) and the parent directory fsync'd;
 4. ``latest`` is replaced atomically (temp file, fsync, ``os.replace``, fsync of the parent).
 
 Loading trusts ``latest``; without a valid one it takes the newest ``step-*`` directory whose
@@ -13,7 +14,9 @@ manifest verifies. ``.tmp-*`` directories are never loaded.
 Fault injection, for crash tests: with ``PHALANX_CHECKPOINT_FAULT`` set to one of
 :data:`FAULT_POINTS` the writer SIGKILLs its own process at that point:
 ``mid-tensor-file`` (after half of the first tensor file written by rank 0, fsync'd),
-``before-manifest``, ``before-rename`` and ``before-latest`` (after the rename).
+``before-manifest``, ``before-rename``, ``between-renames`` (a re-save of a step: its old
+directory renamed aside, the new one not yet in its place) and ``before-latest`` (after the
+rename).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from phalanx.checkpoint.limits import open_regular
 from phalanx.checkpoint.manifest import FileEntry
 
 __all__ = [
@@ -47,10 +51,17 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 FAULT_ENV = "PHALANX_CHECKPOINT_FAULT"
-FAULT_POINTS = ("mid-tensor-file", "before-manifest", "before-rename", "before-latest")
+FAULT_POINTS = (
+    "mid-tensor-file",
+    "before-manifest",
+    "before-rename",
+    "between-renames",
+    "before-latest",
+)
 LATEST = "latest"
 _STEP = re.compile(r"step-(\d{6,})")
 _CHUNK = 32 * 1024 * 1024
+_MAX_LATEST = 256
 
 
 def fault(point: str) -> None:
@@ -151,15 +162,26 @@ def write_latest(directory: Path, name: str, token: str) -> None:
 
 
 def read_latest(directory: Path) -> str | None:
-    """The checkpoint name ``directory/latest`` holds, or None (absent or not a step name)."""
+    """The checkpoint name ``directory/latest`` holds, or None (absent, a symlink, over 256
+    bytes, or not a step name: each logged).
+
+    Raises:
+        CheckpointError: naming ``latest`` when it is a FIFO, device or directory (opened
+            without blocking and refused, see :mod:`phalanx.checkpoint.limits`).
+    """
     path = directory / LATEST
+    if path.is_symlink():
+        log.warning("%s is a symlink; ignoring it", path)
+        return None
     try:
-        if path.is_symlink() or path.stat().st_size > 256:
-            log.warning("%s is not a small regular file; ignoring it", path)
-            return None
-        name = path.read_text(encoding="ascii", errors="replace").strip()
+        with open_regular(path) as f:
+            raw = f.read(_MAX_LATEST + 1)
     except FileNotFoundError:
         return None
+    if len(raw) > _MAX_LATEST:
+        log.warning("%s is over %d bytes, not a checkpoint name; ignoring it", path, _MAX_LATEST)
+        return None
+    name = raw.decode("ascii", errors="replace").strip()
     if step_of(name) is None:
         log.warning("%s holds %r, not a checkpoint name like step-000123; ignoring it", path, name)
         return None

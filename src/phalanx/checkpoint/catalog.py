@@ -4,12 +4,20 @@
 naming a directory that is gone), the newest ``step-*`` directory whose files all match its
 manifest is taken. Temporary (``.tmp-*``) and incomplete (no manifest) directories are never
 loaded; each is named in a warning. Only rank 0 calls the mutating functions here.
+
+Re-saving a step is as crash-safe as saving a new one. The old ``step-N`` is renamed aside to
+``.replaced-step-N-<token>`` before the new one takes its name, and deleted only after
+``latest`` is updated. A kill between the two renames leaves the aside as the only copy of step
+N: :func:`committed` counts it as step N while ``step-N`` is missing (so ``load`` falls back to
+it, verified), the next :func:`commit` renames it back, and :func:`prune` deletes an aside only
+once its ``step-N`` is complete again (or keep-last counts it out like any checkpoint).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import warnings
 from pathlib import Path
 
@@ -30,10 +38,28 @@ __all__ = ["commit", "committed", "latest", "make_temp_dir", "prune"]
 
 log = logging.getLogger(__name__)
 TMP_PREFIX = ".tmp-"
+REPLACED_PREFIX = ".replaced-"
+# ".tmp-replaced-": the asides of phalanx versions before the re-save fix, recognised as well
+_ASIDE = re.compile(r"\.(?:tmp-)?replaced-(step-\d{6,})-[0-9a-f]+")
 
 
 def _complete(path: Path) -> bool:
     return path.is_dir() and not path.is_symlink() and (path / MANIFEST).is_file()
+
+
+def _aside_of(entry: str) -> str | None:
+    """The step directory name an aside (``.replaced-step-N-<token>``) held, else None."""
+    m = _ASIDE.fullmatch(entry)
+    return m.group(1) if m else None
+
+
+def _stranded(directory: Path, entry: str) -> str | None:
+    """The step name of ``entry`` if it is the complete old copy of a step whose re-save was
+    killed between its two renames (its ``step-N`` is not complete), else None."""
+    kept = _aside_of(entry)
+    if kept is None or _complete(directory / kept) or not _complete(directory / entry):
+        return None
+    return kept
 
 
 def committed(directory: Path, *, warn: bool = False) -> list[tuple[int, Path]]:
@@ -49,6 +75,10 @@ def committed(directory: Path, *, warn: bool = False) -> list[tuple[int, Path]]:
         step = step_of(entry)
         if step is not None and _complete(path):
             found.append((step, path))
+        elif (kept := _stranded(directory, entry)) is not None:
+            found.append((int(kept.removeprefix("step-")), path))
+        elif _aside_of(entry) is not None:
+            continue  # superseded: its step was saved again; prune deletes it
         elif warn and (step is not None or entry.startswith(TMP_PREFIX)) and path.is_dir():
             kind = "temporary" if step is None else "incomplete (no manifest.json)"
             warnings.warn(
@@ -99,19 +129,32 @@ def make_temp_dir(directory: Path, step: int, token: str) -> Path:
     return tmp
 
 
+def _recover(directory: Path) -> None:
+    """Give each stranded aside its step name back (see the module docstring)."""
+    for entry in os.listdir(directory):
+        if (kept := _stranded(directory, entry)) is not None and not os.path.lexists(
+            directory / kept
+        ):
+            log.warning("restoring %s as %s (a re-save of it was interrupted)", entry, kept)
+            os.rename(directory / entry, directory / kept)
+
+
 def commit(tmp: Path, step: int, token: str) -> Path:
     """Rename the finished ``tmp`` to ``step-NNNNNN`` and point ``latest`` at it.
 
     An existing directory of the same name (a checkpoint of this step saved before, or one
-    whose ``latest`` update a crash prevented) is moved aside first and deleted at the end.
+    whose ``latest`` update a crash prevented) is renamed aside first and deleted once
+    ``latest`` is updated; a crash in between leaves it loadable (module docstring).
     """
     fsync_dir(tmp)
     fault("before-rename")
     directory, name = tmp.parent, step_name(step)
+    _recover(directory)
     final, aside = directory / name, None
-    if final.exists() or final.is_symlink():
-        aside = directory / f"{TMP_PREFIX}replaced-{name}-{token}"
+    if os.path.lexists(final):
+        aside = directory / f"{REPLACED_PREFIX}{name}-{token}"
         os.rename(final, aside)
+        fault("between-renames")
     os.rename(tmp, final)
     fsync_dir(directory)
     fault("before-latest")
@@ -121,11 +164,18 @@ def commit(tmp: Path, step: int, token: str) -> Path:
     return final
 
 
+def _leftover(directory: Path, entry: str) -> bool:
+    """A temporary file or directory of an interrupted save, or a superseded aside."""
+    if (kept := _aside_of(entry)) is not None:
+        return _complete(directory / kept)
+    return entry.startswith((TMP_PREFIX, f".{LATEST}{TMP_PREFIX}"))
+
+
 def prune(directory: Path, keep_last: int | None, current: Path) -> None:
     """Delete all but ``keep_last`` committed checkpoints (always keeping ``current``) and
-    leftover temporary directories of interrupted saves."""
+    leftover temporary directories of interrupted saves (never the only copy of a step)."""
     for entry in os.listdir(directory):
-        if entry.startswith((TMP_PREFIX, f".{LATEST}{TMP_PREFIX}")):
+        if _leftover(directory, entry):
             log.info("removing %s, left by an interrupted save", directory / entry)
             remove_tree(directory / entry)
     if keep_last is None:

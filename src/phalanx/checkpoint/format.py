@@ -24,6 +24,9 @@ from typing import Any
 
 import torch
 
+from phalanx.checkpoint.errors import CheckpointError
+from phalanx.checkpoint.limits import MAX_DIMS, open_regular, parse_json, shape_ok
+
 __all__ = ["FormatError", "decode", "encode", "open_mapped"]
 
 _DTYPES: dict[torch.dtype, str] = {
@@ -48,7 +51,7 @@ _BY_NAME = {v: k for k, v in _DTYPES.items()}
 _MAX_HEADER = 100 * 1024 * 1024
 
 
-class FormatError(ValueError):
+class FormatError(CheckpointError, ValueError):
     """A safetensors file is malformed (its message names the file and the entry)."""
 
 
@@ -112,10 +115,7 @@ def _header(data: Any, where: str) -> tuple[dict[str, object], int]:
     n = int.from_bytes(bytes(data[:8]), "little")
     if not 2 <= n <= min(_MAX_HEADER, len(data) - 8):
         raise FormatError(f"{where}: header length {n} does not fit the {len(data)}-byte file")
-    try:
-        header = json.loads(bytes(data[8 : 8 + n]))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise FormatError(f"{where}: the header is not valid JSON ({exc})") from None
+    header = parse_json(bytes(data[8 : 8 + n]), f"{where}: the header", FormatError)
     if not isinstance(header, dict):
         raise FormatError(f"{where}: the header is a {type(header).__name__}, not an object")
     return header, 8 + n
@@ -124,11 +124,15 @@ def _header(data: Any, where: str) -> tuple[dict[str, object], int]:
 def _entry(
     where: str, name: str, info: object, size: int
 ) -> tuple[torch.dtype, list[int], int, int]:
-    if not isinstance(info, dict) or info.get("dtype") not in _BY_NAME:
-        raise FormatError(f"{where}: tensor {name!r} has no valid dtype ({info!r})")
+    dtype_name = info.get("dtype") if isinstance(info, dict) else None
+    if not isinstance(info, dict) or not isinstance(dtype_name, str) or dtype_name not in _BY_NAME:
+        raise FormatError(f"{where}: tensor {name!r} has no valid dtype ({info!r:.200})")
     shape, offsets = info.get("shape"), info.get("data_offsets")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise FormatError(f"{where}: tensor {name!r} has an invalid shape {shape!r}")
+    if not shape_ok(shape):
+        raise FormatError(
+            f"{where}: tensor {name!r} has an invalid shape {shape!r:.200} (at most {MAX_DIMS} "
+            f"dimensions, each an int >= 0, their product an int64)"
+        )
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
@@ -136,7 +140,8 @@ def _entry(
         or not 0 <= offsets[0] <= offsets[1] <= size
     ):
         raise FormatError(
-            f"{where}: tensor {name!r} has data_offsets {offsets!r} outside the {size} data bytes"
+            f"{where}: tensor {name!r} has data_offsets {offsets!r:.200} outside the {size} "
+            f"data bytes"
         )
     dtype = _BY_NAME[info["dtype"]]
     nbytes = math.prod(shape) * dtype.itemsize
@@ -194,7 +199,7 @@ def open_mapped(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     Raises:
         FormatError: naming the file and the entry when the header is inconsistent.
     """
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
         if size < 8:  # mmap refuses an empty file; decode names the problem
             return decode(bytearray(f.read()), str(path))[0]

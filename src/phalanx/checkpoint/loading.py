@@ -10,11 +10,13 @@ store, so a failure on any rank raises on every rank instead of leaving the othe
 from __future__ import annotations
 
 import os
+import re
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from torch import nn
 
@@ -30,11 +32,18 @@ from phalanx.checkpoint.manifest import (
 from phalanx.checkpoint.rng import restore as restore_rng
 from phalanx.checkpoint.saving import OBJECTS, rank_section_name
 from phalanx.checkpoint.sections import load_into, load_model, read_section, unwrap
-from phalanx.checkpoint.sharded import as_sharded, is_sharded_in, read_sharded
+from phalanx.checkpoint.sharded import (
+    as_sharded,
+    is_sharded_in,
+    read_sharded,
+    shard_section_name,
+)
 from phalanx.checkpoint.sync import Session, open_session
 from phalanx.sharding.optimizer_pieces import full_optimizer_state
 
 __all__ = ["CheckpointInfo", "load"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -74,6 +83,32 @@ def _section(ckpt: Path, manifest: Manifest, name: str, strict: bool) -> Any | N
     return None
 
 
+_RANK_FILE = re.compile(r"rank-(\d+)(?:-\d+)?\.(?:json|safetensors)")
+
+
+def _verify_absent_ranks(ckpt: Path, manifest: Manifest, size: int) -> None:
+    """Verify the files of saved ranks >= ``size`` (one pass over the manifest's entries)."""
+    own = {
+        k: v
+        for k, v in manifest.files.items()
+        if (m := _RANK_FILE.fullmatch(k)) is not None and int(m.group(1)) >= size
+    }
+    verify_files(ckpt, Manifest(manifest.step, manifest.world_size, own, []))
+
+
+def _checked(state: Any, where: Path) -> dict[str, Any]:
+    """A rank file's state: a dict with ``rng`` (a dict) and ``sampler``."""
+    if not isinstance(state, dict) or not isinstance(state.get("rng"), dict):
+        found = type(state.get("rng") if isinstance(state, dict) else state).__name__
+        raise CheckpointError(
+            f"{where}: a rank's state is an object with the generators under 'rng' (an "
+            f"object) and 'sampler'; found {found}. The file is corrupt or crafted"
+        )
+    if "sampler" not in state:
+        raise CheckpointError(f"{where}: the rank's state has no 'sampler' entry")
+    return state
+
+
 def _rank_state(
     ckpt: Path, manifest: Manifest, session: Session, notes: list[str]
 ) -> dict[str, Any]:
@@ -85,15 +120,13 @@ def _rank_state(
             f"state is rank 0's"
         )
         name = rank_section_name(0)
-    state = read_section(ckpt, manifest, name)
+    state = _checked(read_section(ckpt, manifest, name), ckpt / f"{name}.json")
     if session.rank == 0 and manifest.world_size > session.size:
         notes.append(
             f"saved by {manifest.world_size} ranks, loaded by {session.size}: the RNG "
             f"states of ranks {session.size}..{manifest.world_size - 1} are ignored"
         )
-        for r in range(session.size, manifest.world_size):
-            own = {k: v for k, v in manifest.files.items() if k.startswith(rank_section_name(r))}
-            verify_files(ckpt, Manifest(manifest.step, manifest.world_size, own, []))
+        _verify_absent_ranks(ckpt, manifest, session.size)
     return state if name == rank_section_name(session.rank) else {"sampler": state["sampler"]}
 
 
@@ -110,6 +143,20 @@ class _Targets:
     strict: bool
 
 
+def _from_pieces(ckpt: Path, what: str, read: Callable[[], T]) -> T:
+    """``read()`` (saved pieces of ``what`` into an object), naming the files when they do not
+    fit: torch and the sharded objects raise ValueError, KeyError, ... on a crafted index."""
+    try:
+        return read()
+    except CheckpointError:
+        raise
+    except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as exc:
+        raise CheckpointError(
+            f"{ckpt / shard_section_name(what, 0)}.json (and the other ranks'): the saved "
+            f"{what} pieces do not fit the {what} they are loaded into: {exc}"
+        ) from exc
+
+
 def _load_model(
     ckpt: Path, manifest: Manifest, model: nn.Module, sharded: Any, strict: bool
 ) -> None:
@@ -117,9 +164,9 @@ def _load_model(
     if is_sharded_in(manifest, "model"):
         meta, reader = read_sharded(ckpt, manifest, "model")
         if sharded is not None:
-            sharded.load_sharded_state(meta, reader)
+            _from_pieces(ckpt, "model", partial(sharded.load_sharded_state, meta, reader))
             return
-        full = {k: reader.full(k) for k in reader.keys()}  # noqa: SIM118
+        full = _from_pieces(ckpt, "model", lambda: {k: reader.full(k) for k in reader.keys()})  # noqa: SIM118
         load_model(model, full, strict, where)
     elif (sd := _section(ckpt, manifest, "model", strict)) is not None:
         if sharded is not None:
@@ -135,10 +182,12 @@ def _load_optimizer(
     if is_sharded_in(manifest, "optimizer"):
         meta, reader = read_sharded(ckpt, manifest, "optimizer")
         if sharded is not None:
-            sharded.load_sharded_state(meta, reader)
+            _from_pieces(ckpt, "optimizer", partial(sharded.load_sharded_state, meta, reader))
         else:
             names = [n for n, _ in unwrap(model).named_parameters()] if model is not None else None
-            load_into(opt, full_optimizer_state(meta, reader, names), "optimizer", where)
+            read = partial(full_optimizer_state, meta, reader, names)
+            state = _from_pieces(ckpt, "optimizer", read)
+            load_into(opt, state, "optimizer", where)
     elif (sd := _section(ckpt, manifest, "optimizer", strict)) is not None:
         load_into(sharded if sharded is not None else opt, sd, "optimizer", where)
 
@@ -177,7 +226,10 @@ def _restore(ckpt: Path, session: Session, to: _Targets) -> CheckpointInfo:
         load_into(to.sampler, own["sampler"], "sampler", str(ckpt))
     if to.rng and "rng" in own:
         name = rank_section_name(session.rank)
-        notes.extend(restore_rng(own["rng"], str(ckpt / f"{name}.json")))
+        try:
+            notes.extend(restore_rng(own["rng"], str(ckpt / f"{name}.json")))
+        except ValueError as exc:  # names the file
+            raise CheckpointError(str(exc)) from None
     extra = structure.unflatten(manifest.extra, {}, str(ckpt / "manifest.json"))
     return CheckpointInfo(ckpt, manifest.step, extra, manifest.world_size, tuple(notes))
 

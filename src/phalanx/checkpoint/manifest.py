@@ -5,7 +5,8 @@ incomplete. Every file the loader opens must be listed in it, and is checked aga
 it is read (:func:`read_verified`): size first (a truncated file fails at once), then sha256
 over the same bytes that are then decoded, so each byte is read once. File names in a manifest
 are confined to the checkpoint directory: absolute paths, ``..`` and symlinks that resolve
-outside it are rejected, naming the entry.
+outside it are rejected, naming the entry. ``world_size`` is bounded by the rank files listed
+(every rank writes ``rank-NNNNN.json``), and the manifest's size by ``limits.max_json_bytes``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
+
+from phalanx.checkpoint.errors import CheckpointError, ChecksumError
+from phalanx.checkpoint.limits import open_regular, read_json
 
 __all__ = [
     "FORMAT",
@@ -38,14 +42,6 @@ FORMAT = "phalanx-checkpoint/1"
 MANIFEST = "manifest.json"
 _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 _READ_CHUNK = 16 * 1024 * 1024
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, unsafe or does not fit what it is loaded into."""
-
-
-class ChecksumError(CheckpointError):
-    """A checkpoint file's content differs from the sha256 its manifest records."""
 
 
 @dataclass(frozen=True)
@@ -140,22 +136,35 @@ def _files(doc: dict[str, Any], ckpt: Path, where: Path) -> dict[str, FileEntry]
     return files
 
 
+def _world_size(doc: dict[str, Any], files: dict[str, FileEntry], where: Path) -> int:
+    """``world_size``, which must not exceed the rank files listed (each rank writes one)."""
+    size = _field(doc, "world_size", int, where)
+    if not 1 <= size <= len(files) or any(f"rank-{r:05d}.json" not in files for r in range(size)):
+        raise CheckpointError(
+            f"{where}: world_size {str(size)[:20]} does not match its files (one "
+            f"rank-NNNNN.json per rank, {len(files)} files listed); the manifest is corrupt "
+            f"or crafted"
+        )
+    return size
+
+
 def read_manifest(ckpt: Path) -> Manifest:
-    """Parse and validate ``ckpt/manifest.json`` (paths confined, fields typed)."""
+    """Parse and validate ``ckpt/manifest.json`` (paths confined, fields typed, sizes bounded)."""
     where = ckpt / MANIFEST
-    if where.is_symlink() or not where.is_file():
+    if where.is_symlink() or not where.exists():
         raise CheckpointError(f"{where}: missing; {ckpt} is not a complete checkpoint")
-    try:
-        doc = json.loads(where.read_bytes())
-    except ValueError as exc:
-        raise CheckpointError(f"{where}: not valid JSON ({exc})") from None
+    doc = read_json(where)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         found = doc.get("format") if isinstance(doc, dict) else doc
         raise CheckpointError(f"{where}: format is {found!r:.60}, expected {FORMAT!r}")
+    step = _field(doc, "step", int, where)
+    if not 0 <= step < 2**63:
+        raise CheckpointError(f"{where}: step {str(step)[:20]} is not an int64 >= 0")
+    files = _files(doc, ckpt, where)
     return Manifest(
-        step=_field(doc, "step", int, where),
-        world_size=_field(doc, "world_size", int, where),
-        files=_files(doc, ckpt, where),
+        step=step,
+        world_size=_world_size(doc, files, where),
+        files=files,
         sections=[str(s) for s in _field(doc, "sections", list, where)],
         extra=_field(doc, "extra", dict, where),
     )
@@ -172,7 +181,7 @@ def read_verified(ckpt: Path, manifest: Manifest, name: str) -> torch.Tensor:
     """
     entry = manifest.entry(ckpt, name)
     path = safe_path(ckpt, name)
-    with open(path, "rb", buffering=0) as f:
+    with open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
         if size != entry.bytes:
             raise ChecksumError(
@@ -209,7 +218,7 @@ def verify_files(ckpt: Path, manifest: Manifest) -> None:
         path = safe_path(ckpt, name)
         digest = hashlib.sha256()
         try:
-            with open(path, "rb", buffering=0) as f:
+            with open_regular(path) as f:
                 while chunk := f.read(_READ_CHUNK):
                     digest.update(chunk)
                 size = f.tell()

@@ -112,6 +112,6 @@ def restore(doc: dict[str, Any], where: str) -> list[str]:
         )
         torch.set_rng_state(doc["torch_cpu"].clone())
         cuda = list(doc["torch_cuda"])
-    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError, OverflowError) as exc:
         raise ValueError(f"{where}: malformed random generator state ({exc!r})") from None
     return _restore_cuda(cuda)

@@ -28,6 +28,7 @@ from torch import nn
 from phalanx._check import check_instance, check_int
 from phalanx.checkpoint import atomic, catalog, rng, structure
 from phalanx.checkpoint.args import check_targets
+from phalanx.checkpoint.limits import MAX_DEPTH, MAX_JSON_ENV, deeper_than, max_json_bytes
 from phalanx.checkpoint.manifest import MANIFEST, CheckpointError, FileEntry, Manifest
 from phalanx.checkpoint.sections import Section, parallel, unwrap
 from phalanx.checkpoint.sharded import as_sharded, shard_section
@@ -66,6 +67,8 @@ def _check(step: int, keep_last: int | None, extra: Any) -> Any:
     if extra is not None:
         check_instance("extra", extra, dict, "a dict of JSON-able values", where="save")
     tree, _ = structure.flatten(extra or {}, "save(extra=...)", allow_tensors=False)
+    if deeper_than(tree, MAX_DEPTH - 1):  # the manifest holds it one level down
+        raise ValueError(f"save(extra=...) nests deeper than {MAX_DEPTH - 1} levels; flatten it")
     return tree
 
 
@@ -126,7 +129,13 @@ def _write_and_commit(session: Session, tmp: Path, req: _Request, own: Any) -> P
     _collect_peers(session, files)
     atomic.fault("before-manifest")
     manifest = Manifest(req.step, session.size, files, [s.name for s in sections], req.extra)
-    atomic.write_file(tmp / MANIFEST, [manifest.to_json()])
+    raw = manifest.to_json()
+    if len(raw) > max_json_bytes():  # load would refuse it
+        raise ValueError(
+            f"{MANIFEST} would be {len(raw)} bytes, over the {max_json_bytes()}-byte limit "
+            f"(save(extra=...) too large?); set {MAX_JSON_ENV} to raise it"
+        )
+    atomic.write_file(tmp / MANIFEST, [raw])
     path = catalog.commit(tmp, req.step, session.token)
     catalog.prune(tmp.parent, req.keep_last, path)
     return path

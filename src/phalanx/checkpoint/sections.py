@@ -26,6 +26,14 @@ from torch import nn
 
 from phalanx.checkpoint import structure
 from phalanx.checkpoint.format import decode, encode
+from phalanx.checkpoint.limits import (
+    MAX_DEPTH,
+    MAX_JSON_ENV,
+    check_json_size,
+    deeper_than,
+    max_json_bytes,
+    parse_json,
+)
 from phalanx.checkpoint.manifest import CheckpointError, Manifest, read_verified
 
 __all__ = ["Section", "StateMismatchError", "load_model", "parallel", "read_section", "unwrap"]
@@ -75,6 +83,11 @@ class Section:
     def of(cls, name: str, state: Any, what: str) -> Section:
         """Split ``state`` (errors name ``what`` and the key that cannot be stored)."""
         tree, tensors = structure.flatten(state, what)
+        if deeper_than(tree, MAX_DEPTH - 1):  # load refuses deeper JSON (limits.py)
+            raise ValueError(
+                f"{what} nests deeper than a checkpoint stores ({MAX_DEPTH} levels of JSON, "
+                f"a tuple counting 2 and a dict with non-string keys 3); flatten it"
+            )
         return cls(name, tree, tensors)
 
     def files(self) -> dict[str, list[memoryview | bytes]]:
@@ -87,7 +100,13 @@ class Section:
                     encode(shard)
                 )
         doc = {"tensor_files": list(out), "state": self.structure}
-        out[f"{self.name}.json"] = [json.dumps(doc, separators=(",", ":")).encode()]
+        raw = json.dumps(doc, separators=(",", ":")).encode()
+        if len(raw) > max_json_bytes():  # load would refuse it
+            raise ValueError(
+                f"{self.name}.json would be {len(raw)} bytes, over the {max_json_bytes()}-byte "
+                f"limit of a checkpoint JSON file; set {MAX_JSON_ENV} to raise it"
+            )
+        out[f"{self.name}.json"] = [raw]
         return out
 
 
@@ -108,10 +127,8 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def _json(ckpt: Path, manifest: Manifest, name: str) -> dict[str, Any]:
-    try:
-        doc = json.loads(read_verified(ckpt, manifest, name).numpy().tobytes())
-    except ValueError as exc:
-        raise CheckpointError(f"{ckpt / name}: not valid JSON ({exc})") from None
+    check_json_size(ckpt / name, manifest.entry(ckpt, name).bytes)  # before reading a byte
+    doc = parse_json(read_verified(ckpt, manifest, name).numpy().tobytes(), ckpt / name)
     files = doc.get("tensor_files") if isinstance(doc, dict) else None
     if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
         raise CheckpointError(f"{ckpt / name}: no list of tensor files ('tensor_files')")
@@ -131,10 +148,7 @@ def read_section(ckpt: Path, manifest: Manifest, name: str) -> Any:
                 f"{ckpt / file}: repeats tensors {sorted(tensors.keys() & part.keys())}"
             )
         tensors.update(part)
-    try:
-        return structure.unflatten(doc.get("state"), tensors, str(ckpt / f"{name}.json"))
-    except KeyError as exc:
-        raise CheckpointError(str(exc.args[0])) from None
+    return structure.unflatten(doc.get("state"), tensors, str(ckpt / f"{name}.json"))
 
 
 def _shape(t: Any) -> tuple[int, ...] | None:

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from phalanx.checkpoint.errors import CheckpointError
+
 __all__ = ["flatten", "unflatten"]
 
 _TENSOR, _TUPLE, _ITEMS = "__tensor__", "__tuple__", "__items__"
@@ -104,8 +106,10 @@ def _restore(node: Any, tensors: dict[str, torch.Tensor], where: str) -> Any:
         return node
     if len(node) == 1 and _TENSOR in node:
         key = node[_TENSOR]
-        if key not in tensors:
-            raise KeyError(f"{where} refers to tensor {key!r}, which its tensor file lacks")
+        if not isinstance(key, str) or key not in tensors:
+            raise CheckpointError(
+                f"{where} refers to tensor {key!r:.80}, which its tensor file lacks"
+            )
         return tensors[key]
     if len(node) == 1 and _TUPLE in node:
         return tuple(_restore(x, tensors, where) for x in node[_TUPLE])
@@ -123,7 +127,13 @@ def _key(k: Any) -> Any:
 def unflatten(structure: Any, tensors: dict[str, torch.Tensor], where: str = "state") -> Any:
     """Inverse of :func:`flatten`: put the tensors back into the structure.
 
+    The structure comes from a checkpoint file whose nesting ``limits.parse_json`` bounded.
+
     Raises:
-        KeyError: naming ``where`` and the key when the structure refers to a missing tensor.
+        CheckpointError: naming ``where`` (and the key) when the structure refers to a missing
+            tensor or is malformed.
     """
-    return _restore(structure, tensors, where)
+    try:
+        return _restore(structure, tensors, where)
+    except (TypeError, ValueError) as exc:  # e.g. an __items__ entry that is not a pair
+        raise CheckpointError(f"{where}: malformed state structure ({exc})") from None

@@ -17,7 +17,14 @@ from typing import Any
 
 import torch
 
+from phalanx.checkpoint.errors import CheckpointError
+from phalanx.checkpoint.limits import open_regular
+
 __all__ = ["import_torch_state_dict"]
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [""])[0][:300]
 
 
 def _pick(obj: Any, key: str | None, file: str) -> Any:
@@ -45,16 +52,24 @@ def import_torch_state_dict(
     Raises:
         pickle.UnpicklingError: when the file holds anything but tensors and plain containers
             (such as a pickle that would run code); nothing from it is executed.
+        CheckpointError: naming the file when it is not a regular file or not a readable
+            ``torch.save`` file (truncated, corrupt).
         TypeError: naming the entry that is not a tensor.
     """
     name = os.fspath(file)
-    try:
-        obj = torch.load(name, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise pickle.UnpicklingError(
-            f"{name}: refused to unpickle it: it holds objects other than tensors and plain "
-            f"containers, which could run code ({str(exc).splitlines()[0]})"
-        ) from None
+    with open_regular(name) as f:  # a FIFO or device is refused, not waited on
+        try:
+            obj = torch.load(f, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise pickle.UnpicklingError(
+                f"{name}: refused to unpickle it: it holds objects other than tensors and "
+                f"plain containers, which could run code ({_first_line(exc)})"
+            ) from None
+        except Exception as exc:  # torch raises RuntimeError, EOFError, ... with C++ frames
+            raise CheckpointError(
+                f"{name}: not a readable torch.save file (truncated or corrupt?): "
+                f"{type(exc).__name__}: {_first_line(exc)}"
+            ) from None
     state = _pick(obj, key, name)
     if not isinstance(state, dict):
         raise TypeError(

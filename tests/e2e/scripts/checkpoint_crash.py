@@ -3,6 +3,8 @@
 ``python checkpoint_crash.py DIR POINT``: prints one JSON line with the sha256 of every file of
 the committed step-1 checkpoint, then sets ``PHALANX_CHECKPOINT_FAULT=POINT`` and saves step 2,
 which kills the process (exit code -9). Exit code 3 means the fault never fired.
+``POINT`` ``between-renames`` saves step 1 again instead (with ``keep_last=1``, so step 1 has one
+copy), dying after its old directory is renamed aside and before the new one takes its name.
 """
 
 from __future__ import annotations
@@ -36,12 +38,17 @@ def main(directory: str, point: str) -> int:
     torch.set_num_threads(1)
     model, opt = model_and_optimizer()
     _step(model, opt)
-    path = checkpoint.save(directory, 1, model=model, optimizer=opt, extra={"tag": "one"})
+    resave = point == "between-renames"
+    keep = 1 if resave else 3
+    path = checkpoint.save(
+        directory, 1, model=model, optimizer=opt, extra={"tag": "one"}, keep_last=keep
+    )
     digests = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in path.iterdir()}
     print(json.dumps(digests), flush=True)
     _step(model, opt)
     os.environ[FAULT_ENV] = point
-    checkpoint.save(directory, 2, model=model, optimizer=opt, extra={"tag": "two"})
+    step, tag = (1, "one again") if resave else (2, "two")
+    checkpoint.save(directory, step, model=model, optimizer=opt, extra={"tag": tag}, keep_last=keep)
     return 3
 
 

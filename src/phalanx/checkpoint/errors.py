@@ -1,0 +1,13 @@
+"""The errors of :mod:`phalanx.checkpoint`, in a module of their own: all others raise them."""
+
+from __future__ import annotations
+
+__all__ = ["CheckpointError", "ChecksumError"]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, unsafe or does not fit what it is loaded into."""
+
+
+class ChecksumError(CheckpointError):
+    """A checkpoint file's content differs from the sha256 its manifest records."""
