@@ -33,3 +33,22 @@ def test_a_pipeline_refuses_grad_accum_before_making_groups() -> None:
     world = World(0, 2, 0, 2, 0, torch.device("cpu"), "gloo")
     with pytest.raises(ValueError, match=r"grad_accum=2 with a pipeline \(pp=2\).*micro_batches"):
         Mesh(pp=2, micro_batches=2).start(world, JobOptions(grad_accum=2))
+
+
+def test_mesh_options_are_parallel_configs_checked_in_one_place() -> None:
+    from dataclasses import fields
+
+    from phalanx.mesh import ParallelConfig
+
+    assert [f.name for f in fields(Mesh)] == [f.name for f in fields(ParallelConfig)]
+    mesh = Mesh(dp=2, pp=None, tp=2, micro_batches=2)
+    config = mesh.config(8)
+    assert type(config) is ParallelConfig and (config.dp, config.pp, config.tp) == (2, 2, 2)
+    assert ParallelConfig(dp=2, pp=None, tp=2, micro_batches=2).for_world(8) == config
+    # the same checks, named after the class the user built
+    with pytest.raises(ValueError, match=r"^ParallelConfig\(pp=None, tp=None\): at most one"):
+        ParallelConfig(dp=2, pp=None, tp=None)
+    with pytest.raises(ValueError, match=r"^Mesh\(pp=None, tp=None\): at most one"):
+        Mesh(dp=2, pp=None, tp=None)
+    with pytest.raises(ValueError, match=r"^ParallelConfig\(schedule='zigzag'\)"):
+        ParallelConfig(pp=2, schedule="zigzag")

@@ -13,6 +13,8 @@ from phalanx.sharding.pieces import (
     Piece,
     PieceReader,
     overlaps,
+    param_index,
+    param_key,
     pieces_in_range,
     slice_pieces,
 )
@@ -37,6 +39,26 @@ def test_a_piece_reads_its_elements_from_the_full_tensor_and_its_holder() -> Non
     assert piece.numel == 4
     assert holder.tolist() == [0, 0, 5, 6, 7, 8, 0, 0]
     assert Piece("step", (), 0, 1).numel == 1  # a scalar is one element of shape ()
+
+
+def test_a_pieces_slices_and_state_piece_name_the_same_elements() -> None:
+    piece = Piece("param3", (3, 4), 5, 9, offset=2)
+    assert (piece.held.start, piece.held.stop) == (2, 6)
+    assert (piece.elements.start, piece.elements.stop) == (5, 9)
+    # ZeRO-1/2 keys optimizer state "param<i>/<state>", at offset 0 (a tensor of its own)
+    assert piece.of_state("exp_avg") == Piece("param3/exp_avg", (3, 4), 5, 9)
+
+
+@pytest.mark.parametrize("index", [0, 7, 123])
+def test_param_keys_round_trip(index: int) -> None:
+    assert param_key(index) == f"param{index}"
+    assert param_index(param_key(index)) == index
+
+
+@pytest.mark.parametrize("key", ["weight", "param", "param1/exp_avg", "paramx", "param-1"])
+def test_param_index_names_a_key_that_is_not_a_parameter_key(key: str) -> None:
+    with pytest.raises(ValueError, match=rf"key '{key}' is not param<i>"):
+        param_index(key)
 
 
 def test_the_index_entry_is_the_on_disk_form_and_drops_the_local_offset() -> None:

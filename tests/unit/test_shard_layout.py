@@ -25,11 +25,13 @@ def test_every_element_is_owned_once_and_lands_in_its_ranks_staging_slot(
         slots = set()
         for seg in b.segments:
             s, e = b.part.bounds[seg.rank]
-            slot = range(seg.staging, seg.staging + seg.length)
+            piece = seg.piece
+            assert piece.key == f"param{seg.param}" and piece.shape == (layout.numels[seg.param],)
+            slot = range(piece.offset, piece.offset + piece.numel)
             assert seg.rank * b.chunk <= slot.start and slot.stop <= seg.rank * b.chunk + e - s
             assert not slots & set(slot)
             slots |= set(slot)
-            for k in range(seg.param_start, seg.param_start + seg.length):
+            for k in range(piece.start, piece.end):
                 seen[seg.param][k] += 1
     assert flat_end == layout.total
     assert all(c == 1 for counts in seen.values() for c in counts)
@@ -69,5 +71,16 @@ def test_flags_follow_each_ranks_range_in_its_chunk() -> None:
     (b,) = layout.buckets
     assert b.flags == 2 and b.flag_offset == b.part.chunk == 4 and b.chunk == 6
     for seg in b.segments:  # data stays before the flags of the rank's chunk
-        start = seg.staging - seg.rank * b.chunk
-        assert start >= 0 and start + seg.length <= b.flag_offset
+        start = seg.piece.offset - seg.rank * b.chunk
+        assert start >= 0 and start + seg.piece.numel <= b.flag_offset
+
+
+def test_copy_runs_are_the_segments_pieces_as_slices() -> None:
+    layout = plan_shards([[5, 2]], 2, 4, 1 << 20, flags=True)
+    (b,) = layout.buckets
+    runs = b.copy_runs()
+    assert len(runs) == len(b.segments)
+    for (param, held, elements), seg in zip(runs, b.segments):
+        assert param == seg.param
+        assert (held.start, held.stop) == (seg.piece.offset, seg.piece.offset + seg.piece.numel)
+        assert (elements.start, elements.stop) == (seg.piece.start, seg.piece.end)

@@ -8,8 +8,9 @@ loss = model.train_step(x, y)                          # gradients averaged over
 
 from __future__ import annotations
 
+from phalanx.mesh.config import ParallelConfig
 from phalanx.mesh.groups import ParallelGroups, make_groups
-from phalanx.mesh.parallelize import ParallelConfig, ParallelModel, layers_of, parallelize
+from phalanx.mesh.parallelize import ParallelModel, layers_of, parallelize
 from phalanx.mesh.replica_average import average_gradients
 from phalanx.mesh.topology import AXES, Topology
 

@@ -16,58 +16,21 @@ over ``dp`` before training.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from phalanx._check import check_int
 from phalanx.mesh.checkpoint import ParallelModelState, ParallelOptimizerState, plan_pieces
+from phalanx.mesh.config import ParallelConfig
 from phalanx.mesh.groups import ParallelGroups
 from phalanx.mesh.replica_average import average_gradients
-from phalanx.mesh.topology import Topology
 
-__all__ = ["ParallelConfig", "ParallelModel", "layers_of", "parallelize"]
+__all__ = ["ParallelModel", "layers_of", "parallelize"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """How to split a model: degrees, pipeline schedule and tensor-parallel plan."""
-
-    dp: int | None = None
-    """Data-parallel degree; None takes what pp and tp leave of the world."""
-    pp: int = 1
-    """Pipeline stages."""
-    tp: int = 1
-    """Tensor-parallel degree."""
-    micro_batches: int = 1
-    """Micro-batches per step when pipelining (must divide the batch)."""
-    schedule: str = "1f1b"
-    """Pipeline schedule: "gpipe", "1f1b" or "interleaved"."""
-    chunks: int = 1
-    """Model chunks per pipeline rank (interleaved schedule only)."""
-    balance: Sequence[int] | str | None = None
-    """Layers per stage, or "params" / "time"; None balances parameter counts."""
-    tp_plan: Mapping[str, str] | None = None
-    """Module name -> tensor-parallel style; None uses the model's default plan (GPT has one)."""
-
-    def __post_init__(self) -> None:
-        check_int("micro_batches", self.micro_batches, min=1, where="ParallelConfig")
-        check_int("chunks", self.chunks, min=1, where="ParallelConfig")
-        if self.pp == 1 and (self.micro_batches > 1 or self.chunks > 1):
-            raise ValueError(
-                f"micro_batches={self.micro_batches} and chunks={self.chunks} apply to a pipeline, "
-                f"but pp=1; set pp > 1 (or use grad_accum for accumulation without a pipeline)"
-            )
-
-    def topology(self, world_size: int) -> Topology:
-        """The dp x pp x tp layout of ``world_size`` ranks (errors name every degree)."""
-        return Topology.for_world(world_size, dp=self.dp, pp=self.pp, tp=self.tp)
 
 
 def layers_of(model: nn.Module) -> list[nn.Module]:
@@ -193,19 +156,20 @@ def _device_of(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _apply_tensor_parallel(model: nn.Module, config: ParallelConfig, group: Any) -> None:
+def _apply_tensor_parallel(
+    model: nn.Module, plan: Mapping[str, str] | None, tp: int, group: Any
+) -> None:
     from phalanx.tensor_parallel import gpt_plan, parallelize_module
 
-    plan = config.tp_plan
     if plan is None:
         from phalanx.models import GPT
 
         if not isinstance(model, GPT):
             raise ValueError(
-                f"tp={config.tp} needs a tensor-parallel plan for {type(model).__name__}: pass "
+                f"tp={tp} needs a tensor-parallel plan for {type(model).__name__}: pass "
                 f"tp_plan={{'module.name': 'colwise' | 'rowwise' | ...}} (only GPT has a default)"
             )
-        plan = gpt_plan(model, tp=config.tp)  # validates heads and widths against tp
+        plan = gpt_plan(model, tp=tp)  # validates heads and widths against tp
     parallelize_module(model, plan, group)
 
 
@@ -234,13 +198,13 @@ def parallelize(
             use :func:`phalanx.tensor_parallel.vocab_parallel_cross_entropy` on ``groups.tp``.
     """
     topo = groups.topology
-    if (topo.dp, topo.pp, topo.tp) != (config.topology(topo.world_size).dp, config.pp, config.tp):
+    if topo != config.topology(topo.world_size):
         raise ValueError(
             f"parallelize: groups were built for {topo.describe()} but the config asks for "
             f"dp={config.dp} x pp={config.pp} x tp={config.tp}"
         )
     if topo.tp > 1:
-        _apply_tensor_parallel(model, config, groups.tp)
+        _apply_tensor_parallel(model, config.tp_plan, topo.tp, groups.tp)
     if topo.pp > 1:
         from phalanx.pipeline import Pipeline
 

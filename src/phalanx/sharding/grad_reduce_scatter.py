@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from phalanx.comm import collectives as c
 from phalanx.data_parallel.bucket_engine import BucketEngine
-from phalanx.sharding.layout import BucketLayout, ShardLayout
+from phalanx.sharding.layout import BucketLayout, CopyRun, ShardLayout
 from phalanx.sharding.owned import OwnedRange
 from phalanx.sharding.param_sync import MAX_IN_FLIGHT, StagingPool
 
@@ -59,6 +59,8 @@ class GradReducer:
         self._on_launch = on_launch
         self._grads: list[torch.Tensor | None] = [None] * len(layout.buckets)
         self._bucket_of = {p: i for i, b in enumerate(layout.buckets) for p in b.params}
+        self._runs = [b.copy_runs() for b in layout.buckets]
+        self._slots = [[(r, r.piece.held) for r in mine] for mine in owned]
         self.engine: BucketEngine[_Flight] = BucketEngine(
             [len(b.params) for b in layout.buckets], self, MAX_IN_FLIGHT
         )
@@ -104,7 +106,7 @@ class GradReducer:
         busy = {id(f.staging) for f in self.engine.in_flight()}  # the engine bounds the flights
         pool = next(s for s in self.pool.buffers if id(s) not in busy)
         stage = pool[: bucket.chunk * self.world]
-        _fill(stage, bucket, self.params)
+        _fill(stage, bucket, self._runs[index], self.params)
         for p in bucket.params:  # copied: the full gradient is not needed any more
             self.params[p].grad = None
         out = torch.empty(bucket.chunk, dtype=stage.dtype, device=stage.device)
@@ -126,9 +128,8 @@ class GradReducer:
         else:
             grad.add_(flight.out)
         has = (grad[self.layout.buckets[b].flag_offset :] > 0).tolist()  # one sync per bucket
-        for r in self.owned[b]:
-            view = grad[r.slot : r.slot + r.length].view(r.tensor.shape)
-            r.tensor.grad = view if has[r.flag] else None
+        for r, slot in self._slots[b]:
+            r.tensor.grad = grad[slot].view(r.tensor.shape) if has[r.flag] else None
 
     def flush(self) -> None:
         """Launch every bucket not yet launched this pass (in order) and wait for all."""
@@ -156,7 +157,9 @@ class GradReducer:
         return sum(g.numel() * g.element_size() for g in self._grads if g is not None)
 
 
-def _fill(stage: torch.Tensor, bucket: BucketLayout, params: Sequence[torch.Tensor]) -> None:
+def _fill(
+    stage: torch.Tensor, bucket: BucketLayout, runs: list[CopyRun], params: Sequence[torch.Tensor]
+) -> None:
     """Copy the bucket's gradients (zeros where a parameter has none) and flags into ``stage``."""
     chunk, at = bucket.chunk, bucket.flag_offset
     flags = torch.tensor([params[p].grad is not None for p in bucket.params], dtype=stage.dtype).to(
@@ -165,10 +168,9 @@ def _fill(stage: torch.Tensor, bucket: BucketLayout, params: Sequence[torch.Tens
     for r, (s, e) in enumerate(bucket.part.bounds):
         stage[r * chunk + e - s : r * chunk + at].zero_()
         stage[r * chunk + at : (r + 1) * chunk].copy_(flags)
-    for seg in bucket.segments:
-        grad = params[seg.param].grad
-        dst = stage[seg.staging : seg.staging + seg.length]
+    for param, held, elements in runs:
+        grad = params[param].grad
         if grad is None:
-            dst.zero_()
+            stage[held].zero_()
         else:
-            dst.copy_(grad.reshape(-1)[seg.param_start : seg.param_start + seg.length])
+            stage[held].copy_(grad.reshape(-1)[elements])

@@ -8,11 +8,11 @@ slice of the flat buffer: the optimizer steps that slice in place.
 
 Collectives need equal chunks: a bucket travels as a *staging* buffer of ``world * chunk`` elements
 in which rank ``r``'s range sits at ``r * chunk`` followed by at most one padding element.
-:class:`StagingRun` records where each run of a parameter's elements lands in it (a communication
-layout: the checkpointed state of those runs is described by :class:`~phalanx.sharding.pieces.Piece`
-records, see :mod:`phalanx.sharding.zero_pieces`). The extra element of uneven buckets rotates over
-the ranks from bucket to bucket, so every rank's total is within one element of the others' (not
-only within each bucket).
+:class:`StagingRun` records where each run of a parameter's elements lands in it: a
+:class:`~phalanx.sharding.pieces.Piece` of the flattened parameter (key ``param<i>``) whose offset
+is its place in the staging buffer, and the rank that owns it. The extra element of uneven
+buckets rotates over the ranks from bucket to bucket, so every rank's total is within one element
+of the others' (not only within each bucket).
 
 With ``flags``, each rank's chunk ends with one *gradient flag* per parameter of the bucket:
 every rank writes 1 where it holds a gradient for that parameter, so after the reduce-scatter a
@@ -22,24 +22,33 @@ that no rank has a gradient for is skipped by the optimizer, as ``torch.optim`` 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from phalanx.data_parallel.buckets import ParamSpec, plan_buckets
 from phalanx.sharding.partition import Partition, partition
+from phalanx.sharding.pieces import Piece, param_index, param_key
 
-__all__ = ["BucketLayout", "ShardLayout", "StagingRun", "plan_shards"]
+__all__ = ["BucketLayout", "CopyRun", "ShardLayout", "StagingRun", "plan_shards"]
 
 
 @dataclass(frozen=True)
 class StagingRun:
-    """Elements ``param_start : param_start + length`` of flattened parameter ``param``,
-    owned by ``rank``, at ``staging`` in the bucket's staging buffer."""
+    """A run of one parameter's elements, owned by ``rank``, in a bucket's staging buffer."""
 
-    param: int
-    param_start: int
-    length: int
+    piece: Piece
+    """Elements of the flattened parameter (key ``param<i>``, shape ``(numel,)``); its offset
+    is where they sit in the bucket's staging buffer."""
     rank: int
-    staging: int
+    param: int = field(init=False, repr=False, compare=False)
+    """The parameter's global index (read from the key once, for the per-step copies)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "param", param_index(self.piece.key))
+
+
+CopyRun = tuple[int, slice, slice]
+"""A staging run precomputed for a per-step copy loop: (parameter index, where its elements sit
+in a staging buffer, which elements of the flattened parameter they are)."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,10 @@ class BucketLayout:
     def flag_offset(self) -> int:
         """Where the flags start inside a rank's chunk (flag ``j`` is for ``params[j]``)."""
         return self.part.chunk
+
+    def copy_runs(self) -> list[CopyRun]:
+        """Every run, precomputed for the gradient copy into the staging buffer."""
+        return [(s.param, s.piece.held, s.piece.elements) for s in self.segments]
 
     def shard(self, rank: int) -> tuple[int, int]:
         """``rank``'s range in flat-buffer coordinates."""
@@ -107,7 +120,8 @@ def _segments(
         for r, (s, e) in enumerate(part.bounds):
             lo, hi = max(off, s), min(off + n, e)
             if lo < hi:
-                out.append(StagingRun(p, lo - off, hi - lo, r, r * chunk + lo - s))
+                piece = Piece(param_key(p), (n,), lo - off, hi - off, r * chunk + lo - s)
+                out.append(StagingRun(piece, r))
     return out
 
 

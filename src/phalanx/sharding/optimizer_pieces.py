@@ -16,7 +16,14 @@ from typing import Any
 
 import torch
 
-from phalanx.sharding.pieces import HeldPieces, Piece, PieceReader, ShardedState, dtype_name
+from phalanx.sharding.pieces import (
+    HeldPieces,
+    Piece,
+    PieceReader,
+    ShardedState,
+    dtype_name,
+    param_key,
+)
 
 __all__ = [
     "FORMAT",
@@ -58,7 +65,7 @@ def meta_scalars(meta: dict[str, Any]) -> dict[str, Any]:
 def state_keys(meta: dict[str, Any], reader: PieceReader, n: int) -> dict[int, dict[str, str]]:
     """Per parameter index: state name -> the saved key to read it from."""
     if meta.get("format") == ZERO_FORMAT_V1 or "param_keys" in meta:
-        names = meta.get("param_keys") or [f"param{i}" for i in range(n)]
+        names = meta.get("param_keys") or [param_key(i) for i in range(n)]
         return {i: {k: f"{names[i]}/{k}" for k in meta["per_element"]} for i in range(n)}
     out: dict[int, dict[str, str]] = {}
     for saved in reader.keys():  # noqa: SIM118 (a PieceReader, not a dict)
@@ -143,8 +150,7 @@ class PieceOptimizerState:
                     continue
                 per_element.add(k)
                 v = v.reshape(-1)  # flat shards are 1-D already; whole parameters are not
-                for p in held:
-                    pieces.append((Piece(f"{p.key}/{k}", p.shape, p.start, p.end), p.held_in(v)))
+                pieces += [(p.of_state(k), p.held_in(v)) for p in held]
         meta = {
             "format": FORMAT,
             "num_params": len(self.keys),
@@ -169,7 +175,7 @@ class PieceOptimizerState:
             for k in meta["per_element"]:
                 t = torch.zeros(flat.numel(), dtype=flat.dtype, device=flat.device)
                 for p in held:
-                    reader.read(f"{p.key}/{k}", p.start, p.end, out=p.held_in(t))
+                    reader.read(p.of_state(k).key, p.start, p.end, out=p.held_in(t))
                 state[k] = t.view_as(flat)
             if held:
                 self.optimizer.state[flat] = state

@@ -18,35 +18,40 @@ own gradient: a parameter without one (``grad is None``) is skipped by the optim
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from phalanx.sharding.layout import ShardLayout
+from phalanx.sharding.pieces import Piece, param_index
 
 __all__ = ["OwnedRange", "attach_local_grads", "owned_ranges", "refresh", "release_grads"]
 
 
 @dataclass
 class OwnedRange:
-    """Elements ``start : start + length`` of flattened parameter ``param``, owned by this rank."""
+    """One parameter's part of this rank's range of a bucket, and what steps it."""
 
-    param: int
-    start: int
-    length: int
+    piece: Piece
+    """The elements (key ``param<i>``, the parameter's shape); its offset is their place in this
+    rank's chunk of the bucket's staging buffer (where their reduced gradient arrives)."""
     bucket: int
-    slot: int
-    """Offset in this rank's chunk of the bucket's staging buffer."""
     flag: int
-    """Position of ``param`` in its bucket (its gradient flag)."""
+    """Position of the parameter in its bucket (its gradient flag)."""
     tensor: torch.Tensor
     """What the inner optimizer steps (the parameter itself, or a view of it)."""
     whole: bool
+    """The piece is the whole parameter (``tensor`` is then shaped like it)."""
+    param: int = field(init=False, repr=False)
+    """The parameter's global index (read from the key once, for the per-step loops)."""
+
+    def __post_init__(self) -> None:
+        self.param = param_index(self.piece.key)
 
     def view_of(self, p: torch.Tensor) -> torch.Tensor:
         """This range of ``p`` (the parameter or a tensor shaped like it), shaped as ``tensor``."""
-        return p if self.whole else p.reshape(-1)[self.start : self.start + self.length]
+        return p if self.whole else p.reshape(-1)[self.piece.start : self.piece.end]
 
 
 def owned_ranges(
@@ -66,19 +71,14 @@ def owned_ranges(
         for seg in bucket.segments:
             if seg.rank != rank:
                 continue
-            p = params[seg.param]
-            whole = seg.length == p.numel()
+            p, run = params[seg.param], seg.piece
+            whole = run.numel == p.numel()
             if whole and step_params:
                 tensor: torch.Tensor = p
             else:
-                flat = p.detach().reshape(-1)
-                data = p.detach() if whole else flat[seg.param_start : seg.param_start + seg.length]
-                tensor = nn.Parameter(data)
-            flag = bucket.params.index(seg.param)
-            slot = seg.staging - base
-            mine.append(
-                OwnedRange(seg.param, seg.param_start, seg.length, b, slot, flag, tensor, whole)
-            )
+                tensor = nn.Parameter(p.detach() if whole else run.of_full(p.detach()))
+            piece = Piece(run.key, tuple(p.shape), run.start, run.end, run.offset - base)
+            mine.append(OwnedRange(piece, b, bucket.params.index(seg.param), tensor, whole))
         out.append(mine)
     return out
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.comm import collectives as c
-from phalanx.sharding.layout import BucketLayout, ShardLayout
+from phalanx.sharding.layout import BucketLayout, CopyRun, ShardLayout
 
 __all__ = ["MAX_IN_FLIGHT", "ParamGatherer", "StagingPool"]
 
@@ -50,6 +50,8 @@ class ParamGatherer:
     ) -> None:
         self.params, self.layout, self.buffers = params, layout, buffers
         self.pool, self.group, self.rank = pool, group, rank
+        runs = [_gather_runs(b, rank) for b in layout.buckets]
+        self._mine, self._theirs = [m for m, _ in runs], [t for _, t in runs]
 
     def gather(self) -> None:
         """Every rank's ranges of every bucket into everyone's parameters (collective)."""
@@ -75,13 +77,8 @@ class ParamGatherer:
         if self.buffers is not None:
             mine[: e - s].copy_(self.buffers[b][s:e])
             return
-        for seg in bucket.segments:
-            if seg.rank == self.rank:
-                src = self.params[seg.param].detach().reshape(-1)
-                at = seg.staging - seg.rank * bucket.chunk  # offset within the rank's range
-                mine[at : at + seg.length].copy_(
-                    src[seg.param_start : seg.param_start + seg.length]
-                )
+        for param, at, elements in self._mine[b]:
+            mine[at].copy_(self.params[param].detach().reshape(-1)[elements])
 
     def _unpack(self, b: int, work: dist.Work | None, buf: torch.Tensor) -> torch.Tensor:
         if work is not None:
@@ -93,9 +90,26 @@ class ParamGatherer:
                 if r != self.rank:
                     self.buffers[b][s:e].copy_(buf[r * chunk : r * chunk + e - s])
             return buf
-        for seg in bucket.segments:
-            if seg.rank != self.rank:
-                at = seg.rank * chunk + seg.staging - seg.rank * bucket.chunk
-                dst = self.params[seg.param].detach().view(-1)
-                dst[seg.param_start : seg.param_start + seg.length].copy_(buf[at : at + seg.length])
+        for param, at, elements in self._theirs[b]:
+            self.params[param].detach().view(-1)[elements].copy_(buf[at])
         return buf
+
+
+def _gather_runs(bucket: BucketLayout, rank: int) -> tuple[list[CopyRun], list[CopyRun]]:
+    """The all-gather's copy runs: ``rank``'s (placed in its chunk) and the other ranks' (placed
+    in the gathered buffer).
+
+    The all-gather's chunk is ``part.chunk``, the reduce-scatter's (the staging offsets) that
+    plus the flags: a run at staging offset ``o`` of rank ``r`` is ``o - r * bucket.chunk`` into
+    its rank's range.
+    """
+    mine: list[CopyRun] = []
+    theirs: list[CopyRun] = []
+    for seg in bucket.segments:
+        start = seg.piece.offset - seg.rank * bucket.chunk  # offset within the rank's range
+        if seg.rank == rank:
+            mine.append((seg.param, slice(start, start + seg.piece.numel), seg.piece.elements))
+        else:
+            at = seg.rank * bucket.part.chunk + start
+            theirs.append((seg.param, slice(at, at + seg.piece.numel), seg.piece.elements))
+    return mine, theirs

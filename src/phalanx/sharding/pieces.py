@@ -7,8 +7,10 @@ sharded checkpoint. The idea is torch DCP's ``ChunkStorageMetadata`` (offsets an
 chunk of an n-D tensor), flattened: an element range of the row-major flattening, so a chunk of
 any shape is a list of pieces and any two layouts can be intersected range by range.
 
-Keys name tensors independently of the world size (a model's state-dict name, or
-``param<i>/<state>`` for optimizer state), so a checkpoint written by 4 ranks is read by 2 or 1:
+Keys name tensors independently of the world size (a model's state-dict name, or ZeRO-1/2's
+``param<i>`` for the ``i``-th parameter in optimizer order, :func:`param_key`), and a tensor's
+optimizer state is keyed ``<key>/<state>`` (:meth:`Piece.of_state`), so a checkpoint written by
+4 ranks is read by 2 or 1:
 each rank asks a :class:`PieceReader` for the element ranges its own layout needs
 (:func:`overlaps`), and the reader assembles them from whichever saved pieces cover them.
 
@@ -33,6 +35,8 @@ __all__ = [
     "ShardedState",
     "dtype_name",
     "overlaps",
+    "param_index",
+    "param_key",
     "pieces_in_range",
     "slice_pieces",
 ]
@@ -61,6 +65,17 @@ class Piece:
         """Elements in the piece."""
         return self.end - self.start
 
+    @property
+    def held(self) -> slice:
+        """Where the piece sits in the 1-D local tensor that holds it (precomputable for loops
+        that run every step)."""
+        return slice(self.offset, self.offset + self.numel)
+
+    @property
+    def elements(self) -> slice:
+        """The piece's elements of the flattened tensor ``key``."""
+        return slice(self.start, self.end)
+
     def held_in(self, flat: torch.Tensor) -> torch.Tensor:
         """The piece's elements in ``flat`` (the 1-D local tensor that holds it)."""
         return flat[self.offset : self.offset + self.numel]
@@ -68,6 +83,11 @@ class Piece:
     def of_full(self, full: torch.Tensor) -> torch.Tensor:
         """The piece's elements of ``full`` (the whole tensor ``key``, any shape)."""
         return full.reshape(-1)[self.start : self.end]
+
+    def of_state(self, name: str) -> Piece:
+        """The same elements of the optimizer state ``name`` of this tensor: key
+        ``<key>/<name>``, at offset 0 (a tensor of its own)."""
+        return Piece(f"{self.key}/{name}", self.shape, self.start, self.end)
 
     def to_json(self, dtype: str) -> list[Any]:
         """The checkpoint index entry ``[key, shape, start, end, dtype]`` (offset is local)."""
@@ -82,6 +102,19 @@ class Piece:
 
 HeldPieces = list[tuple[torch.Tensor, list[Piece]]]
 """Flat local tensors, each with the pieces it holds (by :attr:`Piece.offset`)."""
+
+
+def param_key(index: int) -> str:
+    """``param<index>``: the key of ZeRO-1/2's parameter ``index`` (global optimizer order)."""
+    return f"param{index}"
+
+
+def param_index(key: str) -> int:
+    """The index in a :func:`param_key` key (``"param3"`` -> 3)."""
+    digits = key.removeprefix("param")
+    if digits == key or not (digits.isascii() and digits.isdigit()):
+        raise ValueError(f"param_index: key {key!r} is not param<i> (a ZeRO-1/2 parameter key)")
+    return int(digits)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

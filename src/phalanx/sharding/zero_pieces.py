@@ -23,13 +23,14 @@ from phalanx.sharding.optimizer_pieces import (
     read_value,
     state_keys,
 )
+from phalanx.sharding.owned import OwnedRange
 from phalanx.sharding.pieces import Piece, PieceReader, ShardedState
 from phalanx.sharding.zero_state import (
     ZeroShards,
     groups_meta,
     install,
     set_hyperparameters,
-    split_state,
+    stepped_ranges,
 )
 
 __all__ = ["FORMAT", "load_sharded_state", "sharded_state"]
@@ -37,32 +38,26 @@ __all__ = ["FORMAT", "load_sharded_state", "sharded_state"]
 FORMAT = "phalanx.zero/2"
 
 
-def _scalar_piece(i: int, k: str, v: Any) -> tuple[Piece, torch.Tensor]:
+def _scalar_piece(r: OwnedRange, k: str, v: Any) -> tuple[Piece, torch.Tensor]:
+    key = r.piece.of_state(k).key
     if isinstance(v, torch.Tensor):
-        return Piece(f"param{i}/{k}", (), 0, 1), v.detach().reshape(1)
+        return Piece(key, (), 0, 1), v.detach().reshape(1)
     if v is None:
-        return Piece(f"param{i}/{k}:none", (), 0, 1), torch.zeros(1, dtype=torch.bool)
+        return Piece(f"{key}:none", (), 0, 1), torch.zeros(1, dtype=torch.bool)
     if isinstance(v, (bool, int, float)):
-        return Piece(f"param{i}/{k}:py", (), 0, 1), torch.tensor([v])
+        return Piece(f"{key}:py", (), 0, 1), torch.tensor([v])
     raise TypeError(
-        f"optimizer state {k!r} of parameter {i} holds a {type(v).__name__}, which cannot be saved"
+        f"optimizer state {k!r} of parameter {r.param} holds a {type(v).__name__}, "
+        f"which cannot be saved"
     )
 
 
 def sharded_state(opt: ZeroShards) -> ShardedState:
     pieces: list[tuple[Piece, torch.Tensor]] = []
-    for mine in opt.owned:
-        for r in mine:
-            state = opt.optim.state.get(r.tensor)
-            if not state:
-                continue
-            elems, scalars = split_state(state, r)
-            shape = tuple(opt.params[r.param].shape)
-            for k, t in sorted(elems.items()):
-                piece = Piece(f"param{r.param}/{k}", shape, r.start, r.start + r.length)
-                pieces.append((piece, t.detach().reshape(-1)))
-            if r.start == 0:
-                pieces += [_scalar_piece(r.param, k, v) for k, v in sorted(scalars.items())]
+    for r, elems, scalars in stepped_ranges(opt):
+        pieces += [(r.piece.of_state(k), t.detach().reshape(-1)) for k, t in sorted(elems.items())]
+        if r.piece.start == 0:
+            pieces += [_scalar_piece(r, k, v) for k, v in sorted(scalars.items())]
     meta = {"format": FORMAT, "num_params": len(opt.params), "param_groups": groups_meta(opt)}
     return ShardedState(meta, pieces)
 
@@ -82,7 +77,7 @@ def load_sharded_state(opt: ZeroShards, meta: dict[str, Any], reader: PieceReade
                 continue
             st = meta_scalars(meta)
             for k, saved in keys[r.param].items():
-                st[k] = read_value(reader, saved, r.start, r.start + r.length)
+                st[k] = read_value(reader, saved, r.piece.start, r.piece.end)
                 if isinstance(st[k], torch.Tensor) and st[k].dim() > 0:
                     st[k] = st[k].view(r.tensor.shape)
             states.append((r.tensor, st))

@@ -12,6 +12,7 @@ parameter that was never stepped has no entry, as in ``torch.optim``.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
@@ -21,6 +22,7 @@ from phalanx.comm import collectives as c
 from phalanx.comm.objects import all_gather_object
 from phalanx.sharding.layout import ShardLayout
 from phalanx.sharding.owned import OwnedRange
+from phalanx.sharding.pieces import dtype_name
 
 __all__ = [
     "ZeroShards",
@@ -30,6 +32,7 @@ __all__ = [
     "load_full_state_dict",
     "set_hyperparameters",
     "split_state",
+    "stepped_ranges",
 ]
 
 
@@ -64,6 +67,17 @@ def split_state(state: dict[str, Any], r: OwnedRange) -> tuple[dict[str, torch.T
         else:
             scalars[k] = v
     return elems, scalars
+
+
+def stepped_ranges(
+    opt: ZeroShards,
+) -> Iterator[tuple[OwnedRange, dict[str, torch.Tensor], dict[str, Any]]]:
+    """Each owned range that has state (was stepped), with its :func:`split_state`."""
+    for mine in opt.owned:
+        for r in mine:
+            state = opt.optim.state.get(r.tensor)
+            if state:
+                yield (r, *split_state(state, r))
 
 
 def groups_meta(opt: ZeroShards) -> list[dict[str, Any]]:
@@ -112,16 +126,11 @@ def install(opt: ZeroShards, states: list[tuple[torch.Tensor, dict]]) -> None:
 def _describe(opt: ZeroShards) -> dict[str, Any]:
     """This rank's state keys: per parameter, the per-element dtypes and the scalar values."""
     out: dict[str, Any] = {}
-    for mine in opt.owned:
-        for r in mine:
-            state = opt.optim.state.get(r.tensor)
-            if not state:
-                continue
-            elems, scalars = split_state(state, r)
-            doc = out.setdefault(str(r.param), {"elems": {}, "scalars": {}})
-            doc["elems"].update({k: str(v.dtype).removeprefix("torch.") for k, v in elems.items()})
-            if r.start == 0 or not doc["scalars"]:
-                doc["scalars"] = dict(scalars)
+    for r, elems, scalars in stepped_ranges(opt):
+        doc = out.setdefault(str(r.param), {"elems": {}, "scalars": {}})
+        doc["elems"].update({k: dtype_name(v.dtype) for k, v in elems.items()})
+        if r.piece.start == 0 or not doc["scalars"]:
+            doc["scalars"] = dict(scalars)
     return out
 
 
@@ -134,7 +143,7 @@ def _gather_chunks(
     for r in opt.owned[b]:
         state = opt.optim.state.get(r.tensor, {})
         if key in state:
-            mine[r.slot : r.slot + r.length].copy_(state[key].reshape(-1))
+            r.piece.held_in(mine).copy_(state[key].reshape(-1))
     if opt.world == 1:
         return [mine]
     out = [torch.empty_like(mine) for _ in range(opt.world)] if opt.rank == to else None
@@ -173,9 +182,8 @@ def consolidate(opt: ZeroShards, to: int) -> dict[int, dict[str, Any]] | None:
                     continue
                 p = opt.params[seg.param]
                 t = full[seg.param].setdefault(key, torch.zeros(p.shape, dtype=chunks[0].dtype))
-                at = seg.staging - seg.rank * bucket.chunk
-                src = chunks[seg.rank][at : at + seg.length]
-                t.view(-1)[seg.param_start : seg.param_start + seg.length].copy_(src)
+                at = seg.piece.offset - seg.rank * bucket.chunk  # into the rank's chunk
+                seg.piece.of_full(t).copy_(chunks[seg.rank][at : at + seg.piece.numel])
     return dict(sorted(full.items())) if opt.rank == to else None
 
 

@@ -35,11 +35,20 @@ def _rank() -> int:
 
 
 class Profiler:
-    """A torch.profiler session driven by :meth:`step`; inert when ``trace_dir`` is None.
+    """Profile ``steps`` steps after ``wait`` + ``warmup``; one trace per rank in ``trace_dir``.
 
-    Use it as a context manager around the loop, or call :meth:`step` alone (the first call
-    starts the schedule) and :meth:`stop` at the end in case the loop ran fewer steps than
-    ``wait + warmup + steps`` (whatever was recorded is then written).
+    A torch.profiler session driven by :meth:`step` (call it after each iteration); inert when
+    ``trace_dir`` is None. Use it as a context manager around the loop, or call :meth:`step`
+    alone (the first call starts the schedule) and :meth:`stop` at the end in case the loop ran
+    fewer steps than ``wait + warmup + steps`` (whatever was recorded is then written).
+
+    Args:
+        trace_dir: Folder for ``rank{r}.pt.trace.json``; None turns profiling off (no overhead).
+        steps: Steps recorded.
+        warmup: Steps the profiler runs but discards, before recording.
+        wait: Steps skipped entirely at the start.
+        record_shapes: Record operator input shapes.
+        with_stack: Record Python stacks (larger traces, more overhead).
     """
 
     def __init__(
@@ -113,33 +122,6 @@ class Profiler:
         self.stop()
 
 
-def profile(
-    trace_dir: str | os.PathLike[str] | None,
-    *,
-    steps: int = 5,
-    warmup: int = 1,
-    wait: int = 1,
-    record_shapes: bool = True,
-    with_stack: bool = False,
-) -> Profiler:
-    """Profile ``steps`` steps after ``wait`` + ``warmup``; one trace per rank in ``trace_dir``.
-
-    Args:
-        trace_dir: Folder for ``rank{r}.pt.trace.json``; None turns profiling off (no overhead).
-        steps: Steps recorded.
-        warmup: Steps the profiler runs but discards, before recording.
-        wait: Steps skipped entirely at the start.
-        record_shapes: Record operator input shapes.
-        with_stack: Record Python stacks (larger traces, more overhead).
-
-    Returns:
-        A :class:`Profiler`; call ``.step()`` after each iteration.
-    """
-    return Profiler(
-        trace_dir,
-        steps=steps,
-        warmup=warmup,
-        wait=wait,
-        record_shapes=record_shapes,
-        with_stack=with_stack,
-    )
+profile = Profiler
+"""``profile(trace_dir, steps=..., ...)``: the name torch.profiler users reach for (its
+``profile`` is a class too); the same :class:`Profiler`."""

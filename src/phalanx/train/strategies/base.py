@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful as _Stateful
 from torch.optim.lr_scheduler import LRScheduler
 
-from phalanx._check import Rule
+from phalanx._check import check_fields
 from phalanx.comm.group import World
 from phalanx.train.grad_scaler import GradShards
 from phalanx.train.loop_helpers import repoint
@@ -298,11 +298,3 @@ class Runner:
     def peer_sets(self) -> Iterable[list[int]] | None:
         """Ranks doing the same work, for the straggler monitor: None, all; [] compares none."""
         return None
-
-
-def check_fields(options: Strategy, **rules: Rule) -> None:
-    """Check a frozen options object's fields by their rules (``phalanx._check``), keeping what
-    each rule returns (a numpy integer as an ``int``); errors name the class, field and value."""
-    where = type(options).__name__
-    for name, check in rules.items():
-        object.__setattr__(options, name, check(name, vars(options)[name], where))

@@ -12,7 +12,7 @@ parameter groups and options — over this rank's parameters, matched by name. T
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
 from typing import ClassVar, cast
@@ -21,11 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from phalanx._check import check_choice, check_int, optional, rule
 from phalanx.comm.group import World
 from phalanx.mesh import ParallelConfig, ParallelGroups, ParallelModel, make_groups, parallelize
-from phalanx.pipeline.balance import balance_arg
-from phalanx.pipeline.schedules import SCHEDULES
 from phalanx.train.grad_scaler import GradShards
 from phalanx.train.precision import Precision
 from phalanx.train.strategies.base import (
@@ -35,7 +32,6 @@ from phalanx.train.strategies.base import (
     Runner,
     Scheduler,
     Strategy,
-    check_fields,
 )
 from phalanx.train.strategies.initial_state import start_from_rank0
 from phalanx.train.strategies.optimizers import rebuild_by_name
@@ -43,18 +39,11 @@ from phalanx.train.strategies.optimizers import rebuild_by_name
 __all__ = ["Mesh", "MeshRunner", "default_loss"]
 
 
-def _tp_plan(name: str, value: object, where: str) -> object:
-    from phalanx.tensor_parallel.plan import plan_arg  # tensor parallelism, only if asked for
-
-    return plan_arg(name, value, where)
-
-
-_degree = optional(rule(check_int, min=1))
-
-
 @dataclass(frozen=True)
-class Mesh(Strategy):
+class Mesh(ParallelConfig, Strategy):
     """Tensor parallel, then pipeline, then data parallel over the rest (torchtitan's order).
+
+    The options are :class:`~phalanx.mesh.ParallelConfig`'s, checked there:
 
     Args:
         dp, pp, tp: Data, pipeline and tensor-parallel degrees; one of them may be None, the
@@ -67,76 +56,27 @@ class Mesh(Strategy):
     """
 
     name: ClassVar[str] = "mesh"
-    dp: int | None = None
-    pp: int | None = 1
-    tp: int | None = 1
-    micro_batches: int = 1
-    schedule: str = "1f1b"
-    chunks: int = 1
-    balance: Sequence[int] | str | None = None
-    tp_plan: Mapping[str, str] | None = None
-
-    def __post_init__(self) -> None:
-        check_fields(
-            self,
-            dp=_degree,
-            pp=_degree,
-            tp=_degree,
-            micro_batches=rule(check_int, min=1),
-            schedule=rule(check_choice, choices=SCHEDULES),
-            chunks=rule(check_int, min=1),
-            balance=optional(balance_arg),
-            tp_plan=optional(_tp_plan),
-        )
-        left = [k for k in ("dp", "pp", "tp") if vars(self)[k] is None]
-        if len(left) > 1:
-            raise ValueError(
-                f"Mesh({', '.join(f'{k}=None' for k in left)}): at most one degree takes the "
-                f"ranks the others leave; give the others"
-            )
 
     def config(self, world_size: int) -> ParallelConfig:
         """The split on ``world_size`` ranks, checked (errors name every degree)."""
-        given = {k: vars(self)[k] for k in ("dp", "pp", "tp")}
-        free = next((k for k, v in given.items() if v is None), None)
-        if free in ("pp", "tp"):
-            others = [v for k, v in given.items() if k != free]
-            given[free] = max(1, world_size // max(1, _product(others)))
-        config = ParallelConfig(
-            dp=given["dp"],
-            pp=given["pp"] or 1,
-            tp=given["tp"] or 1,
-            micro_batches=self.micro_batches,
-            schedule=self.schedule,
-            chunks=self.chunks,
-            balance=self.balance,
-            tp_plan=self.tp_plan,
-        )
-        config.topology(world_size)
-        return config
+        return self.for_world(world_size)
 
     def start(self, world: World, job: JobOptions) -> Runner:
         config = self.config(world.world_size)
-        if config.pp > 1 and job.grad_accum > 1:
+        topology = config.topology(world.world_size)
+        if topology.pp > 1 and job.grad_accum > 1:
             raise ValueError(
-                f"grad_accum={job.grad_accum} with a pipeline (pp={config.pp}): the pipeline "
+                f"grad_accum={job.grad_accum} with a pipeline (pp={topology.pp}): the pipeline "
                 f"already accumulates over micro_batches={config.micro_batches}; raise that "
                 f"instead"
             )
-        if config.pp > 1 and job.precision == "fp16-mixed":
+        if topology.pp > 1 and job.precision == "fp16-mixed":
             raise ValueError(
-                f"precision='fp16-mixed' with a pipeline (pp={config.pp}): the pipeline's "
+                f"precision='fp16-mixed' with a pipeline (pp={topology.pp}): the pipeline's "
                 f"schedule runs its own backward, without the fp16 loss scaler; use "
                 f"precision='bf16-mixed', or pp=1"
             )
-        return MeshRunner(self, world, config, make_groups(config.topology(world.world_size)))
-
-
-def _product(values: Iterable[int | None]) -> int:
-    out = 1
-    for v in values:
-        out *= v or 1
-    return out
+        return MeshRunner(self, world, config, make_groups(topology))
 
 
 def default_loss(model: nn.Module, groups: ParallelGroups) -> LossFn | None:
@@ -185,7 +125,7 @@ class MeshRunner(Runner):
                 f"loss_fn=...) for a {type(model).__name__}: the loss is computed inside the "
                 f"parallel step (on the last pipeline stage)"
             )
-        if config.tp > 1:  # each rank slices its shards from its own build (seed=None)
+        if self.groups.topology.tp > 1:  # each rank slices its shards from its own build
             start_from_rank0(model)
         names = {id(p): name for name, p in model.named_parameters()}
         parallel = parallelize(model, self.groups, config, loss_fn)
