@@ -14,7 +14,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as md
 
 from phalanx.checkpoint import CheckpointError
-from phalanx.checkpoint.dcp_interop import from_dcp, read_dcp
+from phalanx.checkpoint.dcp_interop import from_dcp, read_dcp, to_dcp
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
 @pytest.fixture
@@ -118,3 +120,16 @@ def test_the_untouched_checkpoint_reads_back_exactly(saved: Path) -> None:
     assert state["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.999)
     assert set(state["optimizer"]["state"]) == {"0", "1"}  # DCP keeps index keys as strings
     assert state["optimizer"]["state"]["0"]["step"].dtype == torch.float32
+
+
+def test_bad_arguments_are_named(saved: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"from_dcp\(src='/nonexistent'\): src must be an exist"):
+        from_dcp("/nonexistent", tmp_path / "ph")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match=r"empty/\.metadata: no such file"):
+        from_dcp(tmp_path / "empty", tmp_path / "x")
+    from_dcp(saved, tmp_path / "ok")
+    with pytest.raises(ValueError, match=r"param_names=...\): 1 names \(1 distinct\) for an "):
+        to_dcp(tmp_path / "ok", tmp_path / "dcp2", param_names=["weight"])
+    with pytest.raises(CheckpointError, match=r"to_dcp\(src='.*/dcp'\): neither a checkpoint"):
+        to_dcp(saved, tmp_path / "dcp3")

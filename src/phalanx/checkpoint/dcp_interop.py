@@ -48,6 +48,7 @@ from phalanx.checkpoint.interop_state import (
     checkpoint_dir,
     read_state,
     single_process,
+    source_dir,
     write_state,
 )
 
@@ -208,7 +209,7 @@ def from_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, step: 
     single_process("from_dcp")
     check_path("dst", dst, where="from_dcp")
     step = check_int("step", step, min=0, where="from_dcp")
-    state = read_dcp(src)
+    state = read_dcp(source_dir(src, "from_dcp"))
     extra: dict[str, Any] = {}
     if "optimizer" in state:
         state["optimizer"], names = _by_index(state["optimizer"], str(Path(src) / METADATA))

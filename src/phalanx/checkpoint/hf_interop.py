@@ -36,6 +36,7 @@ from phalanx.checkpoint.interop_state import (
     checkpoint_dir,
     read_state,
     single_process,
+    source_dir,
     write_state,
 )
 from phalanx.checkpoint.limits import open_regular, read_json
@@ -159,10 +160,9 @@ def from_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, step: i
             safetensors file.
     """
     single_process("from_hf")
-    check_path("src", src, where="from_hf")
+    directory = source_dir(src, "from_hf")
     check_path("dst", dst, where="from_hf")
     step = check_int("step", step, min=0, where="from_hf")
-    directory = Path(src)
     state: dict[str, Any] = {}
     for name, keys in _weight_map(directory).items():
         part = _read_file(directory / name, keys)

@@ -26,7 +26,14 @@ from phalanx.checkpoint.sections import read_section
 from phalanx.checkpoint.sharded import is_sharded_in, read_sharded
 from phalanx.sharding.optimizer_pieces import full_optimizer_state
 
-__all__ = ["SECTIONS", "checkpoint_dir", "read_state", "single_process", "write_state"]
+__all__ = [
+    "SECTIONS",
+    "checkpoint_dir",
+    "read_state",
+    "single_process",
+    "source_dir",
+    "write_state",
+]
 
 SECTIONS = ("model", "optimizer", "scheduler")
 """The sections that keep their names; any other top-level key is one of the ``objects``."""
@@ -42,10 +49,17 @@ def single_process(where: str) -> None:
         )
 
 
+def source_dir(src: str | os.PathLike[str], where: str) -> Path:
+    """``src`` as a Path, refusing one that is not a directory (naming it and ``where``)."""
+    check_path("src", src, where=where)
+    if not Path(src).is_dir():
+        raise fail("src", os.fspath(src), "an existing directory", where=where)
+    return Path(src)
+
+
 def checkpoint_dir(src: str | os.PathLike[str], where: str) -> Path:
     """The checkpoint ``src`` names: a ``step-NNNNNN`` directory, or the newest in a root."""
-    check_path("src", src, where=where)
-    path = Path(src)
+    path = source_dir(src, where)
     if (path / "manifest.json").exists():
         return path
     found = catalog.latest(path)
