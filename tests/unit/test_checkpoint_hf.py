@@ -86,3 +86,49 @@ def test_a_file_that_disagrees_with_the_index_is_refused(tmp_path: Path) -> None
         from_hf(hf, tmp_path / "back")
     with pytest.raises(ValueError, match=r"to_hf\(max_shard_bytes=0\)"):
         to_hf(tmp_path / "ph", tmp_path / "x", max_shard_bytes=0)
+
+
+def test_the_command_line_converts_both_ways(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from phalanx.cli import main
+
+    model = torch.nn.Linear(5, 2)
+    checkpoint.save(tmp_path / "ph", 4, model=model)
+    assert (
+        main(["checkpoint", "convert", str(tmp_path / "ph"), str(tmp_path / "hf"), "--to", "hf"])
+        == 0
+    )
+    assert (
+        main(
+            [
+                "checkpoint",
+                "convert",
+                str(tmp_path / "hf"),
+                str(tmp_path / "b"),
+                "--from",
+                "hf",
+                "--step",
+                "4",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(["checkpoint", "convert", str(tmp_path / "b"), str(tmp_path / "dcp"), "--to", "dcp"])
+        == 0
+    )
+    assert (
+        main(["checkpoint", "convert", str(tmp_path / "dcp"), str(tmp_path / "c"), "--from", "dcp"])
+        == 0
+    )
+    back = torch.nn.Linear(5, 2)
+    info = checkpoint.load(tmp_path / "c", model=back, rng=False)
+    assert info is not None and torch.equal(back.weight, model.weight)
+    assert (
+        main(
+            ["checkpoint", "convert", str(tmp_path / "nope"), str(tmp_path / "d"), "--from", "dcp"]
+        )
+        == 2
+    )
+    assert "from_dcp(src=" in capsys.readouterr().err
