@@ -83,6 +83,8 @@ def _crafted(saved: Path, change: str) -> None:
         key = next(k for k in storage if k.fqn == fqn)
         storage[key] = dataclasses.replace(storage[key], length=10**9)
         meta.storage_data = storage
+    elif change == "long-list":
+        meta.planner_data["model.weight"] = ("model", 10**12)
     _write(saved, meta)
 
 
@@ -92,6 +94,7 @@ def _crafted(saved: Path, change: str) -> None:
         ("huge", r"tensors claim \d+ bytes, its data files hold \d+"),
         ("outside", r"'\.\./\.\./etc/passwd' is not a plain file name"),
         ("past-end", r"bytes \d+\+1000000000 of __0_0\.distcp"),
+        ("long-list", r"path of 'model\.weight' is not a tuple .* indices below \d+"),
     ],
 )
 def test_crafted_entries_are_refused_before_allocating(
