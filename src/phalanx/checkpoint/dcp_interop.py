@@ -111,6 +111,10 @@ def read_dcp(src: str | os.PathLike[str]) -> dict[str, Any]:
         _load_state_dict(state, _SafeReader(directory), planner=planner, no_dist=True)
     except CheckpointException as exc:
         raise _unwrapped(exc, directory) from None
+    except CheckpointError:
+        raise
+    except Exception as exc:  # raised outside DCP's wrapper, e.g. by a crafted value's shape
+        raise CheckpointError(f"{directory}: cannot read the DCP checkpoint: {exc}") from exc
     return state
 
 
@@ -200,7 +204,8 @@ def from_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, step: 
     """Write the torch DCP checkpoint ``src`` as a phalanx checkpoint of ``step`` in ``dst``.
 
     ``load`` then restores it at any world size: ``model`` into the module, ``optimizer``,
-    ``scheduler``, and every other top-level key into ``load(objects={key: ...})``.
+    ``scheduler``, and every other top-level key into ``load(objects={key: ...})``. Its rank
+    file holds the converting process's random generators: load with ``rng=False``.
 
     Raises:
         CheckpointError: naming the file, for a crafted or inconsistent ``src`` (its

@@ -153,7 +153,8 @@ def _read_file(path: Path, keys: list[str]) -> dict[str, torch.Tensor]:
 
 def from_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, step: int = 0) -> Path:
     """Write the Hugging Face weights in ``src`` as a phalanx checkpoint of ``step`` in ``dst``
-    (its model section: ``load(dst, model=...)`` restores it at any world size).
+    (its model section: ``load(dst, model=..., rng=False)`` restores it at any world size;
+    its rank file holds the converting process's random generators).
 
     Raises:
         CheckpointError: naming the file, for a missing, crafted or inconsistent index or
