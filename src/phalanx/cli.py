@@ -1,4 +1,5 @@
-"""The ``phalanx`` command: ``run``, ``bench``, ``plan``, ``doctor``, ``diagnose``."""
+"""The ``phalanx`` command: ``run``, ``bench``, ``plan``, ``doctor``, ``diagnose``,
+``checkpoint``."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ commands:
   doctor   check torch, backends, GPUs, network interfaces and ports
   diagnose DIR: merge the ranks' flight records (PHALANX_DUMP_DIR, or torch's Flight Recorder
            dumps: their directory or files) and print the first collective where they diverge
+  checkpoint convert SRC DST (--to | --from) {dcp,hf}: phalanx checkpoints to / from torch
+           DCP and Hugging Face safetensors weights
 """
 
 
@@ -63,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         from phalanx.comm import diagnose_cli as diagnose
 
         return diagnose.main(rest)
+    if command == "checkpoint":
+        from phalanx.checkpoint import convert_cli
+
+        return convert_cli.main(rest)
     if command in ("--version", "version"):
         from phalanx import __version__
 

@@ -22,13 +22,17 @@ not in a collective, so a long write cannot trip the collective timeout (see ``s
 Plain ``torch.save`` state dicts come in through :func:`import_torch_state_dict`. A checkpoint
 is untrusted input: every size, count and depth read from one is bounded before use, only regular
 files are opened, and a crafted file is a :class:`CheckpointError` naming it (see
-:mod:`phalanx.checkpoint.limits`).
+:mod:`phalanx.checkpoint.limits`). :func:`to_dcp` / :func:`from_dcp` convert to and from torch
+DCP (model, optimizer, scheduler, objects; its pickled metadata read by a restricted unpickler),
+:func:`to_hf` / :func:`from_hf` to and from Hugging Face ``save_pretrained`` weights.
 """
 
 from __future__ import annotations
 
 from phalanx.checkpoint.catalog import latest
+from phalanx.checkpoint.dcp_interop import from_dcp, to_dcp
 from phalanx.checkpoint.errors import CheckpointError, ChecksumError
+from phalanx.checkpoint.hf_interop import from_hf, to_hf
 from phalanx.checkpoint.loading import CheckpointInfo, load
 from phalanx.checkpoint.saving import save
 from phalanx.checkpoint.sections import StateMismatchError
@@ -39,8 +43,12 @@ __all__ = [
     "CheckpointInfo",
     "ChecksumError",
     "StateMismatchError",
+    "from_dcp",
+    "from_hf",
     "import_torch_state_dict",
     "latest",
     "load",
     "save",
+    "to_dcp",
+    "to_hf",
 ]

@@ -38,6 +38,7 @@ from phalanx.checkpoint.sharded import (
     read_sharded,
     shard_section_name,
 )
+from phalanx.checkpoint.stateful import check_objects, restore_object
 from phalanx.checkpoint.sync import Session, open_session
 from phalanx.sharding.optimizer_pieces import full_optimizer_state
 
@@ -197,9 +198,9 @@ def _load_objects(ckpt: Path, manifest: Manifest, objects: dict[str, Any], stric
     if state is None:
         return
     where = str(ckpt / f"{OBJECTS}.json")
-    for name, obj in objects.items():
+    for name in objects:
         if name in state:
-            load_into(obj, state[name], f"object {name!r}", where)
+            restore_object(objects, name, state[name], where)
             continue
         message = f"{where} holds no object {name!r} (it holds: {', '.join(state) or 'none'})"
         if strict:
@@ -285,7 +286,9 @@ def load(
             the newest one.
         rng: Restore this rank's torch / CUDA / numpy / Python random generators.
         group: Process group (every rank of it must call ``load``).
-        objects: Name -> object with ``load_state_dict``, as given to ``save(objects=...)``.
+        objects: Name -> object with ``load_state_dict``, or a value, as given to
+            ``save(objects=...)``: a tensor is restored in place, any other value replaced
+            in this dict.
 
     Returns:
         What was loaded, or None when ``directory`` holds no committed checkpoint yet.
@@ -304,8 +307,8 @@ def load(
         optimizer=optimizer,
         scheduler=scheduler,
         sampler=sampler,
-        **{f"objects[{name!r}]": obj for name, obj in (objects or {}).items()},
     )
+    objects = check_objects("load", objects)
     strict, rng = check_bool("strict", strict, where="load"), check_bool("rng", rng, where="load")
     if path is not None:
         check_path("path", path, where="load")

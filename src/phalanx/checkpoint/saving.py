@@ -32,6 +32,7 @@ from phalanx.checkpoint.limits import MAX_DEPTH, MAX_JSON_ENV, deeper_than, max_
 from phalanx.checkpoint.manifest import MANIFEST, CheckpointError, FileEntry, Manifest
 from phalanx.checkpoint.sections import Section, parallel, unwrap
 from phalanx.checkpoint.sharded import as_sharded, shard_section
+from phalanx.checkpoint.stateful import check_objects, object_state
 from phalanx.checkpoint.sync import Session, open_session
 
 __all__ = ["OBJECTS", "rank_section_name", "save"]
@@ -94,7 +95,7 @@ def _replicated(req: _Request) -> list[Section]:
     if req.scheduler is not None:
         sections.append(Section.of("scheduler", req.scheduler.state_dict(), "scheduler state"))
     if req.objects:
-        state = {name: obj.state_dict() for name, obj in req.objects.items()}
+        state = {name: object_state(obj) for name, obj in req.objects.items()}
         sections.append(Section.of(OBJECTS, state, "objects state"))
     return sections
 
@@ -221,8 +222,9 @@ def save(
             torch.distributed). Every rank of it must call ``save``.
         rng_state: This rank's generator states to record, as ``rng.capture()`` gives them
             (default: the states now). ``phalanx.Job`` passes those of its resume point.
-        objects: Name -> anything with ``state_dict()`` (tensors and JSON-able values), saved
-            once (rank 0's) in the ``objects`` section; ``load(objects=...)`` restores them.
+        objects: Name -> anything with ``state_dict()`` (torch's ``Stateful``; its state
+            tensors and JSON-able values) or such a value itself, saved once (rank 0's) in the
+            ``objects`` section; ``load(objects=...)`` restores them (see ``stateful.py``).
 
     Returns:
         The committed checkpoint directory.
@@ -239,8 +241,8 @@ def save(
         optimizer=optimizer,
         scheduler=scheduler,
         sampler=sampler,
-        **{f"objects[{name!r}]": obj for name, obj in (objects or {}).items()},
     )
+    objects = check_objects("save", objects)
     extra_tree = _check(step, keep_last, extra)
     rng_state = rng.capture() if rng_state is None else rng_state
     start = time.perf_counter()
