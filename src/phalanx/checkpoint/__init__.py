@@ -24,19 +24,33 @@ is untrusted input: every size, count and depth read from one is bounded before 
 files are opened, and a crafted file is a :class:`CheckpointError` naming it (see
 :mod:`phalanx.checkpoint.limits`). :func:`to_dcp` / :func:`from_dcp` convert to and from torch
 DCP (model, optimizer, scheduler, objects; its pickled metadata read by a restricted unpickler),
-:func:`to_hf` / :func:`from_hf` to and from Hugging Face ``save_pretrained`` weights.
+:func:`to_hf` / :func:`from_hf` to and from Hugging Face ``save_pretrained`` weights. The four
+converters load on first use: torch DCP takes seconds to import, and a job that only saves
+and loads (or a parameter-server worker whose heartbeats wait on that import) must not pay it.
 """
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from phalanx.checkpoint.catalog import latest
-from phalanx.checkpoint.dcp_interop import from_dcp, to_dcp
 from phalanx.checkpoint.errors import CheckpointError, ChecksumError
-from phalanx.checkpoint.hf_interop import from_hf, to_hf
 from phalanx.checkpoint.loading import CheckpointInfo, load
 from phalanx.checkpoint.saving import save
 from phalanx.checkpoint.sections import StateMismatchError
 from phalanx.checkpoint.torch_import import import_torch_state_dict
+
+if TYPE_CHECKING:  # loaded by __getattr__ on first use; imported here for type checkers only
+    from phalanx.checkpoint.dcp_interop import from_dcp, to_dcp
+    from phalanx.checkpoint.hf_interop import from_hf, to_hf
+
+_CONVERTERS = {
+    "from_dcp": "phalanx.checkpoint.dcp_interop",
+    "to_dcp": "phalanx.checkpoint.dcp_interop",
+    "from_hf": "phalanx.checkpoint.hf_interop",
+    "to_hf": "phalanx.checkpoint.hf_interop",
+}
 
 __all__ = [
     "CheckpointError",
@@ -52,3 +66,16 @@ __all__ = [
     "to_dcp",
     "to_hf",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # PEP 562: runs only for names not set yet, i.e. the converters before their first use.
+    if name in _CONVERTERS:
+        value = getattr(importlib.import_module(_CONVERTERS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_CONVERTERS})
