@@ -56,6 +56,22 @@ def run_ok(cmd: list[str], **env: str) -> tuple[str, str]:
     return out, err
 
 
+def run_ok_together(*cmds: list[str], **env: str) -> list[tuple[str, str]]:
+    """``run_ok`` for each of ``cmds``, all started at once (a launcher and its workers start
+    one after the other, so two such runs side by side keep both cores busy)."""
+    procs = [start(cmd, launcher_env(**env)) for cmd in cmds]
+    try:
+        outputs = [finish(proc) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate(timeout=10)
+    for cmd, proc, (out, err) in zip(cmds, procs, outputs):
+        assert proc.returncode == 0, f"{cmd} exited {proc.returncode}:\n{out}\n{err}"
+    return outputs
+
+
 def worker_envs(stdout: str) -> dict[str, dict[str, str]]:
     """The ``ENV {json}`` each worker of scripts/show_env.py printed, by its RANK.
 

@@ -11,12 +11,23 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _launch(script: str, *args: str, nproc: int = 2, cwd: Path = ROOT) -> str:
+def _start(script: str, *args: str, nproc: int = 2, cwd: Path = ROOT) -> subprocess.Popen[str]:
     cmd = [sys.executable, "-m", "phalanx", "run", "--standalone", "--nproc-per-node", str(nproc),
            str(ROOT / "examples" / script), *args]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=cwd)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
+
+
+def _stdout(proc: subprocess.Popen[str]) -> str:
+    try:
+        out, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out + err
+    return out
+
+
+def _launch(script: str, *args: str, nproc: int = 2, cwd: Path = ROOT) -> str:
+    return _stdout(_start(script, *args, nproc=nproc, cwd=cwd))
 
 
 def test_p2p_pingpong() -> None:
@@ -26,18 +37,22 @@ def test_p2p_pingpong() -> None:
     assert "[rank 1] isend/irecv round trip: rank 1 has data 12" in out
 
 
-@pytest.mark.parametrize("nproc", [2, 3])
-def test_collectives(nproc: int) -> None:
-    out = _launch("collectives.py", nproc=nproc)
-    total = float(sum(range(1, nproc + 1)))
-    assert f"[rank 0] reduce SUM to 0          rank 0: {total}" in out
-    for algorithm in ("native", "ring", "tree"):
-        expected = [float(nproc * i + sum(range(nproc))) for i in range(5)]
-        for r in range(nproc):
-            assert (
-                f"[rank {r}] all_reduce SUM ({algorithm})".ljust(33) + f" rank {r}: {expected}"
-                in out
-            )
+def test_collectives_on_2_and_3_ranks() -> None:
+    """The two jobs side by side: each launcher starts its workers after its own start-up."""
+    procs = {nproc: _start("collectives.py", nproc=nproc) for nproc in (2, 3)}
+    try:
+        outs = {nproc: _stdout(proc) for nproc, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            proc.kill()
+    for nproc, out in outs.items():
+        total = float(sum(range(1, nproc + 1)))
+        assert f"[rank 0] reduce SUM to 0          rank 0: {total}" in out
+        for algorithm in ("native", "ring", "tree"):
+            expected = [float(nproc * i + sum(range(nproc))) for i in range(5)]
+            for r in range(nproc):
+                line = f"[rank {r}] all_reduce SUM ({algorithm})".ljust(33)
+                assert line + f" rank {r}: {expected}" in out, (nproc, out)
 
 
 def test_seed001_toy_ddp() -> None:

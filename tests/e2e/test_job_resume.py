@@ -35,16 +35,26 @@ def _digest(out: str) -> str:
     return next(line.split()[-1] for line in out.splitlines() if "DIGEST" in line)
 
 
-def test_sigkill_then_restart_is_bit_identical(tmp_path: Path) -> None:
-    clean = _run(tmp_path / "clean")
+@pytest.fixture(scope="module")
+def clean_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    """The uninterrupted 2-rank run both 2-rank tests compare with: its output, its directory."""
+    ckpt = tmp_path_factory.mktemp("resume") / "clean"
+    clean = _run(ckpt)
     assert clean.returncode == 0, clean.stderr
+    return clean.stdout, ckpt
+
+
+def test_sigkill_then_restart_is_bit_identical(
+    tmp_path: Path, clean_two_ranks: tuple[str, Path]
+) -> None:
+    clean_out, clean_dir = clean_two_ranks
     killed = _run(tmp_path / "killed", "--kill-epoch", "2")
     assert killed.returncode != 0 and "SIGKILL" in killed.stderr, killed.stderr
     resumed = _run(tmp_path / "killed")
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stdout + resumed.stderr
-    assert _digest(resumed.stdout) == _digest(clean.stdout)
-    assert _trace(tmp_path / "killed") == _trace(tmp_path / "clean")
+    assert _digest(resumed.stdout) == _digest(clean_out)
+    assert _trace(tmp_path / "killed") == _trace(clean_dir)
 
 
 def _digest_and_first_step(out: str) -> tuple[str, float]:
@@ -53,17 +63,23 @@ def _digest_and_first_step(out: str) -> tuple[str, float]:
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
-def test_max_restarts_resumes_by_itself_bit_identical(tmp_path: Path, nproc: int) -> None:
+def test_max_restarts_resumes_by_itself_bit_identical(
+    tmp_path: Path, nproc: int, request: pytest.FixtureRequest
+) -> None:
     # Rank 1 is SIGKILLed at a (seeded) random step; `--max-restarts 1` restarts everyone and
     # the job resumes from its newest checkpoint without being asked.
     step = random.Random(nproc).randrange(1, 4 * math.ceil(math.ceil(200 / nproc / 16) / 2))
-    clean = _run(tmp_path / "clean", nproc=nproc)
-    assert clean.returncode == 0, clean.stderr
+    if nproc == 2:  # the same uninterrupted run as the test above: run once
+        clean_out = request.getfixturevalue("clean_two_ranks")[0]
+    else:
+        clean = _run(tmp_path / "clean", nproc=nproc)
+        assert clean.returncode == 0, clean.stderr
+        clean_out = clean.stdout
     stamp = tmp_path / "stamp"
     killed = _run(tmp_path / "killed", "--kill-step", str(step), "--stamp", str(stamp),
                   nproc=nproc, restarts=1)  # fmt: skip
     assert killed.returncode == 0, killed.stderr
     assert "restarting all workers (restart 1 of 1" in killed.stderr
     digest, first_step = _digest_and_first_step(killed.stdout)
-    assert digest == _digest(clean.stdout)
+    assert digest == _digest(clean_out)
     assert first_step > float(stamp.read_text())  # the restart happened after the kill

@@ -202,22 +202,6 @@ def _stop_launcher(proc: subprocess.Popen[str]) -> None:
         proc.communicate(timeout=10)
 
 
-def test_sigterm_stops_every_worker_and_their_children(
-    sleeping_job: SleepingJob,
-) -> None:
-    proc, workers, _ = sleeping_job
-    pids = [w[k] for w in workers for k in ("pid", "child")]
-    assert all(_alive(pid) for pid in pids)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=10)
-    assert proc.returncode == 128 + signal.SIGTERM, err
-    assert "received SIGTERM" in err
-    deadline = time.monotonic() + 5
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert [pid for pid in pids if _alive(pid)] == []
-
-
 def _listeners(port: int) -> list[str]:
     """Local addresses (hex, as in /proc/net/tcp*) of LISTEN sockets on ``port``."""
     found = []
@@ -231,14 +215,25 @@ def _listeners(port: int) -> list[str]:
     return found
 
 
-def test_stores_listen_on_loopback_only(
+def test_stores_listen_on_loopback_only_and_sigterm_stops_every_worker_and_their_children(
     sleeping_job: SleepingJob,
 ) -> None:
-    _, workers, agent_port = sleeping_job
+    """One sleeping job for both: the stores it listens on, then SIGTERM ends it."""
+    proc, workers, agent_port = sleeping_job
     worker_port = int(workers[0]["master_port"])
     assert worker_port != agent_port
     for port in (agent_port, worker_port):
         assert _listeners(port) == ["0100007F"], f"port {port}"
+    pids = [w[k] for w in workers for k in ("pid", "child")]
+    assert all(_alive(pid) for pid in pids)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=10)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "received SIGTERM" in err
+    deadline = time.monotonic() + 5
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [pid for pid in pids if _alive(pid)] == []
 
 
 def test_spawn_all_reduce(tmp_path: Path) -> None:

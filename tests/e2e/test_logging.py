@@ -18,27 +18,49 @@ SCRIPT = str(ROOT / "tests" / "e2e" / "scripts" / "log_job.py")
 LINE = "epoch 0 step {}: loss=1.5"
 
 
-def _run(*args: str, launch: bool = False) -> str:
+def _start(*args: str, launch: bool = False) -> subprocess.Popen[str]:
     launcher = ["-m", "phalanx", "run", "--standalone", "--nproc-per-node", "2"] if launch else []
     cmd = [sys.executable, *launcher, SCRIPT, *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert "DONE" in proc.stdout
-    return proc.stdout + proc.stderr
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def test_a_job_shows_its_info_lines_by_default() -> None:
-    out = _run()
+def _output(proc: subprocess.Popen[str]) -> str:
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "DONE" in out
+    return out + err
+
+
+def _run(*args: str, launch: bool = False) -> str:
+    return _output(_start(*args, launch=launch))
+
+
+@pytest.fixture(scope="module")
+def plain() -> dict[str, str]:
+    """The three plain-python runs, started together (each is one process), by option."""
+    procs = {flag: _start(*filter(None, [flag])) for flag in ("", "--quiet", "--basic-config")}
+    try:
+        return {flag: _output(proc) for flag, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            proc.kill()
+
+
+def test_a_job_shows_its_info_lines_by_default(plain: dict[str, str]) -> None:
+    out = plain[""]
     assert out.count(LINE.format(1)) == 1 and out.count(LINE.format(2)) == 1, out
 
 
-def test_the_phalanx_logger_level_silences_them() -> None:
-    out = _run("--quiet")
+def test_the_phalanx_logger_level_silences_them(plain: dict[str, str]) -> None:
+    out = plain["--quiet"]
     assert LINE.format(1) not in out and LINE.format(2) not in out, out
 
 
-def test_the_programs_handler_shows_each_line_once() -> None:
-    out = _run("--basic-config")
+def test_the_programs_handler_shows_each_line_once(plain: dict[str, str]) -> None:
+    out = plain["--basic-config"]
     assert out.count(LINE.format(1)) == 1, out  # phalanx added no handler of its own
     assert f"APP phalanx.train.job {LINE.format(1)}" in out, out
 

@@ -17,8 +17,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "tests" / "e2e" / "scripts"
 LAUNCH = [sys.executable, "-m", "phalanx", "run"]
@@ -168,37 +166,47 @@ def _worker_pids(launcher: int, deadline: float) -> list[int]:
     raise AssertionError("the job's workers did not start")
 
 
-@pytest.mark.parametrize("secret", ["0" * 64, None])
-def test_a_worker_with_a_wrong_secret_fails_at_rendezvous_naming_the_job(
-    secret: str | None,
+def _impostor(env: dict[str, str], secret: str | None) -> subprocess.Popen[str]:
+    """A hand-started twin of rank 1, with the job's environment but ``secret``."""
+    env = {**env, "RANK": "1", "LOCAL_RANK": "1"}
+    env.pop("PHALANX_JOB_SECRET")
+    if secret is not None:
+        env["PHALANX_JOB_SECRET"] = secret
+    return subprocess.Popen(
+        [sys.executable, "-c", IMPOSTOR], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env=env,
+    )  # fmt: skip
+
+
+def test_a_worker_with_a_wrong_secret_or_none_fails_at_rendezvous_naming_the_job(
+    tmp_path: Path,
 ) -> None:
-    with _job(
-        ["--standalone", "--nproc-per-node", "2", str(SCRIPTS / "wait_in_group.py"), "15"]
-    ) as job:
+    """Two impostors at once, one with another secret and one with none, try the same job,
+    which waits in its group until they are done (at most 60 s)."""
+    done = tmp_path / "impostors-done"
+    script = [str(SCRIPTS / "wait_in_group.py"), "60", str(done)]
+    with _job(["--standalone", "--nproc-per-node", "2", *script]) as job:
         env = _job_env(_worker_pids(job.proc.pid, time.monotonic() + 60)[0])
-        env.update(RANK="1", LOCAL_RANK="1")  # a hand-started twin of rank 1, with the job's env
-        env.pop("PHALANX_JOB_SECRET")
-        if secret is not None:
-            env["PHALANX_JOB_SECRET"] = secret
-        impostor = subprocess.run(
-            [sys.executable, "-c", IMPOSTOR], capture_output=True, text=True, env=env, timeout=60
-        )
-        assert impostor.returncode == 3, impostor.stdout + impostor.stderr
-        elapsed = float(impostor.stdout.split("ELAPSED ")[1].split()[0])
-        assert elapsed < 5.0, impostor.stdout
-        where = f"127.0.0.1:{env['MASTER_PORT']}"
-        assert "JobSecretError: rank 1 on " in impostor.stdout
-        job_id = env["PHALANX_RUN_ID"]
-        assert f"cannot join job {job_id!r} through its worker store at {where}" in impostor.stdout
-        assert "the same PHALANX_JOB_SECRET" in impostor.stdout
+        impostors = {secret: _impostor(env, secret) for secret in ("0" * 64, None)}
+        for secret, impostor in impostors.items():
+            stdout, stderr = impostor.communicate(timeout=60)
+            assert impostor.returncode == 3, (secret, stdout + stderr)
+            elapsed = float(stdout.split("ELAPSED ")[1].split()[0])
+            assert elapsed < 5.0, (secret, stdout)
+            where = f"127.0.0.1:{env['MASTER_PORT']}"
+            assert "JobSecretError: rank 1 on " in stdout, (secret, stdout)
+            job_id = env["PHALANX_RUN_ID"]
+            assert f"cannot join job {job_id!r} through its worker store at {where}" in stdout
+            assert "the same PHALANX_JOB_SECRET" in stdout
+        done.touch()
         rc, _, err = job.finish(timeout=120)
         assert rc == 0, err  # the job itself never noticed
 
 
-@pytest.mark.parametrize("secret", ["2" * 64, "1" * 64, None])
-def test_an_agent_needs_the_jobs_secret(secret: str | None) -> None:
-    """Two agents on this machine: the same secret runs the job (signed values on both nodes);
-    another secret, or none, stops node 1 at once naming the job and the store."""
+def test_an_agent_needs_the_jobs_secret() -> None:
+    """Two agents on this machine. Node 1 with another secret, then with none, stops at once
+    naming the job and the store; then node 1 with the same secret runs the job with node 0,
+    which waited all along (signed values on both nodes)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -207,24 +215,27 @@ def test_an_agent_needs_the_jobs_secret(secret: str | None) -> None:
     common = [*flags.split(), str(SCRIPTS / "wait_in_group.py"), "0"]
     with _job(["--node-rank", "0", *common], PHALANX_JOB_SECRET="2" * 64) as node0:
         assert node0.agent_port() == port
-        env = {k: v for k, v in os.environ.items() if k != "PHALANX_JOB_SECRET"}
-        if secret is not None:
-            env["PHALANX_JOB_SECRET"] = secret
-        start = time.monotonic()
-        node1 = subprocess.run(
-            [*LAUNCH, "--node-rank", "1", *common],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=90,
-        )
-        if secret == "2" * 64:
-            assert node1.returncode == 0, node1.stderr
-            rc, _, err = node0.finish(timeout=60)
-            assert rc == 0, err
-            return
-        assert time.monotonic() - start < 30  # interpreter start-up included
-        assert node1.returncode == 1, node1.stderr
-        where = f"127.0.0.1:{port}"
-        assert f"cannot join job 'job-under-test' at the rendezvous store {where}" in node1.stderr
-        assert "set the same PHALANX_JOB_SECRET on every node" in node1.stderr
+        for secret in ("1" * 64, None, "2" * 64):
+            env = {k: v for k, v in os.environ.items() if k != "PHALANX_JOB_SECRET"}
+            if secret is not None:
+                env["PHALANX_JOB_SECRET"] = secret
+            start = time.monotonic()
+            node1 = subprocess.run(
+                [*LAUNCH, "--node-rank", "1", *common],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=90,
+            )
+            if secret == "2" * 64:
+                assert node1.returncode == 0, node1.stderr
+                rc, _, err = node0.finish(timeout=60)
+                assert rc == 0, err
+                return
+            assert time.monotonic() - start < 30, secret  # interpreter start-up included
+            assert node1.returncode == 1, (secret, node1.stderr)
+            where = f"127.0.0.1:{port}"
+            assert f"cannot join job 'job-under-test' at the rendezvous store {where}" in (
+                node1.stderr
+            )
+            assert "set the same PHALANX_JOB_SECRET on every node" in node1.stderr

@@ -1,8 +1,9 @@
 """``phalanx run`` next to a real torchrun, in the same test: same environment, files, console.
 
 Each case runs the same script under ``python -m torch.distributed.run`` and under
-``python -m phalanx.launch`` and compares what the workers saw and wrote. torchrun prefixes
-tee'd lines with ``[default0]:`` where phalanx writes ``[rank 0] ``; everything else must match.
+``python -m phalanx.launch``, side by side, and compares what the workers saw and wrote.
+torchrun prefixes tee'd lines with ``[default0]:`` where phalanx writes ``[rank 0] ``;
+everything else must match.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.launching import SCRIPTS, run_ok, worker_envs
+from tests.e2e.launching import SCRIPTS, run_ok_together, worker_envs
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 PHALANX = [sys.executable, "-m", "phalanx.launch"]
@@ -32,8 +33,14 @@ def _free_port() -> int:
 def test_worker_environment_matches_torchrun() -> None:
     flags = ["--nproc-per-node", "2", "--rdzv-id", "parity", "--role", "trainer"]
     script = str(SCRIPTS / "show_env.py")
-    theirs = worker_envs(run_ok([*TORCHRUN, *flags, "--master-port", str(_free_port()), script])[0])
-    ours = worker_envs(run_ok([*PHALANX, *flags, "--master-port", str(_free_port()), script])[0])
+    ports = [str(_free_port()), str(_free_port())]
+    theirs, ours = (
+        worker_envs(out)
+        for out, _ in run_ok_together(
+            [*TORCHRUN, *flags, "--master-port", ports[0], script],
+            [*PHALANX, *flags, "--master-port", ports[1], script],
+        )
+    )
     assert sorted(theirs) == sorted(ours) == ["0", "1"]
     differ = {"MASTER_PORT", "TORCHELASTIC_ERROR_FILE"}  # a fresh worker store; a temp dir
     for rank in ("0", "1"):
@@ -74,8 +81,10 @@ def _console(text: str) -> list[tuple[str, str]]:
 def test_log_dir_tee_and_ranks_filter_with_a_module_as_torchrun(tmp_path: Path) -> None:
     flags = ["--standalone", "--nproc-per-node", "2", "--tee", "3", "--local-ranks-filter", "0"]
     module = ["-m", "tests.e2e.scripts.echo_streams"]
-    theirs = run_ok([*TORCHRUN, *flags, "--log-dir", str(tmp_path / "t"), *module])
-    ours = run_ok([*PHALANX, *flags, "--log-dir", str(tmp_path / "p"), *module])
+    theirs, ours = run_ok_together(
+        [*TORCHRUN, *flags, "--log-dir", str(tmp_path / "t"), *module],
+        [*PHALANX, *flags, "--log-dir", str(tmp_path / "p"), *module],
+    )
     files = _files(tmp_path / "p")
     assert files == _files(tmp_path / "t")
     assert sorted(files) == [f"attempt_0/{r}/{s}.log" for r in (0, 1) for s in ("stderr", "stdout")]
@@ -99,7 +108,9 @@ def test_module_run_path_and_no_python_start_the_script_as_torchrun(how: list[st
         return dict(json.loads(stdout.split("ARGV ", 1)[1].splitlines()[0]))
 
     flags = ["--standalone", "--nproc-per-node", "1", *how, "a", "--b"]
-    theirs, ours = shown(run_ok([*TORCHRUN, *flags])[0]), shown(run_ok([*PHALANX, *flags])[0])
+    theirs, ours = (
+        shown(out) for out, _ in run_ok_together([*TORCHRUN, *flags], [*PHALANX, *flags])
+    )
     assert ours == theirs
     assert ours["argv"] == ["a", "--b"] and ours["name"] == "__main__"
 
@@ -110,8 +121,11 @@ def test_redirects_tee_filters_prefix_template_and_restarts_as_torchrun(tmp_path
              "--redirects", "2", "--tee", "1", "--duplicate-stdout-filters", "loss"]  # fmt: skip
     script = str(SCRIPTS / "chatty.py")
     template = {"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[${role_name}${local_rank}]:"}
-    theirs = run_ok([*TORCHRUN, *flags, "--log-dir", str(tmp_path / "t"), script], **template)
-    ours = run_ok([*PHALANX, *flags, "--log-dir", str(tmp_path / "p"), script], **template)
+    theirs, ours = run_ok_together(
+        [*TORCHRUN, *flags, "--log-dir", str(tmp_path / "t"), script],
+        [*PHALANX, *flags, "--log-dir", str(tmp_path / "p"), script],
+        **template,
+    )
 
     def unordered(files: dict[str, str]) -> dict[str, object]:
         # the ranks race to the shared filtered file, under torchrun as under phalanx

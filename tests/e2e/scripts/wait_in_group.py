@@ -1,5 +1,9 @@
-"""Join the process group, wait SECONDS, meet again and leave (a job to try to join by hand)."""
+"""Join the process group, wait SECONDS, meet again and leave (a job to try to join by hand).
 
+With a second argument, a path, the wait ends early once that file exists.
+"""
+
+import os
 import sys
 import time
 
@@ -9,6 +13,9 @@ import phalanx
 
 phalanx.init_process_group("gloo")
 dist.barrier()
-time.sleep(float(sys.argv[1]))
+end = time.monotonic() + float(sys.argv[1])
+stop = sys.argv[2] if len(sys.argv) > 2 else None
+while time.monotonic() < end and not (stop and os.path.exists(stop)):
+    time.sleep(0.05)
 dist.barrier()
 phalanx.destroy_process_group()
