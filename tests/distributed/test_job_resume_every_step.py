@@ -67,9 +67,9 @@ def _params_digest(model: torch.nn.Module) -> str:
 
 
 def _files(path: Path) -> dict[str, str]:
-    """Name -> sha256 of every file of a committed checkpoint (from its verified manifest)."""
+    """Name -> crc32c of every file of a committed checkpoint (from its verified manifest)."""
     manifest = json.loads((path / "manifest.json").read_text())
-    return {name: entry["sha256"] for name, entry in manifest["files"].items()}
+    return {name: entry["crc32c"] for name, entry in manifest["files"].items()}
 
 
 def _run(options: dict[str, Any], ckpt: Path, keep: Path | None) -> dict[str, Any]:

@@ -22,7 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-ABSENT = ("sklearn", "matplotlib", "tensorboard", "safetensors", "pytest")
+ABSENT = ("sklearn", "matplotlib", "tensorboard", "pytest")
+CORE = ("torch", "numpy", "tqdm", "safetensors", "crc32c")  # checkpoints need the last two
 
 
 def check(condition: bool, message: str) -> None:
@@ -38,6 +39,8 @@ def run(*args: str, cwd: Path = ROOT, timeout: float = 120) -> subprocess.Comple
 def absent_extras() -> None:
     here = [m for m in ABSENT if importlib.util.find_spec(m) is not None]
     check(not here, f"{here} importable: this venv must hold `pip install .` without extras")
+    gone = [m for m in CORE if importlib.util.find_spec(m) is None]
+    check(not gone, f"{gone} not installed by `pip install .`: pyproject's dependencies lack them")
     import phalanx
 
     installed = Path(phalanx.__file__).resolve()

@@ -1,4 +1,4 @@
-"""safetensors encoding and the JSON structure codec of phalanx.checkpoint (no files, no ranks)."""
+"""safetensors encoding and reading, and the JSON structure codec of phalanx.checkpoint."""
 
 from __future__ import annotations
 
@@ -9,17 +9,26 @@ from pathlib import Path
 import pytest
 import torch
 
-from phalanx.checkpoint.format import FormatError, decode, encode
+from phalanx.checkpoint.atomic import write_file
+from phalanx.checkpoint.format import FormatError, encode, read_tensors
+from phalanx.checkpoint.manifest import FileEntry, file_digest
 from phalanx.checkpoint.structure import flatten, unflatten
 
 
-def _roundtrip(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    data = bytearray(b"".join(bytes(b) for b in encode(tensors)))
-    out, _ = decode(data, "mem")
-    return out
+def _read(path: Path) -> dict[str, torch.Tensor]:
+    """``path`` read back, verified against its true size and crc32c."""
+    size, digest = file_digest(path, "crc32c")
+    return read_tensors(path, FileEntry(digest, size))
 
 
-def test_safetensors_roundtrip_all_kinds_of_tensors() -> None:
+def _roundtrip(tensors: dict[str, torch.Tensor], tmp_path: Path) -> dict[str, torch.Tensor]:
+    path = tmp_path / "t.safetensors"
+    entry = write_file(path, encode(tensors))
+    assert entry.tensors is not None and entry.tensors.keys() == tensors.keys()
+    return read_tensors(path, entry)
+
+
+def test_safetensors_roundtrip_all_kinds_of_tensors(tmp_path: Path) -> None:
     base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     tensors = {
         "f32": torch.randn(3, 5),
@@ -32,40 +41,53 @@ def test_safetensors_roundtrip_all_kinds_of_tensors() -> None:
         "sliced": base[1:3, ::2],
         "u8": torch.tensor([255, 0], dtype=torch.uint8),
     }
-    out = _roundtrip(tensors)
+    out = _roundtrip(tensors, tmp_path)
     assert out.keys() == tensors.keys()
     for k, t in tensors.items():
         assert out[k].dtype == t.dtype and out[k].shape == t.shape and torch.equal(out[k], t), k
 
 
-def test_tensors_are_aligned_to_their_element_size() -> None:
+def test_tensors_are_aligned_to_their_element_size(tmp_path: Path) -> None:
     tensors = {"a": torch.ones(3, dtype=torch.int8), "b": torch.ones(5, dtype=torch.float64)}
-    out = _roundtrip(tensors)
+    out = _roundtrip(tensors, tmp_path)
     assert out["b"].data_ptr() % 8 == 0
+
+
+def test_read_tensors_are_writable_and_the_file_never_changes(tmp_path: Path) -> None:
+    tensors = {"w": torch.arange(6, dtype=torch.float32)}
+    out = _roundtrip(tensors, tmp_path)
+    before = (tmp_path / "t.safetensors").read_bytes()
+    out["w"].add_(1)  # an optimizer's state loaded without a copy is updated in place
+    assert (tmp_path / "t.safetensors").read_bytes() == before
+    assert torch.equal(_read(tmp_path / "t.safetensors")["w"], tensors["w"])
 
 
 def test_interoperates_with_the_safetensors_library(tmp_path: Path) -> None:
     st = pytest.importorskip("safetensors.torch")
     tensors = {"w": torch.randn(4, 3), "n": torch.arange(6, dtype=torch.int64)}
     ours = tmp_path / "ours.safetensors"
-    ours.write_bytes(b"".join(bytes(b) for b in encode(tensors)))
+    write_file(ours, encode(tensors))
     theirs = st.load_file(str(ours))
     assert all(torch.equal(theirs[k], tensors[k]) for k in tensors)
+    with st.safe_open(str(ours), framework="pt") as f:
+        assert sorted(f.keys()) == ["n", "w"] and torch.equal(f.get_tensor("w"), tensors["w"])
     st.save_file(tensors, str(tmp_path / "theirs.safetensors"))
-    back, _ = decode(bytearray((tmp_path / "theirs.safetensors").read_bytes()), "theirs")
+    back = _read(tmp_path / "theirs.safetensors")
     assert all(torch.equal(back[k], tensors[k]) for k in tensors)
 
 
-def _file(header: dict[str, object], payload: bytes) -> bytearray:
+def _file(header: dict[str, object], payload: bytes, path: Path) -> Path:
     raw = json.dumps(header).encode()
-    return bytearray(len(raw).to_bytes(8, "little") + raw + payload)
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + payload)
+    return path
 
 
 @pytest.mark.parametrize(
     ("header", "payload", "message"),
     [
-        ({"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8, "outside"),
-        ({"x": {"dtype": "F32", "shape": [3], "data_offsets": [0, 16]}}, b"\0" * 16, "needs 12"),
+        ({"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8, "not a valid"),
+        ({"x": {"dtype": "F32", "shape": [3], "data_offsets": [0, 16]}}, b"\0" * 16, "not a valid"),
+        ({"x": {"dtype": "F32", "shape": [1], "data_offsets": [0]}}, b"\0" * 4, "data_offsets"),
         ({"x": {"dtype": "PICKLE", "shape": [1], "data_offsets": [0, 1]}}, b"\0", "no valid"),
         ({"x": {"dtype": "U8", "shape": [-1], "data_offsets": [0, 1]}}, b"\0", "invalid shape"),
         (
@@ -74,25 +96,31 @@ def _file(header: dict[str, object], payload: bytes) -> bytearray:
                 "y": {"dtype": "U8", "shape": [4], "data_offsets": [2, 6]},
             },
             b"\0" * 6,
-            "overlap",
+            "not a valid",
         ),
     ],
 )
 def test_malformed_headers_are_rejected(
-    header: dict[str, object], payload: bytes, message: str
+    header: dict[str, object], payload: bytes, message: str, tmp_path: Path
 ) -> None:
+    # the library's own errors are wrapped: a FormatError naming the file
     with pytest.raises(FormatError, match=message) as err:
-        decode(_file(header, payload), "bad.safetensors")
-    assert "bad.safetensors" in str(err.value)
+        _read(_file(header, payload, tmp_path / "bad.safetensors"))
+    assert str(tmp_path / "bad.safetensors") in str(err.value)
 
 
-def test_truncated_and_garbage_files_are_rejected() -> None:
-    with pytest.raises(FormatError, match="too short"):
-        decode(bytearray(b"\1\0"), "f")
-    with pytest.raises(FormatError, match="header length"):
-        decode(bytearray((10**9).to_bytes(8, "little") + b"{}"), "f")
-    with pytest.raises(FormatError, match="not valid JSON"):
-        decode(bytearray((4).to_bytes(8, "little") + b"{{{{"), "f")
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b"\1\0", "too short"),
+        ((10**9).to_bytes(8, "little") + b"{}", "header length"),
+        ((4).to_bytes(8, "little") + b"{{{{", "not valid JSON"),
+    ],
+)
+def test_truncated_and_garbage_files_are_rejected(raw: bytes, message: str, tmp_path: Path) -> None:
+    (tmp_path / "f").write_bytes(raw)
+    with pytest.raises(FormatError, match=message):
+        _read(tmp_path / "f")
 
 
 def test_unsupported_dtype_names_the_tensor() -> None:

@@ -5,7 +5,7 @@ Each round saves, then loads, the same state with each implementation, in rotati
 (ABC, BCA, CAB, ...):
 
 - ``phalanx``: :func:`phalanx.checkpoint.save` / :func:`~phalanx.checkpoint.load` (safetensors,
-  sha256 of every file, fsync, atomic commit; load verifies and copies into the model);
+  crc32c of every file, fsync, atomic commit; load maps, verifies and copies into the model);
 - ``dcp``: ``torch.distributed.checkpoint.save`` / ``load`` of the model's state dict;
 - ``raw``: the same bytes with ``open().write()`` + fsync into one file, and ``readinto``
   straight back into the tensors (no hashing, no format): the floor.

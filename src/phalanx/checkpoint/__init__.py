@@ -13,7 +13,7 @@
 Layout of ``ckpt/step-000123/``: ``model.safetensors`` (plus ``model-00001.safetensors``, ...
 for models over 64 MiB) and ``model.json``, ``optimizer.*``, ``scheduler.json`` (written once,
 by rank 0), ``rank-00000.*``, ``rank-00001.*``, ... (each rank's RNG and sampler state) and
-``manifest.json`` (size and sha256 of every file); ``ckpt/latest`` names the committed one.
+``manifest.json`` (size and crc32c of every file); ``ckpt/latest`` names the committed one.
 Tensors are safetensors and everything else JSON: loading never unpickles. ``save`` writes a
 temporary directory, fsyncs, renames and then updates ``latest``, so a crash at any point
 leaves the previous checkpoint in force (fault injection for tests: ``PHALANX_CHECKPOINT_FAULT``,

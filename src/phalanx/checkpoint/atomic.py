@@ -2,8 +2,8 @@
 
 A checkpoint is committed in this order (a crash at any point leaves the previous one in force):
 
-1. data files are written into ``.tmp-step-000123-<token>/``, each fsync'd (hashed as written);
-2. ``manifest.json`` (the sha256 of every file) is written and fsync'd, then the directory;
+1. data files are written into ``.tmp-step-000123-<token>/``, each fsync'd (crc32c as written);
+2. ``manifest.json`` (the checksum of every file) is written and fsync'd, then the directory;
 3. the directory is renamed to ``step-000123`` (an existing one, of a re-saved step, is renamed
    aside first: ``catalog.py``) and the parent directory fsync'd;
 4. ``latest`` is replaced atomically (temp file, fsync, ``os.replace``, fsync of the parent).
@@ -21,16 +21,15 @@ rename).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
 import shutil
 import signal
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from phalanx.checkpoint.checksum import Digest, TensorBytes
 from phalanx.checkpoint.limits import open_regular
 from phalanx.checkpoint.manifest import FileEntry
 
@@ -60,7 +59,7 @@ FAULT_POINTS = (
 )
 LATEST = "latest"
 _STEP = re.compile(r"step-(\d{6,})")
-_CHUNK = 32 * 1024 * 1024
+_CHUNK = 8 * 1024 * 1024  # checksummed while still in the CPU's cache
 _MAX_LATEST = 256
 
 
@@ -89,32 +88,39 @@ def _write_all(fd: int, data: memoryview) -> None:
         data = data[n:]
 
 
-def _pieces(buffers: Sequence[memoryview | bytes]) -> list[memoryview]:
-    out: list[memoryview] = []
+Buffer = memoryview | bytes | TensorBytes
+"""What a file is written from: raw bytes, or a tensor's bytes with its name."""
+
+
+def _pieces(buffers: Sequence[Buffer]) -> list[tuple[str | None, memoryview]]:
+    """``(tensor name or None, chunk)`` of at most _CHUNK bytes for every buffer, in order."""
+    out: list[tuple[str | None, memoryview]] = []
     for buf in buffers:
-        view = memoryview(buf).cast("B")
-        out.extend(view[i : i + _CHUNK] for i in range(0, view.nbytes, _CHUNK))
+        name, data = buf if isinstance(buf, TensorBytes) else (None, buf)
+        view = memoryview(data).cast("B")
+        out.extend((name, view[i : i + _CHUNK]) for i in range(0, view.nbytes, _CHUNK))
     return out
 
 
-def _split_at(pieces: list[memoryview], offset: int) -> list[memoryview]:
+def _split_at(
+    pieces: list[tuple[str | None, memoryview]], offset: int
+) -> list[tuple[str | None, memoryview]]:
     """``pieces`` with the one spanning byte ``offset`` cut in two there (offset < 0: as is)."""
     start = 0
-    for i, piece in enumerate(pieces):
+    for i, (name, piece) in enumerate(pieces):
         if start < offset < start + piece.nbytes:
             cut = offset - start
-            return [*pieces[:i], piece[:cut], piece[cut:], *pieces[i + 1 :]]
+            return [*pieces[:i], (name, piece[:cut]), (name, piece[cut:]), *pieces[i + 1 :]]
         start += piece.nbytes
     return pieces
 
 
-def write_file(
-    path: Path, buffers: Sequence[memoryview | bytes], *, faulty: bool = False
-) -> FileEntry:
-    """Create ``path`` with the concatenated ``buffers``, fsync it, and return its sha256.
+def write_file(path: Path, buffers: Sequence[Buffer], *, faulty: bool = False) -> FileEntry:
+    """Create ``path`` with the concatenated ``buffers``, fsync it, and return its checksums.
 
-    The bytes are hashed from memory while a helper thread waits for the fsync (the disk works
-    while the CPU hashes), so the file is never read back and hashing adds little time.
+    Each chunk is checksummed (crc32c of the file, and of its tensor for a
+    :class:`~phalanx.checkpoint.checksum.TensorBytes`) right after it is written, while it is
+    still in the CPU's cache: the file is never read back.
 
     Args:
         path: A new file (an existing one is an error).
@@ -122,26 +128,27 @@ def write_file(
         faulty: Honour the ``mid-tensor-file`` fault point here.
     """
     pieces = _pieces(buffers)
-    total = sum(p.nbytes for p in pieces)
+    total = sum(p.nbytes for _, p in pieces)
     half = total // 2 if faulty and os.environ.get(FAULT_ENV) == "mid-tensor-file" else -1
-    digest = hashlib.sha256()
+    digest = Digest()
+    tensors = {b.name: Digest() for b in buffers if isinstance(b, TensorBytes)}
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
         written = 0
-        for piece in _split_at(pieces, half):
+        for name, piece in _split_at(pieces, half):
             _write_all(fd, piece)
+            digest.update(piece)
+            if name is not None:
+                tensors[name].update(piece)
             written += piece.nbytes
             if written == half:  # crash tests: half a tensor file is on disk
                 os.fsync(fd)
                 fault("mid-tensor-file")
-        with ThreadPoolExecutor(1, thread_name_prefix="phalanx-fsync") as pool:
-            synced = pool.submit(os.fsync, fd)
-            for piece in pieces:
-                digest.update(piece)
-            synced.result()
+        os.fsync(fd)
     finally:
         os.close(fd)
-    return FileEntry(digest.hexdigest(), total)
+    crcs = {name: d.hexdigest() for name, d in tensors.items()} if tensors else None
+    return FileEntry(digest.hexdigest(), total, tensors=crcs)
 
 
 def fsync_dir(path: Path) -> None:

@@ -103,7 +103,7 @@ def latest(directory: str | os.PathLike[str]) -> Path | None:
     """The newest committed checkpoint in ``directory``, or None if there is none.
 
     ``directory/latest`` decides; without a usable one, the newest ``step-*`` directory whose
-    files match its manifest (sha256) is taken, with a warning.
+    files match its manifest (checksums) is taken, with a warning.
     """
     d = Path(check_path("directory", directory, where="latest"))
     if not d.is_dir():

@@ -10,4 +10,4 @@ class CheckpointError(RuntimeError):
 
 
 class ChecksumError(CheckpointError):
-    """A checkpoint file's content differs from the sha256 its manifest records."""
+    """A checkpoint file's size or checksum differs from what its manifest records."""

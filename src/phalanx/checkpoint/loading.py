@@ -3,7 +3,7 @@
 Rank 0 picks the checkpoint (``latest`` or ``path=``) and tells the others through the
 rendezvous store (``sync.py``), so all ranks load the same one. Each rank reads the replicated
 sections it was given objects for, plus its own ``rank-NNNNN`` section (RNG, sampler), checking
-sizes and sha256s against the manifest while reading. Ranks then report success through the
+sizes and checksums against the manifest while reading. Ranks then report success through the
 store, so a failure on any rank raises on every rank instead of leaving the others to hang.
 """
 
@@ -294,7 +294,7 @@ def load(
         What was loaded, or None when ``directory`` holds no committed checkpoint yet.
 
     Raises:
-        ChecksumError: naming the file whose size or sha256 differs from the manifest.
+        ChecksumError: naming the file whose size or checksum differs from the manifest.
         StateMismatchError: listing missing, unexpected and mismatched model keys.
         CheckpointError: for incomplete or unsafe checkpoints, and on every rank when any
             rank failed.

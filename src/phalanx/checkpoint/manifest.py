@@ -1,8 +1,9 @@
-"""The manifest of a checkpoint: what it holds, and a sha256 for every file it consists of.
+"""The manifest of a checkpoint: what it holds, and a checksum for every file it consists of.
 
 ``manifest.json`` is written after all data files; a checkpoint directory without one is
 incomplete. Every file the loader opens must be listed in it, and is checked against it while
-it is read (:func:`read_verified`): size first (a truncated file fails at once), then sha256
+it is read (:func:`read_verified`, ``format.read_tensors``): size first (a truncated file fails
+at once), then the checksum (``checksum.py``: crc32c, or sha256 in checkpoints written before)
 over the same bytes that are then decoded, so each byte is read once. File names in a manifest
 are confined to the checkpoint directory: absolute paths, ``..`` and symlinks that resolve
 outside it are rejected, naming the entry. ``world_size`` is bounded by the rank files listed
@@ -11,17 +12,16 @@ outside it are rejected, naming the entry. ``world_size`` is bounded by the rank
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
 
+from phalanx.checkpoint.checksum import DEFAULT, Digest, is_digest
 from phalanx.checkpoint.errors import CheckpointError, ChecksumError
 from phalanx.checkpoint.limits import open_regular, read_json
 
@@ -32,13 +32,17 @@ __all__ = [
     "ChecksumError",
     "FileEntry",
     "Manifest",
+    "check_size",
+    "file_digest",
+    "mismatch",
     "read_manifest",
     "read_verified",
     "safe_path",
     "verify_files",
 ]
 
-FORMAT = "phalanx-checkpoint/1"
+FORMAT = "phalanx-checkpoint/2"
+_READABLE = (FORMAT, "phalanx-checkpoint/1")  # /1: sha256 digests only
 MANIFEST = "manifest.json"
 _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 _READ_CHUNK = 16 * 1024 * 1024
@@ -46,10 +50,37 @@ _READ_CHUNK = 16 * 1024 * 1024
 
 @dataclass(frozen=True)
 class FileEntry:
-    """Size and sha256 (hex) of one file of a checkpoint."""
+    """Size and checksum of one file of a checkpoint (plus one crc32c per tensor, if any)."""
 
-    sha256: str
+    digest: str
+    """Hex digest of the whole file."""
     bytes: int
+    algo: str = DEFAULT
+    """Its checksum: ``"crc32c"``, or ``"sha256"`` in checkpoints written before."""
+    tensors: dict[str, str] | None = None
+    """Tensor name -> crc32c (hex) of its bytes, for a tensor file; names a corrupt tensor."""
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"bytes": n, "<algo>": digest}`` (plus ``"tensors"``), as a manifest records it."""
+        doc: dict[str, Any] = {"bytes": self.bytes, self.algo: self.digest}
+        if self.tensors is not None:
+            doc["tensors"] = self.tensors
+        return doc
+
+    @classmethod
+    def from_json(cls, info: Any) -> FileEntry | None:
+        """The entry ``info`` records, or None when it is malformed."""
+        if not isinstance(info, dict):
+            return None
+        algo = DEFAULT if DEFAULT in info else "sha256"
+        size, tensors = info.get("bytes"), info.get("tensors")
+        if not is_digest(algo, info.get(algo)) or not isinstance(size, int) or size < 0:
+            return None
+        if tensors is not None and not (
+            isinstance(tensors, dict) and all(is_digest(DEFAULT, d) for d in tensors.values())
+        ):
+            return None
+        return cls(info[algo], size, algo, tensors)
 
 
 @dataclass(frozen=True)
@@ -70,7 +101,7 @@ class Manifest:
             "world_size": self.world_size,
             "sections": self.sections,
             "extra": self.extra,
-            "files": {k: {"sha256": v.sha256, "bytes": v.bytes} for k, v in self.files.items()},
+            "files": {k: v.to_json() for k, v in self.files.items()},
         }
         return json.dumps(doc, indent=1, sort_keys=True).encode()
 
@@ -124,15 +155,12 @@ def _files(doc: dict[str, Any], ckpt: Path, where: Path) -> dict[str, FileEntry]
     files: dict[str, FileEntry] = {}
     for name, info in _field(doc, "files", dict, where).items():
         safe_path(ckpt, name)
-        sha, size = (info.get("sha256"), info.get("bytes")) if isinstance(info, dict) else (0, 0)
-        if not (
-            isinstance(sha, str)
-            and re.fullmatch(r"[0-9a-f]{64}", sha)
-            and isinstance(size, int)
-            and size >= 0
-        ):
-            raise CheckpointError(f"{where}: entry {name!r} has no valid sha256/bytes ({info!r})")
-        files[name] = FileEntry(sha, size)
+        entry = FileEntry.from_json(info)
+        if entry is None:
+            raise CheckpointError(
+                f"{where}: entry {name!r} has no valid crc32c or sha256 and bytes ({info!r:.200})"
+            )
+        files[name] = entry
     return files
 
 
@@ -154,7 +182,7 @@ def read_manifest(ckpt: Path) -> Manifest:
     if where.is_symlink() or not where.exists():
         raise CheckpointError(f"{where}: missing; {ckpt} is not a complete checkpoint")
     doc = read_json(where)
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+    if not isinstance(doc, dict) or doc.get("format") not in _READABLE:
         found = doc.get("format") if isinstance(doc, dict) else doc
         raise CheckpointError(f"{where}: format is {found!r:.60}, expected {FORMAT!r}")
     step = _field(doc, "step", int, where)
@@ -170,11 +198,27 @@ def read_manifest(ckpt: Path) -> Manifest:
     )
 
 
-def read_verified(ckpt: Path, manifest: Manifest, name: str) -> torch.Tensor:
-    """Read ``ckpt/name`` whole (as a uint8 tensor), checking size and sha256 on the way.
+def mismatch(path: Path, entry: FileEntry, digest: str) -> ChecksumError | None:
+    """The error to raise when ``path``'s ``digest`` is not the one ``entry`` records."""
+    if digest == entry.digest:
+        return None
+    return ChecksumError(
+        f"{path}: {entry.algo} is {digest}, the manifest records {entry.digest}; the file is "
+        f"corrupt (use an older checkpoint with load(path=...))"
+    )
 
-    The sha256 of each chunk is computed by a helper thread while the next chunk is read (both
-    release the GIL), so verification costs little more than the hash itself.
+
+def check_size(path: Path, entry: FileEntry, size: int) -> None:
+    """Refuse ``path`` when its ``size`` on disk is not the one ``entry`` records."""
+    if size != entry.bytes:
+        raise ChecksumError(
+            f"{path}: {size} bytes on disk, the manifest records {entry.bytes}; the file "
+            f"is truncated or corrupt"
+        )
+
+
+def read_verified(ckpt: Path, manifest: Manifest, name: str) -> torch.Tensor:
+    """Read ``ckpt/name`` whole (as a uint8 tensor), checking size and checksum on the way.
 
     Raises:
         ChecksumError: naming the file and both digests (or sizes) on a mismatch.
@@ -183,51 +227,41 @@ def read_verified(ckpt: Path, manifest: Manifest, name: str) -> torch.Tensor:
     path = safe_path(ckpt, name)
     with open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
-        if size != entry.bytes:
-            raise ChecksumError(
-                f"{path}: {size} bytes on disk, the manifest records {entry.bytes}; the file "
-                f"is truncated or corrupt"
-            )
+        check_size(path, entry, size)
         data = torch.empty(size, dtype=torch.uint8)  # not zero-filled: every byte is read
         array: Any = data.numpy()
-        digest = _read_hashing(f, memoryview(array), path)
-    if digest != entry.sha256:
-        raise ChecksumError(
-            f"{path}: sha256 is {digest}, the manifest records {entry.sha256}; the file is "
-            f"corrupt (use an older checkpoint with load(path=...))"
-        )
+        digest = Digest(entry.algo)
+        view = memoryview(array)
+        for start in range(0, size, _READ_CHUNK):
+            chunk = view[start : start + _READ_CHUNK]
+            _read_into(f, chunk, path)
+            digest.update(chunk)
+    if (error := mismatch(path, entry, digest.hexdigest())) is not None:
+        raise error
     return data
 
 
-def _read_hashing(f: Any, view: memoryview, path: Path) -> str:
-    digest = hashlib.sha256()
-    with ThreadPoolExecutor(1, thread_name_prefix="phalanx-sha256") as pool:
-        pending = []
-        for start in range(0, len(view), _READ_CHUNK):
-            chunk = view[start : start + _READ_CHUNK]
-            _read_into(f, chunk, path)
-            pending.append(pool.submit(digest.update, chunk))
-        for p in pending:
-            p.result()
-    return digest.hexdigest()
+def file_digest(path: Path, algo: str) -> tuple[int, str]:
+    """Size and ``algo`` digest of the file ``path``, streaming (a regular file only)."""
+    digest = Digest(algo)
+    with open_regular(path) as f:
+        while chunk := f.read(_READ_CHUNK):
+            digest.update(chunk)
+        return f.tell(), digest.hexdigest()
 
 
 def verify_files(ckpt: Path, manifest: Manifest) -> None:
-    """Check every file of the manifest (size and sha256), streaming; raise on the first bad."""
+    """Check every file of the manifest (size and checksum), streaming; raise on the first bad."""
     for name, entry in manifest.files.items():
         path = safe_path(ckpt, name)
-        digest = hashlib.sha256()
         try:
-            with open_regular(path) as f:
-                while chunk := f.read(_READ_CHUNK):
-                    digest.update(chunk)
-                size = f.tell()
+            size, digest = file_digest(path, entry.algo)
         except FileNotFoundError:
             raise ChecksumError(f"{path}: listed in the manifest but missing") from None
-        if size != entry.bytes or digest.hexdigest() != entry.sha256:
+        if size != entry.bytes or digest != entry.digest:
             raise ChecksumError(
-                f"{path}: {size} bytes with sha256 {digest.hexdigest()}, the "
-                f"manifest records {entry.bytes} bytes with {entry.sha256}"
+                f"{path}: {size} bytes with {entry.algo} {digest}, the "
+                f"manifest records {entry.bytes} bytes with {entry.digest}"
             )
 
 

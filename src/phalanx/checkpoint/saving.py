@@ -5,7 +5,7 @@ Sequence (see ``atomic.py`` for what makes each step crash-safe):
 1. one short broadcast agrees on a token; rank 0 creates ``.tmp-step-NNNNNN-<token>`` and
    tells the others through the store;
 2. every rank writes ``rank-NNNNN.{json,safetensors}`` (RNG, sampler) and publishes the files'
-   sha256 in the rendezvous store;
+   checksums in the rendezvous store;
 3. rank 0 writes model / optimizer / scheduler, collects the other ranks' digests from the
    store, writes ``manifest.json``, renames the directory, updates ``latest``, prunes;
 4. rank 0 publishes the result; the others wait for it on the store (long timeout, no
@@ -102,10 +102,11 @@ def _replicated(req: _Request) -> list[Section]:
 
 def _files(answer: dict[str, Any]) -> dict[str, FileEntry]:
     """The files of a peer's ``written`` answer (raises on a malformed one)."""
-    out = {k: FileEntry(v["sha256"], v["bytes"]) for k, v in answer["files"].items()}
-    if not all(isinstance(e.sha256, str) and isinstance(e.bytes, int) for e in out.values()):
-        raise TypeError("a file entry is a sha256 string and a byte count")
-    return out
+    out = {k: FileEntry.from_json(v) for k, v in answer["files"].items()}
+    checked = {k: e for k, e in out.items() if e is not None}
+    if len(checked) != len(out):
+        raise TypeError("a file entry is a byte count and a crc32c (or sha256) hex digest")
+    return checked
 
 
 def _committed_path(answer: dict[str, Any]) -> str:
@@ -157,7 +158,7 @@ def _peer(session: Session, own: dict[str, FileEntry] | BaseException) -> Path:
     if isinstance(own, BaseException):
         session.publish(f"written/{session.rank}", {"ok": False, "error": repr(own)})
         raise own
-    files = {k: {"sha256": v.sha256, "bytes": v.bytes} for k, v in own.items()}
+    files = {k: v.to_json() for k, v in own.items()}
     session.publish(f"written/{session.rank}", {"ok": True, "files": files})
     result = session.wait("committed", _committed_path)
     if not result["ok"]:

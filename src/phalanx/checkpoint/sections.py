@@ -3,7 +3,7 @@
 A *section* is one state dict stored as ``<name>.json`` (its structure, see ``structure.py``,
 and the list of its tensor files) plus ``<name>.safetensors`` with its tensors, if any. Large
 sections are split into ``<name>-00001.safetensors``, ... of about 64 MiB each, which are
-written, hashed and read on parallel threads. Rank 0 writes the replicated sections
+written, checksummed and read on parallel threads. Rank 0 writes the replicated sections
 (``model``, ``optimizer``, ``scheduler``); every rank writes ``rank-NNNNN`` with its own random
 generators and sampler position.
 """
@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from phalanx.checkpoint import structure
-from phalanx.checkpoint.format import decode, encode
+from phalanx.checkpoint.checksum import TensorBytes
+from phalanx.checkpoint.format import encode, read_tensors
 from phalanx.checkpoint.limits import (
     MAX_DEPTH,
     MAX_JSON_ENV,
@@ -34,7 +35,7 @@ from phalanx.checkpoint.limits import (
     max_json_bytes,
     parse_json,
 )
-from phalanx.checkpoint.manifest import CheckpointError, Manifest, read_verified
+from phalanx.checkpoint.manifest import CheckpointError, Manifest, read_verified, safe_path
 
 __all__ = ["Section", "StateMismatchError", "load_model", "parallel", "read_section", "unwrap"]
 
@@ -90,10 +91,10 @@ class Section:
             )
         return cls(name, tree, tensors)
 
-    def files(self) -> dict[str, list[memoryview | bytes]]:
+    def files(self) -> dict[str, list[bytes | TensorBytes]]:
         """File name -> buffers to write: tensor shards (``name.safetensors``,
         ``name-00001.safetensors``, ...) of at most ~SHARD_BYTES, then ``name.json``."""
-        out: dict[str, list[memoryview | bytes]] = {}
+        out: dict[str, list[bytes | TensorBytes]] = {}
         if self.tensors:
             for i, shard in enumerate(_shards(self.tensors, SHARD_BYTES)):
                 out[f"{self.name}-{i:05d}.safetensors" if i else f"{self.name}.safetensors"] = (
@@ -135,14 +136,19 @@ def _json(ckpt: Path, manifest: Manifest, name: str) -> dict[str, Any]:
     return doc
 
 
+def read_tensor_file(ckpt: Path, manifest: Manifest, name: str) -> dict[str, torch.Tensor]:
+    """The tensors of ``ckpt/name``, a file the manifest lists, verified as they are mapped."""
+    entry = manifest.entry(ckpt, name)
+    return read_tensors(safe_path(ckpt, name), entry)
+
+
 def read_section(ckpt: Path, manifest: Manifest, name: str) -> Any:
     """Read and verify section ``name`` of the checkpoint in ``ckpt``; return its state."""
     doc = _json(ckpt, manifest, f"{name}.json")
     files = doc["tensor_files"]
-    datas = parallel([partial(read_verified, ckpt, manifest, f) for f in files])
+    parts = parallel([partial(read_tensor_file, ckpt, manifest, f) for f in files])
     tensors: dict[str, torch.Tensor] = {}
-    for file, data in zip(files, datas):
-        part, _ = decode(data, str(ckpt / file))
+    for file, part in zip(files, parts):
         if tensors.keys() & part.keys():
             raise CheckpointError(
                 f"{ckpt / file}: repeats tensors {sorted(tensors.keys() & part.keys())}"

@@ -23,10 +23,9 @@ import torch
 from torch import nn
 
 from phalanx.checkpoint import structure
-from phalanx.checkpoint.format import open_mapped
 from phalanx.checkpoint.limits import shape_ok
-from phalanx.checkpoint.manifest import CheckpointError, Manifest, safe_path, verify_files
-from phalanx.checkpoint.sections import Section, _json
+from phalanx.checkpoint.manifest import CheckpointError, Manifest
+from phalanx.checkpoint.sections import Section, _json, read_tensor_file
 from phalanx.sharding.optimizer_pieces import optimizer_view
 from phalanx.sharding.pieces import Piece, PieceReader, Sharded, dtype_name
 
@@ -174,8 +173,8 @@ def read_sharded(ckpt: Path, manifest: Manifest, what: str) -> tuple[dict[str, A
     opened: dict[str, dict[str, Any]] = {}
 
     def fetch(source: str) -> dict[str, Any]:
-        # Verify a source's files once (streaming sha256), then slice them through mmap: a rank
-        # reads only the element ranges it needs, never a whole peer's state.
+        # Map and verify a source's files once (crc32c of the mapped bytes); a rank then
+        # copies only the element ranges it needs out of the map.
         if source not in opened:
             opened[source] = _open_source(ckpt, manifest, source)
         return opened[source]
@@ -185,11 +184,9 @@ def read_sharded(ckpt: Path, manifest: Manifest, what: str) -> tuple[dict[str, A
 
 def _open_source(ckpt: Path, manifest: Manifest, source: str) -> dict[str, Any]:
     doc = _json(ckpt, manifest, f"{source}.json")
-    files = {f: manifest.entry(ckpt, f) for f in doc["tensor_files"]}
-    verify_files(ckpt, Manifest(manifest.step, manifest.world_size, files, []))
     slices: dict[str, Any] = {}
-    for f in files:
-        slices.update(open_mapped(safe_path(ckpt, f)))
+    for f in doc["tensor_files"]:
+        slices.update(read_tensor_file(ckpt, manifest, f))
     try:
         tensors = doc["state"]["tensors"]
         return {name: slices[ref["__tensor__"]] for name, ref in tensors.items()}

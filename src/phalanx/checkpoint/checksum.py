@@ -1,0 +1,67 @@
+"""Checksums of checkpoint files: crc32c as they are written, crc32c or sha256 as they are read.
+
+A checkpoint's manifest records, for every file, its size and a digest of its bytes. New
+checkpoints record crc32c (hardware-accelerated: ~10 GB/s against ~0.4 GB/s for sha256 on the
+2-core box of the README), computed on each chunk as it is written and again on the bytes as
+they are read, so verification keeps up with memory bandwidth. Checkpoints written before
+(``phalanx-checkpoint/1``) record sha256, which is still read and verified.
+
+A tensor file's entry may also hold a crc32c per tensor, so a corrupt byte is named down to the
+tensor holding it. crc32c detects corruption (every error burst up to 32 bits, and any other
+error with probability 1 - 2**-32); it is no defence against a forger who can rewrite the
+manifest as well, and neither is a sha256 stored beside the data it hashes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Any, NamedTuple
+
+import crc32c
+
+__all__ = ["ALGORITHMS", "DEFAULT", "Digest", "TensorBytes", "is_digest"]
+
+DEFAULT = "crc32c"
+"""The checksum new checkpoints record."""
+ALGORITHMS = {"crc32c": re.compile(r"[0-9a-f]{8}"), "sha256": re.compile(r"[0-9a-f]{64}")}
+"""Checksums a manifest may record -> the form of their hex digest."""
+
+
+class TensorBytes(NamedTuple):
+    """The bytes of one tensor, among the buffers of a file to write (named in its checksums)."""
+
+    name: str
+    data: memoryview
+
+
+class Digest:
+    """An incremental digest of ``algo`` (one of :data:`ALGORITHMS`)."""
+
+    def __init__(self, algo: str = DEFAULT) -> None:
+        if algo not in ALGORITHMS:
+            raise ValueError(f"checksum algo={algo!r} is not one of {sorted(ALGORITHMS)}")
+        self.algo = algo
+        self._crc = 0
+        self._sha = hashlib.sha256() if algo == "sha256" else None
+
+    def update(self, data: Any) -> None:
+        """Add the bytes of ``data`` (any contiguous buffer); releases the GIL on large ones."""
+        if self._sha is not None:
+            self._sha.update(data)
+        else:
+            self._crc = crc32c.crc32c(data, self._crc)
+
+    def hexdigest(self) -> str:
+        """The digest as lower-case hex (8 digits for crc32c, 64 for sha256)."""
+        return self._sha.hexdigest() if self._sha is not None else f"{self._crc:08x}"
+
+
+def is_digest(algo: object, digest: object) -> bool:
+    """Whether ``digest`` is a hex digest of the known checksum ``algo``."""
+    return (
+        isinstance(algo, str)
+        and algo in ALGORITHMS
+        and isinstance(digest, str)
+        and ALGORITHMS[algo].fullmatch(digest) is not None
+    )
