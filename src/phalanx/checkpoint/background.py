@@ -92,7 +92,7 @@ def wait() -> Path | None:
     if write.error is not None:
         err = write.error
         raise CheckpointError(
-            f"the background write of {write.what} failed, so it was not committed (the "
-            f"previous checkpoint is still the newest): {type(err).__name__}: {err}"
+            f"the background write of {write.what} failed and was not committed (the "
+            f"previous checkpoint, if any, is still in force): {type(err).__name__}: {err}"
         ) from err
     return write.path
