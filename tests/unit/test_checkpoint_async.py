@@ -101,13 +101,13 @@ def test_the_next_save_and_load_wait_for_the_write_in_flight(tmp_path: Path) -> 
     model, opt = _trained()
     for step in (1, 2, 3):
         checkpoint.save(tmp_path, step, model=model, optimizer=opt, keep_last=2, async_=True)
-        expected = _clone(model[0].weight)
+        expected = _clone(model.state_dict()["0.weight"])
         with torch.no_grad():
-            model[0].weight.add_(1.0)
+            model.state_dict()["0.weight"].add_(1.0)
     fresh, _ = _trained()
     info = checkpoint.load(tmp_path, model=fresh)  # waits for step 3
     assert info is not None and info.step == 3
-    assert torch.equal(fresh[0].weight, expected)
+    assert torch.equal(fresh.state_dict()["0.weight"], expected)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000002", "step-000003"]
 
 
