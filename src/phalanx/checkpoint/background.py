@@ -72,6 +72,9 @@ def in_flight() -> bool:
 def wait() -> Path | None:
     """Wait for the checkpoint write in flight, if any; return its committed directory.
 
+    Call it before ``destroy_process_group`` (``Job.close`` does): the write talks to the other
+    ranks through the group's rendezvous store.
+
     Returns:
         The committed checkpoint directory, or None when no write was in flight.
 

@@ -3,8 +3,8 @@
 An asynchronous save writes after ``save`` returns, while training goes on changing its
 parameters and optimizer state in place; so ``save`` first copies every tensor it will write
 into a host *staging* buffer and the background write reads only those. A CUDA tensor is copied
-into pinned memory (a non-blocking copy on the current stream; the writer waits for an event
-recorded after the copies), a CPU tensor into plain memory.
+into pinned memory (a non-blocking copy on the device's current stream; the writer waits for
+an event recorded there after the copies), a CPU tensor into plain memory.
 
 The buffers are kept and reused by the next save when a tensor's section, key, shape and dtype
 match (as torch DCP's staging cache does): a job that saves every N steps allocates them once.
@@ -30,14 +30,14 @@ _BUFFERS: dict[_Key, torch.Tensor] = {}
 class Staged:
     """Sections whose tensors are host copies, and a wait for the copies to finish."""
 
-    def __init__(self, sections: list[Section], event: torch.cuda.Event | None) -> None:
+    def __init__(self, sections: list[Section], events: list[torch.cuda.Event]) -> None:
         self.sections = sections
-        self._event = event
+        self._events = events
 
     def ready(self) -> None:
         """Block until every device-to-host copy has landed (at once for CPU tensors)."""
-        if self._event is not None:
-            self._event.synchronize()
+        for event in self._events:
+            event.synchronize()
 
 
 def _copyable(t: torch.Tensor) -> bool:
@@ -62,7 +62,7 @@ def stage(sections: list[Section]) -> Staged:
     written. Buffers of tensors that this save no longer has are dropped.
     """
     used: dict[_Key, torch.Tensor] = {}
-    cuda = False
+    devices: set[torch.device] = set()
     out = []
     with torch.no_grad():
         for section in sections:
@@ -72,17 +72,18 @@ def stage(sections: list[Section]) -> Staged:
                     tensors[name] = t
                     continue
                 pinned = t.device.type == "cuda"
-                cuda = cuda or pinned
+                if pinned:
+                    devices.add(t.device)
                 buf = _buffer((section.name, name, pinned), t, used)
                 tensors[name] = buf.copy_(t.detach(), non_blocking=pinned)
             out.append(replace(section, tensors=tensors))
     _BUFFERS.clear()
     _BUFFERS.update(used)
-    event = None
-    if cuda:
-        event = torch.cuda.Event()
-        event.record()
-    return Staged(out, event)
+    events = []
+    for device in devices:  # each copy ran on its device's current stream
+        events.append(torch.cuda.Event())
+        events[-1].record(torch.cuda.current_stream(device))
+    return Staged(out, events)
 
 
 def release() -> None:
