@@ -10,6 +10,12 @@ Sequence (see ``atomic.py`` for what makes each step crash-safe):
    store, writes ``manifest.json``, renames the directory, updates ``latest``, prunes;
 4. rank 0 publishes the result; the others wait for it on the store (long timeout, no
    collective: a slow write cannot make them hit the collective timeout).
+
+Each rank takes its state dicts and encodes its files' headers right after the broadcast, on the
+caller's thread, so a value that cannot be stored fails there. With ``async_=True`` the tensors
+are first copied to host staging buffers (``staging.py``), and everything after the broadcast
+that touches the disk or the store runs on a background thread (``background.py``): it needs
+no collective, so it never interleaves with the training thread's.
 """
 
 from __future__ import annotations
