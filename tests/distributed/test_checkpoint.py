@@ -176,3 +176,42 @@ def test_a_failing_rank_fails_the_save_everywhere(tmp_path: Path) -> None:
     )
     assert errors[1] == "OSError: disk full on rank 1"
     assert list(tmp_path.iterdir()) == []  # rank 0 removed the temporary directory
+
+
+def _async_saves(directory: str) -> dict[str, Any]:
+    from phalanx.checkpoint import atomic
+
+    rank = phalanx.world().rank
+    if rank == 0:  # rank 0 writes slowly: the ranks finish each write at different times
+        write = atomic.write_file
+
+        def slow(path: Path, *args: Any, **kwargs: Any) -> Any:
+            if path.name == "model.safetensors":
+                time.sleep(1.5)
+            return write(path, *args, **kwargs)
+
+        atomic.write_file = slow
+    torch.manual_seed(0)
+    ddp, opt, sched = _job()
+    saved = []
+    for step in (1, 2, 3):
+        _train(ddp, opt, sched, 2)  # all-reduces on the training thread during the write
+        checkpoint.save(directory, step, model=ddp, optimizer=opt, scheduler=sched, async_=True)
+        saved.append([p.detach().clone() for p in ddp.parameters()])
+        t = torch.ones(1)
+        phalanx.all_reduce(t)
+    last = checkpoint.wait()
+    ddp2, opt2, sched2 = _job()
+    info = checkpoint.load(directory, model=ddp2, optimizer=opt2, scheduler=sched2)
+    assert info is not None
+    return {
+        "last": last,
+        "step": info.step,
+        "same": all(torch.equal(a, b) for a, b in zip(saved[-1], ddp2.parameters())),
+    }
+
+
+def test_async_saves_interleave_with_collectives(tmp_path: Path) -> None:
+    results = run_distributed(_async_saves, str(tmp_path), world_size=2, collective_timeout=5)
+    for r in results:
+        assert r == {"last": tmp_path / "step-000003", "step": 3, "same": True}

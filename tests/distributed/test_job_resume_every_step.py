@@ -94,11 +94,13 @@ def _run(options: dict[str, Any], ckpt: Path, keep: Path | None) -> dict[str, An
             losses[at] = job.log(loss=float(job.forward_backward(x, y)))["loss"]
             stepped = job.step()
             if keep is not None:
-                path = job.save()
+                path = job.save()  # asynchronous: the next step runs during the write
                 saves.append({"at": at, "stepped": stepped, "step": job.step_count})
                 if job.world.is_main:
+                    phalanx.checkpoint.wait()  # committed: copy it
                     shutil.copytree(path, keep / str(len(saves) - 1) / path.name)
     final = job.save()
+    phalanx.checkpoint.wait()
     files = _files(final) if job.world.is_main else {}
     out = {"losses": losses, "saves": saves, "params": _params_digest(model), "files": files}
     out["step"] = job.step_count

@@ -75,8 +75,10 @@ def _run(strategy: str, ckpt: Path, keep: Path | None) -> dict[str, Any]:
             if keep is not None and (epoch, step) == SAVE_AT:
                 path = job.save(note="mid-epoch")
                 if job.world.is_main:
+                    phalanx.checkpoint.wait()  # committed: copy it
                     shutil.copytree(path, keep / path.name)
     final = job.save()
+    phalanx.checkpoint.wait()
     files = json.loads((final / "manifest.json").read_text())["files"]
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
     out = {"losses": losses, "params": digest.hexdigest(), "files": files}

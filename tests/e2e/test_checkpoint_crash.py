@@ -156,3 +156,33 @@ def test_sigkill_between_the_renames_of_a_resaved_step_loses_nothing(crashes: Cr
     info = checkpoint.load(directory, model=fresh)
     assert info is not None and info.step == 1 and info.extra == {"tag": "new"}
     assert torch.equal(fresh.state_dict()["0.weight"], model.state_dict()["0.weight"])
+
+
+ASYNC_SAVER = Path(__file__).resolve().parent / "scripts" / "async_saver.py"
+
+
+def test_sigkill_inside_an_asynchronous_write_keeps_the_previous_checkpoint(
+    tmp_path: Path,
+) -> None:
+    from tests.e2e.scripts.async_saver import verify
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    procs = {}
+    for point in ("mid-tensor-file", "before-latest"):  # inside the write; after the rename
+        directory = tmp_path / point
+        cmd = [sys.executable, str(ASYNC_SAVER), str(directory), str(tmp_path / f"{point}.log")]
+        cmd += ["--mb", "2", "--saves", "3", "--fault", point]
+        procs[point] = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
+    for point, proc in procs.items():
+        _, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == -signal.SIGKILL, stderr  # killed by its background write
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the leftover temporary directory is named
+            found = verify(tmp_path / point, tmp_path / f"{point}.log", 2)
+        assert found == {
+            "loaded": 1,  # step 2's write was killed: step 1 is in force, as it was saved
+            "committed": 1,
+            "equal": True,
+            "in_write": point == "mid-tensor-file",
+        }, point

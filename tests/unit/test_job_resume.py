@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -35,7 +36,12 @@ def _job(
 
 
 def test_values_given_to_save_come_back_on_resume(tmp_path: Path) -> None:
-    values = {"best": 0.25, "tags": ["a", "b"], "nested": {"k": 1, "none": None}, "epoch": 7}
+    values: dict[str, Any] = {
+        "best": 0.25,
+        "tags": ["a", "b"],
+        "nested": {"k": 1, "none": None},
+        "epoch": 7,
+    }
     job, loader = _job(tmp_path)
     with job:
         assert job.resumed_extra == {}  # nothing resumed yet
@@ -118,3 +124,35 @@ def test_generator_snapshots_round_trip() -> None:
     doc = rng.capture(state)  # what a checkpoint stores, from the same snapshot
     assert rng.restore(doc, "test") == []
     assert random.random() == drawn[0]
+
+
+def test_job_save_is_asynchronous_by_default_and_close_waits(tmp_path: Path) -> None:
+    from phalanx.checkpoint import background
+
+    job, loader = _job(tmp_path)
+    with job:
+        for _ in job.epochs(1):
+            for x, y in loader:
+                job.backward(nn.functional.mse_loss(job.model(x), y))  # type: ignore[misc]
+                job.step()
+                assert job.model is not None
+                saved = {k: v.clone() for k, v in job.model.state_dict().items()}
+                path = job.save(tag="async")
+                assert background.in_flight() and path == tmp_path / "step-000001"
+                with torch.no_grad():  # training goes on in place while it is written
+                    for p in job.model.parameters():
+                        p.add_(1.0)
+                break
+            break
+    assert not background.in_flight()  # close() waited
+    model = nn.Linear(4, 1)
+    info = phalanx.checkpoint.load(tmp_path, model=model)
+    assert info is not None and info.extra["values"] == {"tag": "async"}
+    assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
+    job, _ = _job(tmp_path)
+    with job:
+        next(iter(job.epochs(1)))
+        assert job.save(async_=False) == tmp_path / "step-000001"
+        assert not background.in_flight()
+        with pytest.raises(TypeError, match=r"Job\.save\(async_='no'\): async_ must be True"):
+            job.save(async_="no")  # type: ignore[arg-type]

@@ -134,21 +134,35 @@ def write_file(path: Path, buffers: Sequence[Buffer], *, faulty: bool = False) -
     tensors = {b.name: Digest() for b in buffers if isinstance(b, TensorBytes)}
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
-        written = 0
-        for name, piece in _split_at(pieces, half):
-            _write_all(fd, piece)
-            digest.update(piece)
-            if name is not None:
-                tensors[name].update(piece)
-            written += piece.nbytes
-            if written == half:  # crash tests: half a tensor file is on disk
-                os.fsync(fd)
-                fault("mid-tensor-file")
-        os.fsync(fd)
+        _write_pieces(fd, _split_at(pieces, half), digest, tensors, half)
+    except OSError as exc:  # os.write's error (a full disk...) does not name the file
+        exc.filename = exc.filename or str(path)
+        raise
     finally:
         os.close(fd)
     crcs = {name: d.hexdigest() for name, d in tensors.items()} if tensors else None
     return FileEntry(digest.hexdigest(), total, tensors=crcs)
+
+
+def _write_pieces(
+    fd: int,
+    pieces: list[tuple[str | None, memoryview]],
+    digest: Digest,
+    tensors: dict[str, Digest],
+    half: int,
+) -> None:
+    """Write and checksum ``pieces``; fsync (and honour the fault point) at byte ``half``."""
+    written = 0
+    for name, piece in pieces:
+        _write_all(fd, piece)
+        digest.update(piece)
+        if name is not None:
+            tensors[name].update(piece)
+        written += piece.nbytes
+        if written == half:  # crash tests: half a tensor file is on disk
+            os.fsync(fd)
+            fault("mid-tensor-file")
+    os.fsync(fd)
 
 
 def fsync_dir(path: Path) -> None:

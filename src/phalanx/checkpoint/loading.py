@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from torch import nn
 
 from phalanx._check import check_bool, check_path
-from phalanx.checkpoint import catalog, structure
+from phalanx.checkpoint import background, catalog, structure
 from phalanx.checkpoint.args import check_targets
 from phalanx.checkpoint.manifest import (
     CheckpointError,
@@ -313,6 +313,7 @@ def load(
     if path is not None:
         check_path("path", path, where="load")
     targets = _Targets(model, optimizer, scheduler, sampler, objects or {}, rng, strict)
+    background.wait()  # this process's asynchronous save, if one is in flight
     session = open_session(group)
     try:
         chosen = session.share("chosen", partial(_resolve, directory, path))

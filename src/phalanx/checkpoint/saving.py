@@ -10,6 +10,12 @@ Sequence (see ``atomic.py`` for what makes each step crash-safe):
    store, writes ``manifest.json``, renames the directory, updates ``latest``, prunes;
 4. rank 0 publishes the result; the others wait for it on the store (long timeout, no
    collective: a slow write cannot make them hit the collective timeout).
+
+Each rank takes its state dicts and encodes its files' headers right after the broadcast, on the
+caller's thread, so a value that cannot be stored fails there. With ``async_=True`` the tensors
+are first copied to host staging buffers (``staging.py``), and everything after the broadcast
+that touches the disk or the store runs on a background thread (``background.py``): it needs
+no collective, so it never interleaves with the training thread's.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -25,13 +32,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from phalanx._check import check_instance, check_int
-from phalanx.checkpoint import atomic, catalog, rng, structure
+from phalanx._check import check_bool, check_instance, check_int
+from phalanx.checkpoint import atomic, background, catalog, rng, structure
 from phalanx.checkpoint.args import check_targets
+from phalanx.checkpoint.atomic import Buffer
 from phalanx.checkpoint.limits import MAX_DEPTH, MAX_JSON_ENV, deeper_than, max_json_bytes
 from phalanx.checkpoint.manifest import MANIFEST, CheckpointError, FileEntry, Manifest
 from phalanx.checkpoint.sections import Section, parallel, unwrap
 from phalanx.checkpoint.sharded import as_sharded, shard_section
+from phalanx.checkpoint.staging import Staged, stage
 from phalanx.checkpoint.stateful import check_objects, object_state
 from phalanx.checkpoint.sync import Session, open_session
 
@@ -50,15 +59,34 @@ def rank_section_name(rank: int) -> str:
 
 @dataclass(frozen=True)
 class _Request:
-    """What rank 0 writes, besides its own rank file."""
+    """What a save commits, besides the files."""
 
     step: int
+    extra: Any
+    keep_last: int | None
+
+
+@dataclass(frozen=True)
+class _State:
+    """What ``save`` was given to write."""
+
     model: nn.Module | None
     optimizer: Any
     scheduler: Any
+    sampler: Any
     objects: dict[str, Any]
-    extra: Any
-    keep_last: int | None
+    rng_state: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class _Files:
+    """This rank's files as buffers to write: its own, and on rank 0 the replicated ones."""
+
+    own: list[tuple[str, Sequence[Buffer]]]
+    replicated: list[tuple[str, Sequence[Buffer]]]
+    sections: list[str]
+    """The replicated sections' names (for the manifest)."""
+    staged: Staged | None = None
 
 
 def _check(step: int, keep_last: int | None, extra: Any) -> Any:
@@ -73,11 +101,14 @@ def _check(step: int, keep_last: int | None, extra: Any) -> Any:
     return tree
 
 
-def _write_sections(
-    tmp: Path, sections: list[Section], faulty: bool = False
+def _file_list(sections: list[Section]) -> list[tuple[str, Sequence[Buffer]]]:
+    return [(name, bufs) for section in sections for name, bufs in section.files().items()]
+
+
+def _write_files(
+    tmp: Path, files: list[tuple[str, Sequence[Buffer]]], faulty: bool = False
 ) -> dict[str, FileEntry]:
-    """Write all files of ``sections`` in parallel; the fault point applies to the first one."""
-    files = [(name, bufs) for section in sections for name, bufs in section.files().items()]
+    """Write ``files`` in parallel; the fault point applies to the first one."""
     calls = [
         partial(atomic.write_file, tmp / name, bufs, faulty=faulty and i == 0)
         for i, (name, bufs) in enumerate(files)
@@ -85,19 +116,46 @@ def _write_sections(
     return dict(zip((name for name, _ in files), parallel(calls)))
 
 
-def _replicated(req: _Request) -> list[Section]:
+def _replicated(state: _State) -> list[Section]:
     sections = []
-    sharded_model, sharded_opt = as_sharded(req.model, req.optimizer)
-    if req.model is not None and sharded_model is None:
-        sections.append(Section.of("model", unwrap(req.model).state_dict(), "model state"))
-    if req.optimizer is not None and sharded_opt is None:
-        sections.append(Section.of("optimizer", req.optimizer.state_dict(), "optimizer state"))
-    if req.scheduler is not None:
-        sections.append(Section.of("scheduler", req.scheduler.state_dict(), "scheduler state"))
-    if req.objects:
-        state = {name: object_state(obj) for name, obj in req.objects.items()}
-        sections.append(Section.of(OBJECTS, state, "objects state"))
+    sharded_model, sharded_opt = as_sharded(state.model, state.optimizer)
+    if state.model is not None and sharded_model is None:
+        sections.append(Section.of("model", unwrap(state.model).state_dict(), "model state"))
+    if state.optimizer is not None and sharded_opt is None:
+        sections.append(Section.of("optimizer", state.optimizer.state_dict(), "optimizer state"))
+    if state.scheduler is not None:
+        sections.append(Section.of("scheduler", state.scheduler.state_dict(), "scheduler state"))
+    if state.objects:
+        saved = {name: object_state(obj) for name, obj in state.objects.items()}
+        sections.append(Section.of(OBJECTS, saved, "objects state"))
     return sections
+
+
+def _own_sections(rank: int, state: _State) -> list[Section]:
+    """This rank's RNG and sampler state, and its pieces of sharded state."""
+    sampler_state = None if state.sampler is None else state.sampler.state_dict()
+    own = {"rank": rank, "rng": state.rng_state, "sampler": sampler_state}
+    sections = [Section.of(rank_section_name(rank), own, "rank state")]
+    sharded = zip(("model", "optimizer"), as_sharded(state.model, state.optimizer))
+    return sections + [shard_section(what, rank, obj) for what, obj in sharded if obj]
+
+
+def _prepare(rank: int, state: _State, snapshot: bool) -> _Files | Exception:
+    """The files this rank writes (the exception instead, to be reported to the others).
+
+    With ``snapshot`` every tensor is first copied to a host staging buffer (``staging.py``),
+    so that training may change the originals while the files are written.
+    """
+    try:
+        own = _own_sections(rank, state)
+        replicated = _replicated(state) if rank == 0 else []
+        staged = stage(own + replicated) if snapshot else None
+        if staged is not None:
+            own, replicated = staged.sections[: len(own)], staged.sections[len(own) :]
+        names = [s.name for s in replicated]
+        return _Files(_file_list(own), _file_list(replicated), names, staged)
+    except Exception as exc:
+        return exc
 
 
 def _files(answer: dict[str, Any]) -> dict[str, FileEntry]:
@@ -123,14 +181,13 @@ def _collect_peers(session: Session, files: dict[str, FileEntry]) -> None:
         files.update(_files(got))
 
 
-def _write_and_commit(session: Session, tmp: Path, req: _Request, own: Any) -> Path:
-    if isinstance(own, BaseException):
-        raise own
-    sections = _replicated(req)
-    files = {**own, **_write_sections(tmp, sections, faulty=True)}
-    _collect_peers(session, files)
+def _write_and_commit(
+    session: Session, tmp: Path, req: _Request, files: _Files, own: dict[str, FileEntry]
+) -> Path:
+    entries = {**own, **_write_files(tmp, files.replicated, faulty=True)}
+    _collect_peers(session, entries)
     atomic.fault("before-manifest")
-    manifest = Manifest(req.step, session.size, files, [s.name for s in sections], req.extra)
+    manifest = Manifest(req.step, session.size, entries, files.sections, req.extra)
     raw = manifest.to_json()
     if len(raw) > max_json_bytes():  # load would refuse it
         raise ValueError(
@@ -143,9 +200,11 @@ def _write_and_commit(session: Session, tmp: Path, req: _Request, own: Any) -> P
     return path
 
 
-def _rank0(session: Session, tmp: Path, req: _Request, own: Any) -> Path:
+def _rank0(session: Session, tmp: Path, req: _Request, files: Any, own: Any) -> Path:
     try:
-        path = _write_and_commit(session, tmp, req, own)
+        if isinstance(own, BaseException):
+            raise own
+        path = _write_and_commit(session, tmp, req, files, own)
     except BaseException as exc:
         session.publish("committed", {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
         atomic.remove_tree(tmp)
@@ -170,23 +229,42 @@ def _temp_dir(root: Path, step: int, token: str) -> str:
     return str(catalog.make_temp_dir(root, step, token))
 
 
-def _own_files(
-    tmp: Path, rank: int, rng_state: dict[str, Any], sampler: Any, sharded: dict[str, Any]
-) -> Any:
-    """Write this rank's RNG, sampler and shard state; return the file entries or the exception."""
+def _own_files(tmp: Path, rank: int, files: _Files | Exception) -> Any:
+    """Write this rank's own files; return their entries or the exception."""
     if not tmp.is_dir():
         return CheckpointError(
             f"rank {rank} does not see {tmp}, which rank 0 created: the checkpoint directory "
             f"must be on a filesystem that every rank shares"
         )
+    if isinstance(files, Exception):
+        return files
     try:
-        sampler_state = None if sampler is None else sampler.state_dict()
-        state = {"rank": rank, "rng": rng_state, "sampler": sampler_state}
-        sections = [Section.of(rank_section_name(rank), state, "rank state")]
-        sections += [shard_section(what, rank, obj) for what, obj in sharded.items()]
-        return _write_sections(tmp, sections)
+        if files.staged is not None:
+            files.staged.ready()
+        return _write_files(tmp, files.own)
     except Exception as exc:
         return exc
+
+
+def _write(session: Session, root: Path, req: _Request, files: _Files | Exception) -> Path:
+    """Steps 1-4 of the module docstring, after the files are prepared: store only."""
+    tmp = Path(session.share("tmpdir", partial(_temp_dir, root, req.step, session.token)))
+    own = _own_files(tmp, session.rank, files)
+    if session.rank != 0:
+        return _peer(session, own)
+    start = time.perf_counter()
+    path = _rank0(session, tmp, req, files, own)
+    log.info("saved checkpoint %s in %.2f s", path, time.perf_counter() - start)
+    return path
+
+
+def _write_and_close(
+    session: Session, root: Path, req: _Request, files: _Files | Exception
+) -> Path:
+    try:
+        return _write(session, root, req, files)
+    finally:
+        session.close()
 
 
 def save(
@@ -202,6 +280,7 @@ def save(
     group: Any = None,
     rng_state: dict[str, Any] | None = None,
     objects: dict[str, Any] | None = None,
+    async_: bool = False,
 ) -> Path:
     """Write a checkpoint of ``step`` into ``directory``; collective over ``group``.
 
@@ -226,13 +305,21 @@ def save(
         objects: Name -> anything with ``state_dict()`` (torch's ``Stateful``; its state
             tensors and JSON-able values) or such a value itself, saved once (rank 0's) in the
             ``objects`` section; ``load(objects=...)`` restores them (see ``stateful.py``).
+        async_: Copy the state to host staging buffers (pinned memory for CUDA tensors,
+            reused by later saves), return, and write and commit on a background thread
+            (``background.py``); changes made to the state after ``save`` returns are not
+            written. The next ``save``, :func:`wait`, ``load`` and ``Job.close`` wait for that
+            write and raise its error. A crash during it leaves the previous checkpoint in
+            force, as with a synchronous save.
 
     Returns:
-        The committed checkpoint directory.
+        The committed checkpoint directory (with ``async_``: the directory it will be
+        committed as; :func:`wait` returns it once it is).
 
     Raises:
         TypeError: naming the key of a value that cannot be stored without pickle.
-        CheckpointError: on every rank when any rank failed to write.
+        CheckpointError: on every rank when any rank failed to write (with ``async_``, also
+            the failure of the previous asynchronous save).
     """
     check_targets(
         "save",
@@ -244,23 +331,16 @@ def save(
         sampler=sampler,
     )
     objects = check_objects("save", objects)
-    extra_tree = _check(step, keep_last, extra)
+    req = _Request(step, _check(step, keep_last, extra), keep_last)
+    async_ = check_bool("async_", async_, where="save")
+    background.wait()  # the previous asynchronous save, raising its error
     rng_state = rng.capture() if rng_state is None else rng_state
-    start = time.perf_counter()
+    state = _State(model, optimizer, scheduler, sampler, objects or {}, rng_state)
     root = Path(directory)
     session = open_session(group)
-    try:
-        tmp = Path(session.share("tmpdir", partial(_temp_dir, root, step, session.token)))
-        sharded_model, sharded_opt = as_sharded(model, optimizer)
-        sharded = {"model": sharded_model, "optimizer": sharded_opt}
-        own = _own_files(
-            tmp, session.rank, rng_state, sampler, {k: v for k, v in sharded.items() if v}
-        )
-        if session.rank != 0:
-            return _peer(session, own)
-        req = _Request(step, model, optimizer, scheduler, objects or {}, extra_tree, keep_last)
-        path = _rank0(session, tmp, req, own)
-        log.info("saved checkpoint %s in %.2f s", path, time.perf_counter() - start)
-        return path
-    finally:
-        session.close()
+    files = _prepare(session.rank, state, snapshot=async_)
+    if not async_ or isinstance(files, Exception):  # a failure is reported at once
+        return _write_and_close(session, root, req, files)
+    work = partial(_write_and_close, session.for_thread(), root, req, files)
+    background.start(f"checkpoint step {step} in {root}", work)
+    return root / atomic.step_name(step)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import secrets
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -49,6 +49,17 @@ class Session:
     size: int
     token: str
     store: SignedStore | None = None
+
+    def for_thread(self) -> Session:
+        """This session over a connection of its own to the store, for a background thread.
+
+        A thread that blocks in ``store.wait`` on the training thread's connection would hold
+        that connection's lock, stalling every other store call of the process meanwhile.
+        """
+        if self.store is None:
+            return self
+        clone = getattr(self.store.store, "clone", None)
+        return replace(self, store=self.store.over(clone()) if clone is not None else self.store)
 
     def _key(self, name: str) -> str:
         return f"phalanx/checkpoint/{self.token}/{name}"

@@ -315,12 +315,14 @@ class Job:
         job_checkpoint.track(self, name, obj)
         return obj
 
-    def save(self, **extra: object) -> Path:
+    def save(self, *, async_: bool = True, **extra: object) -> Path:
         """Write a checkpoint of the model, optimizer, scheduler, tracked objects, sampler,
         RNG, step and fp16 loss scale; call it after any ``step()``, mid-epoch or not.
-        ``extra`` (JSON-able values) comes back in :attr:`resumed_extra` on resume
+        ``extra`` (JSON-able values) comes back in :attr:`resumed_extra` on resume. By
+        default it returns once the state is staged and writes in the background (the next
+        ``save`` and ``close()`` wait); ``async_=False`` commits before returning
         (``train/job_checkpoint.py``)."""
-        return job_checkpoint.save(self, **extra)
+        return job_checkpoint.save(self, async_, **extra)
 
     def resume(self) -> int:
         """Load the newest committed checkpoint (if any); return the epoch to start from."""
@@ -380,7 +382,9 @@ class Job:
         return self.runner.report if isinstance(self.runner, PSRunner) else None
 
     def close(self) -> None:
-        """Flush metrics; leave the process group if the job created it."""
+        """Wait for a background checkpoint write (raising its error); flush metrics; leave
+        the process group if the job created it."""
+        job_checkpoint.wait(self)  # before the process group, whose store the write uses
         self.runner.finish()
         self.timing.close()
         self.metrics.close()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.distributed.checkpoint.stateful import Stateful
 
-from phalanx._check import check_str, fail
+from phalanx._check import check_bool, check_str, fail
 from phalanx.checkpoint import structure
 from phalanx.train.resume_point import SamplerState
 from phalanx.train.strategies.base import Scheduler
@@ -23,7 +23,7 @@ from phalanx.train.strategies.base import Scheduler
 if TYPE_CHECKING:  # the job calls these with itself; no import at run time
     from phalanx.train.job import Job
 
-__all__ = ["resume", "save", "track"]
+__all__ = ["resume", "save", "track", "wait"]
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +63,14 @@ def _check_tracked(job: Job) -> None:
         structure.flatten(obj.state_dict(), f"Job.track({name!r}) state")
 
 
-def save(job: Job, **extra: object) -> Path:
+def save(job: Job, async_: bool = True, **extra: object) -> Path:
     """Write a checkpoint of the model, optimizer, scheduler, tracked objects, sampler, RNG,
     step and the fp16 loss scale.
+
+    By default (``async_=True``) it returns once the state is copied to host staging buffers
+    and writes in the background (``checkpoint.save(async_=True)``): the next ``save``,
+    ``job.close()`` and a resume wait for that write and raise its error. ``async_=False``
+    writes and commits before returning.
 
     Call it anywhere between steps: after any ``step()``, mid-epoch or after an epoch's last
     batch, with accumulation micro-steps pending or not. A job resumed from it trains on
@@ -74,8 +79,9 @@ def save(job: Job, **extra: object) -> Path:
     dicts) come back in ``resumed_extra`` of the job that resumes.
 
     Returns:
-        The committed checkpoint directory.
+        The committed checkpoint directory (with ``async_``: the one it will be committed as).
     """
+    async_ = check_bool("async_", async_, where="Job.save")
     if job.checkpoint_dir is None:
         raise ValueError("Job.save() needs Job(checkpoint_dir=...)")
     structure.flatten(extra, "Job.save(...)", allow_tensors=False)  # names a bad value
@@ -98,7 +104,16 @@ def save(job: Job, **extra: object) -> Path:
         keep_last=job.keep_last,
         rng_state=point.rng,
         objects=job.tracked,
+        async_=async_,
     )
+
+
+def wait(job: Job) -> None:
+    """Wait for the job's checkpoint write in flight, if any, raising its error."""
+    if job.checkpoint_dir is not None:
+        from phalanx import checkpoint
+
+        checkpoint.wait()
 
 
 def resume(job: Job) -> int:

@@ -1,0 +1,101 @@
+"""The one checkpoint write in flight in this process (``save(async_=True)``).
+
+``save(async_=True)`` stages the state (``staging.py``) and hands the rest of the save to
+:func:`start`: writing the files, the store exchanges of ``sync.py`` and, on rank 0, the commit.
+That work runs on one thread and uses only the rendezvous store (over its own connection), never
+a collective: a collective there could interleave with the training thread's collectives on the
+same process group. Ranks finishing at different times is what the store protocol already
+handles: each waits on the store for the keys it needs.
+
+There is one owner and one wait site. :func:`wait` (``phalanx.checkpoint.wait``) blocks until
+the write is done and raises its error, as a :class:`CheckpointError` naming the checkpoint and,
+through the original error, the file; the next ``save``, ``load`` and ``Job.close`` call it. A
+second :func:`start` while one is in flight is a bug (asserted). The thread is not a daemon:
+a script that ends without waiting still finishes its last checkpoint before the interpreter
+exits.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from phalanx.checkpoint.errors import CheckpointError
+
+__all__ = ["in_flight", "start", "wait"]
+
+
+@dataclass
+class _Write:
+    what: str
+    thread: threading.Thread | None = None
+    path: Path | None = None
+    error: BaseException | None = None
+
+
+_CURRENT: _Write | None = None
+_LOCK = threading.Lock()
+
+
+def _run(write: _Write, work: Callable[[], Path]) -> None:
+    try:
+        write.path = work()
+    except BaseException as exc:  # kept for wait(); a thread has no one else to raise to
+        write.error = exc
+
+
+def start(what: str, work: Callable[[], Path]) -> None:
+    """Run ``work`` (the rest of a save, returning the committed directory) in the background.
+
+    Args:
+        what: Names the checkpoint in errors ("checkpoint step 12 in ckpt").
+        work: Writes and commits; may use the store, never a collective.
+    """
+    global _CURRENT
+    with _LOCK:
+        assert _CURRENT is None, f"{_CURRENT.what} is still in flight; wait() first"
+        write = _Write(what)
+        write.thread = threading.Thread(
+            target=_run, args=(write, work), name="phalanx-ckpt-write", daemon=False
+        )
+        _CURRENT = write
+    write.thread.start()
+
+
+def in_flight() -> bool:
+    """Whether a background write has been started and not yet waited for."""
+    return _CURRENT is not None
+
+
+def wait() -> Path | None:
+    """Wait for the checkpoint write in flight, if any; return its committed directory.
+
+    Call it before ``destroy_process_group`` (``Job.close`` does): the write talks to the other
+    ranks through the group's rendezvous store.
+
+    Returns:
+        The committed checkpoint directory, or None when no write was in flight.
+
+    Raises:
+        CheckpointError: the background write failed; the message names the checkpoint and
+            the error (an ``OSError`` names the file it could not write). The failed save left
+            the previous checkpoint in force. The error is raised once; the next save starts
+            afresh.
+    """
+    global _CURRENT
+    write = _CURRENT
+    if write is None:
+        return None
+    assert write.thread is not None
+    write.thread.join()
+    with _LOCK:
+        _CURRENT = None
+    if write.error is not None:
+        err = write.error
+        raise CheckpointError(
+            f"the background write of {write.what} failed and was not committed (the "
+            f"previous checkpoint, if any, is still in force): {type(err).__name__}: {err}"
+        ) from err
+    return write.path
