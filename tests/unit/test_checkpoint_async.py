@@ -97,6 +97,30 @@ def test_save_returns_before_the_write_and_wait_returns_after(
     assert checkpoint.wait() is None  # nothing in flight any more
 
 
+def test_destroy_process_group_waits_for_the_write_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import phalanx
+
+    release = threading.Event()
+    write = atomic.write_file
+
+    def held(path: Path, *args: Any, **kwargs: Any) -> Any:
+        release.wait(10)
+        return write(path, *args, **kwargs)
+
+    monkeypatch.setattr(atomic, "write_file", held)
+    phalanx.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1
+    )
+    model, opt = _trained()
+    checkpoint.save(tmp_path / "ckpt", 1, model=model, optimizer=opt, async_=True)
+    threading.Timer(0.3, release.set).start()
+    phalanx.destroy_process_group()  # returns only once the write committed
+    assert not background.in_flight()
+    assert checkpoint.latest(tmp_path / "ckpt") == tmp_path / "ckpt" / "step-000001"
+
+
 def test_the_next_save_and_load_wait_for_the_write_in_flight(tmp_path: Path) -> None:
     model, opt = _trained()
     for step in (1, 2, 3):

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from phalanx.checkpoint.errors import CheckpointError
+from phalanx.comm import group
 
 __all__ = ["in_flight", "start", "wait"]
 
@@ -54,6 +55,7 @@ def start(what: str, work: Callable[[], Path]) -> None:
         work: Writes and commits; may use the store, never a collective.
     """
     global _CURRENT
+    group.before_destroy(wait)  # phalanx.destroy_process_group waits for the write
     with _LOCK:
         assert _CURRENT is None, f"{_CURRENT.what} is still in flight; wait() first"
         write = _Write(what)
@@ -72,8 +74,9 @@ def in_flight() -> bool:
 def wait() -> Path | None:
     """Wait for the checkpoint write in flight, if any; return its committed directory.
 
-    Call it before ``destroy_process_group`` (``Job.close`` does): the write talks to the other
-    ranks through the group's rendezvous store.
+    ``Job.close`` and ``phalanx.destroy_process_group`` call it: the write talks to the other
+    ranks through the group's rendezvous store. Call it yourself before torch's own
+    ``torch.distributed.destroy_process_group``.
 
     Returns:
         The committed checkpoint directory, or None when no write was in flight.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import Enum
@@ -299,9 +299,28 @@ def signed_store() -> SignedStore | None:
     return SignedStore(dist.distributed_c10d._get_default_store(), job_secret(), scope)
 
 
+_BEFORE_DESTROY: list[Callable[[], object]] = []
+
+
+def before_destroy(hook: Callable[[], object]) -> None:
+    """Run ``hook`` first in every :func:`destroy_process_group` (registered once).
+
+    For work that still needs the group's store when the user tears it down: an asynchronous
+    checkpoint write (``phalanx.checkpoint.wait``) registers itself here.
+    """
+    if hook not in _BEFORE_DESTROY:
+        _BEFORE_DESTROY.append(hook)
+
+
 def destroy_process_group() -> None:
-    """Leave the default process group and stop phalanx's tracking; safe to call twice."""
+    """Leave the default process group and stop phalanx's tracking; safe to call twice.
+
+    First runs the :func:`before_destroy` hooks: an asynchronous checkpoint write in flight is
+    waited for (and its error raised) before the store it talks through goes away.
+    """
     global _WORLD, _SIGNED
+    for hook in list(_BEFORE_DESTROY):
+        hook()
     tracking.stop()
     if dist.is_initialized():
         dist.destroy_process_group()
