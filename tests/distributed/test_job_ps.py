@@ -129,3 +129,32 @@ def _bad(strategy: str | phalanx.train.Strategy, kwargs: dict) -> None:
 def test_bad_ps_options(strategy: str, kwargs: dict, match: str) -> None:
     with pytest.raises(DistributedTestError, match=match):
         run_distributed(_bad, strategy, kwargs, world_size=2, timeout=30)
+
+
+def _late_workers() -> dict:
+    import time
+
+    job = phalanx.Job("ps-async", seed=1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 3))
+    if not job.is_server:  # the workers reach setup well after the server (slow imports, data)
+        time.sleep(7.0)  # longer than the servers' 5 s of allowed silence
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, _ = job.setup(model, opt, loss_fn=nn.functional.cross_entropy)
+    batches = 0
+    for _ in job.epochs(1):
+        for x, y in job.progress(job.loader(_data(), batch_size=8)):
+            job.forward_backward(x, y)
+            job.step()
+            batches += 1
+    report = job.server_report
+    job.close()
+    return {"batches": batches, "lost": None if report is None else dict(report.lost)}
+
+
+def test_workers_that_reach_setup_late_are_not_lost() -> None:
+    # The servers' silence clock must not start before every worker exists: a worker whose
+    # setup lags (a loaded machine, a slow import) was declared lost before it said anything.
+    got = run_distributed(_late_workers, world_size=3, timeout=90)
+    assert got[0]["lost"] == {}
+    assert got[1]["batches"] == got[2]["batches"] == 6

@@ -24,6 +24,7 @@ from phalanx._check import (
     optional,
     rule,
 )
+from phalanx.comm import collectives as c
 from phalanx.parameter_server.core import MODES, check_mode
 from phalanx.parameter_server.server import MakeOptimizer, Server, ServerReport
 from phalanx.parameter_server.shards import plan_shards
@@ -120,6 +121,10 @@ class ParameterServer:
         self.num_workers = dist.get_world_size(self.group) - num_servers
         self.server: Server | None = None
         self.worker: Worker | None = None
+        # Every rank of the group constructs together: a server counts a worker's silence from
+        # the moment it starts serving, so a worker still far behind (a slow import, its data,
+        # a loaded machine) would be declared lost before its heartbeats had begun.
+        c.barrier(group=self.group)
         if self.is_server:
             self.server = Server(
                 named,
