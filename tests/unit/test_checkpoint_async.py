@@ -77,9 +77,8 @@ def test_what_is_written_is_the_state_at_save_time(tmp_path: Path) -> None:
     assert not _equal(model.state_dict(), before[0])  # the originals did change
 
 
-def test_save_returns_before_the_write_and_wait_returns_after(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _hold_writes(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Every file write waits (up to 10 s) until the returned event is set."""
     release = threading.Event()
     write = atomic.write_file
 
@@ -88,6 +87,13 @@ def test_save_returns_before_the_write_and_wait_returns_after(
         return write(path, *args, **kwargs)
 
     monkeypatch.setattr(atomic, "write_file", held)
+    return release
+
+
+def test_save_returns_before_the_write_and_wait_returns_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    release = _hold_writes(monkeypatch)
     model, opt = _trained()
     checkpoint.save(tmp_path, 1, model=model, optimizer=opt, async_=True)
     assert background.in_flight() and not (tmp_path / "latest").exists()  # not written yet
@@ -102,14 +108,7 @@ def test_destroy_process_group_waits_for_the_write_in_flight(
 ) -> None:
     import phalanx
 
-    release = threading.Event()
-    write = atomic.write_file
-
-    def held(path: Path, *args: Any, **kwargs: Any) -> Any:
-        release.wait(10)
-        return write(path, *args, **kwargs)
-
-    monkeypatch.setattr(atomic, "write_file", held)
+    release = _hold_writes(monkeypatch)
     phalanx.init_process_group(
         "gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1
     )
