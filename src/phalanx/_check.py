@@ -34,7 +34,6 @@ __all__ = [
     "check_choice",
     "check_dataset",
     "check_device",
-    "check_fields",
     "check_float",
     "check_group",
     "check_instance",
@@ -344,14 +343,6 @@ def rule(check: Callable[..., object], **options: Any) -> Rule:
         return check(name, value, where=where, **options)
 
     return apply
-
-
-def check_fields(options: object, **rules: Rule) -> None:
-    """Check a frozen dataclass's fields by their rules, keeping what each rule returns (a numpy
-    integer as an ``int``); errors name the class, the field and the value."""
-    where = type(options).__name__
-    for name, check in rules.items():
-        object.__setattr__(options, name, check(name, vars(options)[name], where))
 
 
 def optional(inner: Rule) -> Rule:

@@ -162,7 +162,7 @@ def test_parameters_as_bucket_view_has_torchs_meaning(view: bool) -> None:
 
 
 def test_overlap_with_ddp_is_refused_naming_the_alternative() -> None:
-    with pytest.raises(NotImplementedError, match=r"overlap_with_ddp=True .* stage=2"):
+    with pytest.raises(ValueError, match=r"overlap_with_ddp=True .* stage=2"):
         ZeroRedundancyOptimizer(_model().parameters(), torch.optim.SGD, overlap_with_ddp=True)
 
 

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -62,8 +62,14 @@ class _Request:
     """What a save commits, besides the files."""
 
     step: int
-    extra: Any
+    extra: dict[str, Any]
     keep_last: int | None
+
+
+class _HasState(Protocol):
+    """A sampler (or anything) whose ``state_dict()`` is saved per rank."""
+
+    def state_dict(self) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)
@@ -73,7 +79,7 @@ class _State:
     model: nn.Module | None
     optimizer: Any
     scheduler: Any
-    sampler: Any
+    sampler: _HasState | None
     objects: dict[str, Any]
     rng_state: dict[str, Any]
 

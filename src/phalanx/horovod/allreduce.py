@@ -67,7 +67,7 @@ def resolve_op(op: Any, average: bool | None = None) -> ReduceOp:
     if op is None:
         return ReduceOp.Average
     if op == ReduceOp.Adasum:
-        raise NotImplementedError("Adasum is not supported, use Average or Sum")
+        raise ValueError("op=Adasum: Adasum is not supported, use Average or Sum")
     try:
         return ReduceOp(op)
     except (ValueError, TypeError):

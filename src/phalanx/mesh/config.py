@@ -12,7 +12,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
-from phalanx._check import check_choice, check_fields, check_int, optional, rule
+from phalanx._check import check_choice, check_int, optional, rule
+from phalanx._fields import check_fields
 from phalanx.mesh.topology import Topology
 from phalanx.pipeline.balance import balance_arg
 from phalanx.pipeline.schedules import SCHEDULES

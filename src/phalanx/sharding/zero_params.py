@@ -140,7 +140,7 @@ def check_options(optimizer_class: Any, stage: int | None, defaults: dict[str, A
 def check_flags(overlap_with_ddp: bool) -> None:
     """``overlap_with_ddp`` (a bool, by the argument rules) is refused when True."""
     if overlap_with_ddp:
-        raise NotImplementedError(
+        raise ValueError(
             "overlap_with_ddp=True is not supported: torch runs that step inside DDP "
             "communication hooks (ddp_zero_hook) that drive its own class's private state. To "
             "overlap gradient communication with backward, drop DDP and pass stage=2"

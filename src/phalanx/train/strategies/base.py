@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful as _Stateful
 from torch.optim.lr_scheduler import LRScheduler
 
-from phalanx._check import check_fields
+from phalanx._fields import check_fields
 from phalanx.comm.group import World
 from phalanx.train.grad_scaler import GradShards
 from phalanx.train.loop_helpers import repoint
