@@ -12,12 +12,15 @@ import json
 from pathlib import Path
 from typing import Any
 
+import crc32c
 import pytest
 import torch
 from torch import nn
 
 from phalanx import checkpoint
-from phalanx.checkpoint.checksum import Digest, is_digest
+from phalanx.checkpoint import atomic
+from phalanx.checkpoint.checksum import Digest, crc32c_combine, is_digest
+from phalanx.checkpoint.format import encode
 
 
 def _trained(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -121,3 +124,25 @@ def test_a_sha256_checkpoint_written_before_loads_and_verifies(tmp_path: Path) -
 def test_an_unknown_checksum_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="algo='md5'"):
         Digest("md5")
+
+
+@pytest.mark.parametrize(("n1", "n2"), [(0, 7), (7, 0), (1, 1), (1000, 12345), (3, 2**20 + 5)])
+def test_crc32c_combine_equals_the_crc_of_the_concatenation(n1: int, n2: int) -> None:
+    gen = torch.Generator().manual_seed(n1 + n2)
+    data = torch.randint(0, 256, (n1 + n2,), dtype=torch.uint8, generator=gen).numpy().tobytes()
+    a, b = data[:n1], data[n1:]
+    assert crc32c_combine(crc32c.crc32c(a), crc32c.crc32c(b), n2) == crc32c.crc32c(data)
+    with pytest.raises(ValueError, match="len2 must be >= 0, got -1"):
+        crc32c_combine(0, 0, -1)
+
+
+def test_large_tensors_are_checksummed_once_and_still_exactly(tmp_path: Path) -> None:
+    """Chunks of big tensors are checksummed once and combined into the file's and the
+    tensor's crc32c; both must equal a crc32c of the bytes on disk."""
+    tensors = {"big": torch.randn(9 * 2**18 + 3), "mid": torch.randn(2**17), "small": torch.ones(5)}
+    entry = atomic.write_file(tmp_path / "f.safetensors", encode(tensors))
+    raw = (tmp_path / "f.safetensors").read_bytes()
+    assert entry.digest == f"{crc32c.crc32c(raw):08x}"
+    assert entry.tensors is not None
+    for name, t in tensors.items():
+        assert entry.tensors[name] == f"{crc32c.crc32c(t.numpy().tobytes()):08x}", name

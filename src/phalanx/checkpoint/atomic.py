@@ -29,6 +29,8 @@ import signal
 from collections.abc import Sequence
 from pathlib import Path
 
+import crc32c
+
 from phalanx.checkpoint.checksum import Digest, TensorBytes
 from phalanx.checkpoint.limits import open_regular
 from phalanx.checkpoint.manifest import FileEntry
@@ -60,6 +62,8 @@ FAULT_POINTS = (
 LATEST = "latest"
 _STEP = re.compile(r"step-(\d{6,})")
 _CHUNK = 8 * 1024 * 1024  # checksummed while still in the CPU's cache
+_COMBINE_FROM = 256 * 1024
+"""Chunks from this size are checksummed once and combined (cheaper than a second pass)."""
 _MAX_LATEST = 256
 
 
@@ -120,7 +124,8 @@ def write_file(path: Path, buffers: Sequence[Buffer], *, faulty: bool = False) -
 
     Each chunk is checksummed (crc32c of the file, and of its tensor for a
     :class:`~phalanx.checkpoint.checksum.TensorBytes`) right after it is written, while it is
-    still in the CPU's cache: the file is never read back.
+    still in the CPU's cache: the file is never read back. A tensor's chunk is read once: its
+    crc32c is combined into both digests (``Digest.extend``).
 
     Args:
         path: A new file (an existing one is an error).
@@ -155,9 +160,15 @@ def _write_pieces(
     written = 0
     for name, piece in pieces:
         _write_all(fd, piece)
-        digest.update(piece)
-        if name is not None:
+        if name is None:
+            digest.update(piece)
+        elif piece.nbytes < _COMBINE_FROM:
+            digest.update(piece)
             tensors[name].update(piece)
+        else:  # checksum the chunk once; add it to the tensor's digest and the file's
+            crc = crc32c.crc32c(piece)
+            digest.extend(crc, piece.nbytes)
+            tensors[name].extend(crc, piece.nbytes)
         written += piece.nbytes
         if written == half:  # crash tests: half a tensor file is on disk
             os.fsync(fd)

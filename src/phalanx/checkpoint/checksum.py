@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import hashlib
 import re
+from functools import lru_cache
 from typing import Any, NamedTuple
 
 import crc32c
 
-__all__ = ["ALGORITHMS", "DEFAULT", "Digest", "TensorBytes", "is_digest"]
+__all__ = ["ALGORITHMS", "DEFAULT", "Digest", "TensorBytes", "crc32c_combine", "is_digest"]
 
 DEFAULT = "crc32c"
 """The checksum new checkpoints record."""
@@ -52,6 +53,16 @@ class Digest:
         else:
             self._crc = crc32c.crc32c(data, self._crc)
 
+    def extend(self, crc: int, nbytes: int) -> None:
+        """Add ``nbytes`` bytes whose own crc32c is ``crc``, without reading them again.
+
+        The writer checksums a chunk once and adds that checksum to both the file's and the
+        tensor's digest (:func:`crc32c_combine`), instead of running crc32c over it twice.
+        """
+        if self._sha is not None:
+            raise ValueError("Digest.extend needs algo='crc32c', not sha256")
+        self._crc = crc32c_combine(self._crc, crc, nbytes)
+
     def hexdigest(self) -> str:
         """The digest as lower-case hex (8 digits for crc32c, 64 for sha256)."""
         return self._sha.hexdigest() if self._sha is not None else f"{self._crc:08x}"
@@ -65,3 +76,54 @@ def is_digest(algo: object, digest: object) -> bool:
         and isinstance(digest, str)
         and ALGORITHMS[algo].fullmatch(digest) is not None
     )
+
+
+_POLY = 0x82F63B78
+"""The Castagnoli polynomial, bit-reflected (crc32c processes bits least significant first)."""
+
+
+def _multmodp(a: int, b: int) -> int:
+    """``a(x) * b(x) mod P(x)`` over GF(2), both reflected (bit 31 is x^0)."""
+    m, product = 1 << 31, 0
+    while a:
+        if a & m:
+            product ^= b
+            a ^= m
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+    return product
+
+
+def _powers() -> list[int]:
+    """``x^(2^k) mod P`` for k = 0..31 (reflected)."""
+    out, p = [], 1 << 30  # x^1
+    for _ in range(32):
+        out.append(p)
+        p = _multmodp(p, p)
+    return out
+
+
+_X2N = _powers()
+
+
+@lru_cache(maxsize=64)
+def _shift(nbytes: int) -> int:
+    """``x^(8 * nbytes) mod P``: what appending ``nbytes`` bytes multiplies a crc by."""
+    p, k, n = 1 << 31, 3, nbytes  # x^0; bytes are 2^3 bits
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return p
+
+
+def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The crc32c of ``A + B`` from ``crc1`` of ``A``, ``crc2`` of ``B`` and ``B``'s length.
+
+    The method of zlib's ``crc32_combine`` (Mark Adler), for the Castagnoli polynomial; a few
+    microseconds, so a chunk checksummed once can be added to several digests.
+    """
+    if len2 < 0:
+        raise ValueError(f"crc32c_combine: len2 must be >= 0, got {len2}")
+    return _multmodp(_shift(len2), crc1) ^ crc2 if len2 else crc1
