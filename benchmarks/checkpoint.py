@@ -1,6 +1,6 @@
 """phalanx checkpoints vs torch.distributed.checkpoint vs raw writes, interleaved in one run.
 
-``python benchmarks/checkpoint.py [--mb 150] [--rounds 5] [--cold]``; see
+``python benchmarks/checkpoint.py [--mb 100,1000] [--ranks 1,2] [--rounds 3] [--cold]``; see
 :mod:`phalanx.bench.checkpoint`.
 """
 

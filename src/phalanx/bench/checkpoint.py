@@ -1,193 +1,132 @@
-"""``phalanx bench checkpoint``: save/load throughput of phalanx vs torch.distributed.checkpoint.
+"""``phalanx bench checkpoint``: phalanx checkpoints against torch DCP and a raw write, by case.
 
-One process, one model state (``--mb`` MB of float32 parameters in a stack of linear layers).
-Each round saves, then loads, the same state with each implementation, in rotating order
-(ABC, BCA, CAB, ...):
+A *case* is a state size (``--mb``, float32 parameters of a stack of linear layers, the same on
+every rank as under data parallelism) and a number of ranks (``--ranks``, gloo processes on this
+machine). In each case every implementation of ``checkpoint_ops`` saves and loads the state in
+interleaved rounds (``checkpoint_rounds``): phalanx's ``save`` / ``load``, torch DCP's, a raw
+``write`` + ``fsync`` / ``readinto`` (the floor), and the asynchronous saves of phalanx
+(``async_=True``) and DCP (``async_save``), whose ``block_s`` is how long the caller was held.
+Loads are timed with the page cache warm (the files just written) and, with ``--cold``, again
+after every file was evicted (``posix_fadvise``).
 
-- ``phalanx``: :func:`phalanx.checkpoint.save` / :func:`~phalanx.checkpoint.load` (safetensors,
-  crc32c of every file, fsync, atomic commit; load maps, verifies and copies into the model);
-- ``dcp``: ``torch.distributed.checkpoint.save`` / ``load`` of the model's state dict;
-- ``raw``: the same bytes with ``open().write()`` + fsync into one file, and ``readinto``
-  straight back into the tensors (no hashing, no format): the floor.
-
-Throughput is state bytes / median time. Loads read files that were just written (page cache
-warm) unless ``--cold``, which evicts every file with ``posix_fadvise(DONTNEED)`` first. Each
-round's times are printed as measured (and kept in ``--out``); last line: ``RESULT {json}``.
+Per case: median seconds, MB/s (state MB / median), and phalanx's throughput over DCP's and the
+raw one's. The ``RESULT {json}`` line holds every case under ``cases``; its top-level keys are
+those of the first case (``impls`` with ``phalanx``, ``dcp`` and ``raw`` each holding
+``save_mbps`` and ``load_mbps``, ``save_ratio_vs_dcp``, ``load_ratio_vs_dcp``, ...,
+``phalanx_async`` and ``dcp_async`` with ``block_s``).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import tempfile
-import time
-import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import nn
-
+from phalanx.bench.checkpoint_ops import make_model
+from phalanx.bench.checkpoint_rounds import Times, rank_job
 from phalanx.bench.common import Output, add_output_flags
 
-__all__ = ["main"]
-
-IMPLS = ("phalanx", "dcp", "raw")
+__all__ = ["main", "summarize"]
 
 
-def make_model(mb: float) -> nn.Module:
-    """Linear 1024x1024 layers (4 MiB of weights each) adding up to about ``mb`` MB."""
-    layers = max(1, round(mb * 1e6 / (1024 * 1025 * 4)))
-    return nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(layers)))
+def _state_mb(mb: float) -> float:
+    return sum(t.numel() * t.element_size() for t in make_model(mb).state_dict().values()) / 1e6
 
 
-def _state_bytes(model: nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
-
-
-def _raw_save(model: nn.Module, path: Path) -> None:
-    path.mkdir()
-    with open(path / "raw.bin", "wb", buffering=0) as f:
-        for t in model.state_dict().values():
-            f.write(t.detach().reshape(-1).view(torch.uint8).numpy())
-        os.fsync(f.fileno())
-
-
-def _raw_load(model: nn.Module, path: Path) -> None:
-    with open(path / "raw.bin", "rb", buffering=0) as f:
-        for t in model.state_dict().values():
-            f.readinto(t.detach().reshape(-1).view(torch.uint8).numpy())
-
-
-def _dcp_save(model: nn.Module, path: Path) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    dcp.save(model.state_dict(), checkpoint_id=str(path))
-
-
-def _dcp_load(model: nn.Module, path: Path) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    state = model.state_dict()
-    dcp.load(state, checkpoint_id=str(path))  # in place, into the model's tensors
-
-
-def _phalanx_save(model: nn.Module, path: Path) -> None:
-    from phalanx import checkpoint
-
-    checkpoint.save(path, 1, model=model, keep_last=1)
-
-
-def _phalanx_load(model: nn.Module, path: Path) -> None:
-    from phalanx import checkpoint
-
-    checkpoint.load(path, model=model)
-
-
-OPS: dict[str, tuple[Callable[[nn.Module, Path], None], Callable[[nn.Module, Path], None]]] = {
-    "phalanx": (_phalanx_save, _phalanx_load),
-    "dcp": (_dcp_save, _dcp_load),
-    "raw": (_raw_save, _raw_load),
-}
-
-
-def _evict(path: Path) -> None:
-    for root, _, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
-def _timed(fn: Callable[[], None]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def measure(
-    mb: float, rounds: int, cold: bool, workdir: Path, output: Output | None = None
-) -> dict[str, dict[str, list[float]]]:
-    """Save and load times (s) per implementation, interleaved over ``rounds`` rounds."""
-    torch.manual_seed(0)
-    model = make_model(mb)
-    times: dict[str, dict[str, list[float]]] = {i: {"save": [], "load": []} for i in IMPLS}
-    for r in range(rounds + 1):  # round 0 warms up (imports, page allocation)
-        order = IMPLS[r % 3 :] + IMPLS[: r % 3]
-        for impl in order:
-            save, load = OPS[impl]
-            path = workdir / f"{impl}-{r}"
-            t_save = _timed(lambda: save(model, path))  # noqa: B023
-            if cold:
-                _evict(path)
-            t_load = _timed(lambda: load(model, path))  # noqa: B023
-            shutil.rmtree(path)
-            if r:
-                times[impl]["save"].append(t_save)
-                times[impl]["load"].append(t_load)
-                if output is not None:
-                    output.rows([{"round": r, "impl": impl, "save_s": t_save, "load_s": t_load}])
-    return times
-
-
-def summarize(times: dict[str, dict[str, list[float]]], nbytes: int) -> dict[str, Any]:
-    """Median seconds, MB/s, and ratios phalanx/dcp and phalanx/raw (of throughput)."""
-    out: dict[str, Any] = {"state_mb": nbytes / 1e6, "impls": {}}
-    for impl, by_op in times.items():
-        row: dict[str, float] = {}
-        for op, ts in by_op.items():
-            row[f"{op}_s"] = statistics.median(ts)
-            row[f"{op}_mbps"] = nbytes / 1e6 / row[f"{op}_s"]
+def summarize(times: Times, state_mb: float, ranks: int) -> dict[str, Any]:
+    """One case's medians, MB/s, phalanx/dcp and phalanx/raw throughput ratios, async blocks."""
+    out: dict[str, Any] = {"state_mb": state_mb, "ranks": ranks, "impls": {}}
+    for impl, by_measure in times.items():
+        row = {f"{m}_s": statistics.median(ts) for m, ts in by_measure.items()}
+        if "block_s" in row:
+            out[impl] = row
+            continue
+        row.update({f"{m}_mbps": state_mb / row[f"{m}_s"] for m in by_measure})
         out["impls"][impl] = row
     ours = out["impls"]["phalanx"]
     for other in ("dcp", "raw"):
-        for op in ("save", "load"):
-            out[f"{op}_ratio_vs_{other}"] = ours[f"{op}_mbps"] / out["impls"][other][f"{op}_mbps"]
+        for op in ("save", "load", "load_cold"):
+            if f"{op}_mbps" in ours:
+                theirs = out["impls"][other][f"{op}_mbps"]
+                out[f"{op}_ratio_vs_{other}"] = ours[f"{op}_mbps"] / theirs
+    out["async_block_ratio_vs_dcp"] = out["phalanx_async"]["block_s"] / out["dcp_async"]["block_s"]
     return out
 
 
-def _print(result: dict[str, Any], rounds: int, cold: bool) -> None:
-    cache = "cold (evicted)" if cold else "warm"
-    print(f"checkpoint of {result['state_mb']:.1f} MB, {rounds} rounds, median; page cache {cache}")
-    print(f"{'impl':<9}{'save s':>9}{'save MB/s':>11}{'load s':>9}{'load MB/s':>11}")
-    for impl, r in result["impls"].items():
-        print(
-            f"{impl:<9}{r['save_s']:>9.3f}{r['save_mbps']:>11.0f}{r['load_s']:>9.3f}"
-            f"{r['load_mbps']:>11.0f}"
-        )
+def _print(case: dict[str, Any], rounds: int) -> None:
+    cold = "load_cold_s" in case["impls"]["phalanx"]
+    print(
+        f"checkpoint of {case['state_mb']:.1f} MB on {case['ranks']} rank(s), median of "
+        f"{rounds} rounds (MB/s: state MB / seconds)"
+    )
+    header = f"{'impl':<15}{'save s':>8}{'MB/s':>7}{'load s':>8}{'MB/s':>7}"
+    print(header + (f"{'cold s':>8}{'MB/s':>7}" if cold else ""))
+    for impl, r in case["impls"].items():
+        line = f"{impl:<15}{r['save_s']:>8.3f}{r['save_mbps']:>7.0f}"
+        line += f"{r['load_s']:>8.3f}{r['load_mbps']:>7.0f}"
+        print(line + (f"{r['load_cold_s']:>8.3f}{r['load_cold_mbps']:>7.0f}" if cold else ""))
+    for impl in ("phalanx_async", "dcp_async"):
+        r = case[impl]
+        print(f"{impl:<15}blocked {r['block_s'] * 1e3:.1f} ms, durable after {r['total_s']:.3f} s")
     for other in ("dcp", "raw"):
-        print(
-            f"phalanx / {other} throughput: save {result[f'save_ratio_vs_{other}']:.2f}x, "
-            f"load {result[f'load_ratio_vs_{other}']:.2f}x"
+        ratios = ", ".join(
+            f"{op} {case[key]:.2f}x"
+            for op in ("save", "load", "load_cold")
+            if (key := f"{op}_ratio_vs_{other}") in case
         )
+        print(f"phalanx / {other} throughput: {ratios}")
+    print(f"phalanx / dcp async block: {case['async_block_ratio_vs_dcp']:.2f}x\n")
+
+
+def _numbers(parser: argparse.ArgumentParser, flag: str, text: str, kind: type) -> list[Any]:
+    try:
+        values = [kind(v) for v in text.split(",") if v]
+    except ValueError:
+        values = []
+    if not values or any(v <= 0 for v in values):
+        parser.error(f"--{flag} must be a comma list of numbers > 0, got {text!r}")
+    return values
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``phalanx bench checkpoint [--mb 150] [--rounds 5] [--cold] [--dir D] [--out DIR]``."""
+    """``phalanx bench checkpoint [--mb 100,1000] [--ranks 1,2] [--rounds 3] [--cold] ...``."""
+    from phalanx.testing import run_distributed
+
     parser = argparse.ArgumentParser(prog="phalanx bench checkpoint", description=__doc__)
-    parser.add_argument("--mb", type=float, default=150.0, help="model state size in MB")
-    parser.add_argument("--rounds", type=int, default=5, help="timed rounds (median)")
-    parser.add_argument("--cold", action="store_true", help="evict files before loading")
+    parser.add_argument("--mb", default="100,1000", help="state sizes in MB (comma list)")
+    parser.add_argument("--ranks", default="1,2", help="numbers of ranks (comma list)")
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds (median)")
+    parser.add_argument("--cold", action="store_true", help="also load with the cache evicted")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     add_output_flags(parser, "checkpoint")
     args = parser.parse_args(argv)
-    if args.rounds < 1 or args.mb <= 0:
-        parser.error(f"--rounds must be >= 1 and --mb > 0, got {args.rounds} and {args.mb}")
-    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    sizes = _numbers(parser, "mb", args.mb, float)
+    world_sizes = _numbers(parser, "ranks", args.ranks, int)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
     output = Output.create("checkpoint", args.out, args.json)
-    workdir = Path(tempfile.mkdtemp(prefix="phalanx-bench-ckpt-", dir=args.dir))
-    try:
-        times = measure(args.mb, args.rounds, args.cold, workdir, output)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    result = summarize(times, _state_bytes(make_model(args.mb)))
-    result.update(rounds=args.rounds, cold=args.cold)
-    _print(result, args.rounds, args.cold)
-    output.result(result)
+    cases = []
+    for mb in sizes:
+        for ranks in world_sizes:
+            workdir = Path(tempfile.mkdtemp(prefix="phalanx-bench-ckpt-", dir=args.dir))
+            label = f"{mb:g}MBx{ranks}"
+            cfg = {"mb": mb, "rounds": args.rounds, "cold": args.cold, "case": label}
+            cfg.update(workdir=str(workdir), output=output)
+            try:
+                times = run_distributed(
+                    rank_job,
+                    cfg,
+                    world_size=ranks,
+                    timeout=300 + 0.2 * mb * (args.rounds + 1),
+                    collective_timeout=600,
+                )[0]
+            finally:
+                shutil.rmtree(workdir, ignore_errors=True)
+            cases.append(summarize(times, _state_mb(mb), ranks))
+            _print(cases[-1], args.rounds)
+    config = {"mb": sizes, "ranks": world_sizes, "rounds": args.rounds, "cold": args.cold}
+    output.result({**cases[0], "cases": cases, "config": config})
     return 0
