@@ -137,6 +137,8 @@ def test_sigkill_between_the_renames_of_a_resaved_step_loses_nothing(crashes: Cr
     with pytest.warns(UserWarning, match="names step-000001, which is missing"):
         info = checkpoint.load(directory, model=model, optimizer=opt)
     assert info is not None and info.step == 1 and info.extra == {"tag": "one"}  # the old state
+    info = checkpoint.load(directory, model=model, path="step-000001")  # by name, too
+    assert info is not None and info.extra == {"tag": "one"} and info.path == aside.absolute()
 
     # the next save gives the old copy its name back and its prune deletes only the
     # interrupted save's leftovers

@@ -34,7 +34,7 @@ from phalanx.checkpoint.atomic import (
 )
 from phalanx.checkpoint.manifest import MANIFEST, CheckpointError, read_manifest, verify_files
 
-__all__ = ["commit", "committed", "latest", "make_temp_dir", "prune"]
+__all__ = ["commit", "committed", "latest", "make_temp_dir", "prune", "stranded_copy"]
 
 log = logging.getLogger(__name__)
 TMP_PREFIX = ".tmp-"
@@ -87,6 +87,15 @@ def committed(directory: Path, *, warn: bool = False) -> list[tuple[int, Path]]:
                 stacklevel=3,
             )
     return sorted(found, key=lambda item: item[0], reverse=True)
+
+
+def stranded_copy(directory: Path, name: str) -> Path | None:
+    """The aside holding step ``name`` (``step-000123``) when a re-save of it was killed
+    between its two renames, so that ``load(path=name)`` finds it; else None."""
+    if step_of(name) is None or not directory.is_dir():
+        return None
+    found = (directory / e for e in os.listdir(directory) if _stranded(directory, e) == name)
+    return next(found, None)
 
 
 def _fallback(directory: Path, candidates: list[tuple[int, Path]]) -> Path | None:

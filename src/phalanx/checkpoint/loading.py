@@ -70,6 +70,8 @@ def _resolve(directory: str | os.PathLike[str], path: str | os.PathLike[str] | N
     chosen = Path(path)
     if not chosen.is_dir() and (Path(directory) / chosen).is_dir():
         chosen = Path(directory) / chosen  # a name such as "step-000123"
+    elif not chosen.is_dir() and (aside := catalog.stranded_copy(Path(directory), str(path))):
+        chosen = aside  # its re-save was killed between the renames: the old copy stands
     read_manifest(chosen)  # raises naming the file when it is not a complete checkpoint
     return str(chosen.absolute())
 
