@@ -112,11 +112,11 @@ def _file_list(sections: list[Section]) -> list[tuple[str, Sequence[Buffer]]]:
 
 
 def _write_files(
-    tmp: Path, files: list[tuple[str, Sequence[Buffer]]], faulty: bool = False
+    tmp: Path, files: list[tuple[str, Sequence[Buffer]]], faulty: int
 ) -> dict[str, FileEntry]:
-    """Write ``files`` in parallel; the fault point applies to the first one."""
+    """Write ``files`` in parallel; the fault point applies to the one at index ``faulty``."""
     calls = [
-        partial(atomic.write_file, tmp / name, bufs, faulty=faulty and i == 0)
+        partial(atomic.write_file, tmp / name, bufs, faulty=i == faulty)
         for i, (name, bufs) in enumerate(files)
     ]
     return dict(zip((name for name, _ in files), parallel(calls)))
@@ -188,9 +188,9 @@ def _collect_peers(session: Session, files: dict[str, FileEntry]) -> None:
 
 
 def _write_and_commit(
-    session: Session, tmp: Path, req: _Request, files: _Files, own: dict[str, FileEntry]
+    session: Session, tmp: Path, req: _Request, files: _Files, written: dict[str, FileEntry]
 ) -> Path:
-    entries = {**own, **_write_files(tmp, files.replicated, faulty=True)}
+    entries = dict(written)
     _collect_peers(session, entries)
     atomic.fault("before-manifest")
     manifest = Manifest(req.step, session.size, entries, files.sections, req.extra)
@@ -236,7 +236,8 @@ def _temp_dir(root: Path, step: int, token: str) -> str:
 
 
 def _own_files(tmp: Path, rank: int, files: _Files | Exception) -> Any:
-    """Write this rank's own files; return their entries or the exception."""
+    """Write this rank's files (on rank 0 the replicated ones too, all at once, so the small
+    files' fsyncs overlap the large writes); return their entries or the exception."""
     if not tmp.is_dir():
         return CheckpointError(
             f"rank {rank} does not see {tmp}, which rank 0 created: the checkpoint directory "
@@ -247,7 +248,7 @@ def _own_files(tmp: Path, rank: int, files: _Files | Exception) -> Any:
     try:
         if files.staged is not None:
             files.staged.ready()
-        return _write_files(tmp, files.own)
+        return _write_files(tmp, files.own + files.replicated, faulty=len(files.own))
     except Exception as exc:
         return exc
 

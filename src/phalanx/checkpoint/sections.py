@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +41,7 @@ from phalanx.checkpoint.manifest import CheckpointError, Manifest, read_verified
 __all__ = ["Section", "StateMismatchError", "load_model", "parallel", "read_section", "unwrap"]
 
 T = TypeVar("T")
+_THREAD_PREFIX = "phalanx-ckpt-io"
 SHARD_BYTES = 64 * 1024 * 1024
 """Tensor files are split into parts of about this size, written and read in parallel."""
 
@@ -48,13 +50,31 @@ class StateMismatchError(CheckpointError, ValueError):
     """The checkpoint's model state has other keys or shapes than the model it is loaded into."""
 
 
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _forget_pool() -> None:
+    """In a forked child the pool's threads do not exist: start a new pool when needed."""
+    global _POOL
+    _POOL = None
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
 def parallel(calls: Sequence[Callable[[], T]]) -> list[T]:
-    """Run ``calls`` on a few threads (file I/O and hashing release the GIL); keep the order."""
-    if len(calls) <= 1:
+    """Run ``calls`` on a few threads (file I/O and hashing release the GIL); keep the order.
+
+    The threads are kept for the next call (starting threads costs milliseconds on a loaded
+    machine, a good part of saving a small checkpoint). Calls may nest: one running on the
+    pool runs its own ``calls`` in line rather than wait on the pool it occupies.
+    """
+    global _POOL
+    if len(calls) <= 1 or threading.current_thread().name.startswith(_THREAD_PREFIX):
         return [c() for c in calls]
-    workers = min(len(calls), os.cpu_count() or 1, 8)
-    with ThreadPoolExecutor(workers, thread_name_prefix="phalanx-ckpt") as pool:
-        return list(pool.map(lambda c: c(), calls))
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(min(os.cpu_count() or 1, 8), thread_name_prefix=_THREAD_PREFIX)
+    return list(_POOL.map(lambda c: c(), calls))
 
 
 def _shards(tensors: dict[str, torch.Tensor], limit: int) -> list[dict[str, torch.Tensor]]:

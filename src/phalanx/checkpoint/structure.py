@@ -27,6 +27,8 @@ __all__ = ["flatten", "unflatten"]
 _TENSOR, _TUPLE, _ITEMS = "__tensor__", "__tuple__", "__items__"
 _RESERVED = {_TENSOR, _TUPLE, _ITEMS}
 _SCALARS = (type(None), bool, int, float, str)
+_PLAIN = frozenset(_SCALARS)
+"""Exact types stored as they are (subclasses go through the checks)."""
 
 
 class _Flattener:
@@ -63,10 +65,12 @@ class _Flattener:
             return self.tensor_key(path, v)
         if isinstance(v, float | int | str | bool) or v is None:
             return v
-        if isinstance(v, tuple):
-            return {_TUPLE: [self.value(f"{path}.{i}", x) for i, x in enumerate(v)]}
-        if isinstance(v, list):
-            return [self.value(f"{path}.{i}", x) for i, x in enumerate(v)]
+        if isinstance(v, list | tuple):
+            if all(type(x) in _PLAIN for x in v):  # e.g. a generator's state: 625 ints
+                items = list(v)
+            else:
+                items = [self.value(f"{path}.{i}", x) for i, x in enumerate(v)]
+            return {_TUPLE: items} if isinstance(v, tuple) else items
         if isinstance(v, dict):
             return self.mapping(path, v)
         raise TypeError(
