@@ -1,4 +1,4 @@
-"""Two "machines" on one host: two network namespaces joined by a veth pair.
+"""Two "machines" on one host: two network namespaces joined by a veth pair (``slow_link``).
 
 Each namespace runs its own ``phalanx run`` agent (node 0 and node 1, 2 workers each); the four
 workers all_reduce across the pair. The namespaces, and the veth with them, are always deleted.
@@ -7,18 +7,16 @@ workers all_reduce across the pair. The namespaces, and the veth with them, are 
 from __future__ import annotations
 
 import os
-import random
-import secrets
-import shutil
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from phalanx.bench.slow_link import Link, LinkError, slow_link, unavailable
 
 pytestmark = pytest.mark.netns
 
@@ -27,47 +25,15 @@ SCRIPT = str(Path(__file__).resolve().parent / "scripts" / "env_allreduce.py")
 LAUNCH = [sys.executable, "-m", "phalanx.launch"]
 
 
-@dataclass(frozen=True)
-class Pair:
-    """Two namespaces and the address of each end of the veth between them."""
-
-    ns: tuple[str, str]
-    addr: tuple[str, str]
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=10)
-
-
-def _build(pair: Pair, veth: tuple[str, str]) -> None:
-    for ns in pair.ns:
-        _ip("netns", "add", ns)
-    _ip("link", "add", veth[0], "type", "veth", "peer", "name", veth[1])
-    for ns, dev, addr in zip(pair.ns, veth, pair.addr):
-        _ip("link", "set", dev, "netns", ns)
-        _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-        _ip("-n", ns, "link", "set", dev, "up")
-        _ip("-n", ns, "link", "set", "lo", "up")
-
-
 @pytest.fixture
-def pair() -> Iterator[Pair]:
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("needs root and iproute2 to create network namespaces")
-    suffix = secrets.token_hex(3)
-    subnet = f"10.231.{random.randrange(256)}"
-    made = Pair((f"phxa{suffix}", f"phxb{suffix}"), (f"{subnet}.1", f"{subnet}.2"))
-    veth = (f"phxva{suffix}", f"phxvb{suffix}")
+def pair() -> Iterator[Link]:
+    if (why := unavailable()) is not None:
+        pytest.skip(why)
     try:
-        try:
-            _build(made, veth)
-        except subprocess.CalledProcessError as exc:
-            pytest.skip(f"cannot create network namespaces here: {exc.stderr.strip()}")
-        yield made
-    finally:
-        for ns in made.ns:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
-        subprocess.run(["ip", "link", "del", veth[0]], capture_output=True, timeout=10)
+        with slow_link() as link:
+            yield link
+    except LinkError as exc:
+        pytest.skip(f"cannot create network namespaces here: {exc}")
 
 
 def _env() -> dict[str, str]:
@@ -76,15 +42,8 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _start(ns: str, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        ["ip", "netns", "exec", ns, *LAUNCH, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_env(),
-        start_new_session=True,
-    )
+def _start(link: Link, side: int, *args: str) -> subprocess.Popen[str]:
+    return link.popen(side, [*LAUNCH, *args], env=_env())
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:
@@ -99,15 +58,15 @@ def _stop(proc: subprocess.Popen[str]) -> None:
         proc.communicate(timeout=10)
 
 
-def test_two_nodes_all_reduce_across_namespaces(pair: Pair) -> None:
+def test_two_nodes_all_reduce_across_namespaces(pair: Link) -> None:
     common = ["--nnodes", "2", "--nproc-per-node", "2", "--master-addr", pair.addr[0],
               "--master-port", "29561", "--rdzv-timeout", "30"]  # fmt: skip
     procs = []
     try:
         # Node 1 first: it must wait (connection refused) until node 0 is up.
-        procs.append(_start(pair.ns[1], *common, "--node-rank", "1", SCRIPT))
+        procs.append(_start(pair, 1, *common, "--node-rank", "1", SCRIPT))
         time.sleep(0.3)
-        procs.append(_start(pair.ns[0], *common, "--node-rank", "0", SCRIPT))
+        procs.append(_start(pair, 0, *common, "--node-rank", "0", SCRIPT))
         outs = [p.communicate(timeout=90) for p in procs]
     finally:
         for p in procs:
@@ -134,11 +93,11 @@ sys.exit(code)
 """
 
 
-def test_unreachable_network_fails_fast(pair: Pair) -> None:
+def test_unreachable_network_fails_fast(pair: Link) -> None:
     # Namespace a has no route to 10.99.0.0/16: connect() fails with ENETUNREACH at once.
     proc = subprocess.run(
-        ["ip", "netns", "exec", pair.ns[0], sys.executable, "-c", TIMED_MAIN, "--nnodes", "2",
-         "--node-rank", "1", "--master-addr", "10.99.0.1", "--master-port", "29561", SCRIPT],
+        pair.command(0, [sys.executable, "-c", TIMED_MAIN, "--nnodes", "2",
+         "--node-rank", "1", "--master-addr", "10.99.0.1", "--master-port", "29561", SCRIPT]),
         capture_output=True, text=True, timeout=60, env=_env(),
     )  # fmt: skip
     assert proc.returncode == 1
@@ -149,15 +108,15 @@ def test_unreachable_network_fails_fast(pair: Pair) -> None:
 ELASTIC = str(Path(__file__).resolve().parent / "scripts" / "elastic_job.py")
 
 
-def test_node_loss_continues_on_the_remaining_node(pair: Pair, tmp_path: Path) -> None:
+def test_node_loss_continues_on_the_remaining_node(pair: Link, tmp_path: Path) -> None:
     # --nnodes 1:2: when node 1 disappears (its launcher and workers SIGKILLed), node 0's
     # workers fail, node 0 restarts, closes the next rendezvous with itself alone after the
     # last call, and resumes from the newest checkpoint at world size 2 with ranks 0..1.
     ckpt = tmp_path / "ckpt"
     common = ["--nnodes", "1:2", "--nproc-per-node", "2", "--master-addr", pair.addr[0],
               "--master-port", "29563", "--rdzv-timeout", "30", "--max-restarts", "1"]  # fmt: skip
-    procs = [_start(pair.ns[0], *common, "--node-rank", "0", ELASTIC, str(ckpt)),
-             _start(pair.ns[1], *common, "--node-rank", "1", ELASTIC, str(ckpt))]  # fmt: skip
+    procs = [_start(pair, 0, *common, "--node-rank", "0", ELASTIC, str(ckpt)),
+             _start(pair, 1, *common, "--node-rank", "1", ELASTIC, str(ckpt))]  # fmt: skip
     try:
         deadline = time.monotonic() + 60
         while not list(ckpt.glob("step-*")):  # training (at world size 4) has saved once
