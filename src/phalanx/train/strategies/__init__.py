@@ -10,6 +10,7 @@ from __future__ import annotations
 from phalanx.train.strategies.base import JobOptions, Prepared, Runner, Strategy
 from phalanx.train.strategies.ddp import DDP
 from phalanx.train.strategies.hogwild import Hogwild
+from phalanx.train.strategies.local_sgd import DiLoCo, LocalSGD
 from phalanx.train.strategies.mesh import Mesh
 from phalanx.train.strategies.ps import PS
 from phalanx.train.strategies.registry import register_strategy, resolve, strategy_names
@@ -23,8 +24,10 @@ __all__ = [
     "DDP",
     "DP",
     "PS",
+    "DiLoCo",
     "Hogwild",
     "JobOptions",
+    "LocalSGD",
     "Mesh",
     "Prepared",
     "Runner",

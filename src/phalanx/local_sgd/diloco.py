@@ -1,0 +1,113 @@
+"""DiLoCo: H inner steps alone, then an outer Nesterov step on the averaged pseudo-gradient.
+
+Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models" (2023),
+Algorithm 1. Every rank keeps the global parameters θ of the last outer step. After H inner
+steps (the user's optimizer, typically AdamW) the pseudo-gradient Δ = θ − θ_local is averaged
+over the replicas, the outer optimizer (SGD with Nesterov momentum) steps θ with Δ as its
+gradient, and every replica restarts from the new θ. The inner optimizer's state is kept.
+
+With H = 1, outer lr 1 and no momentum, θ − 1·mean(θ − θ_i) is the mean of the replicas after
+one step each: for plain SGD that is DDP's step, up to floating-point rounding.
+
+The outer optimizer is ``torch.optim.SGD`` over the global parameters (the pseudo-gradient as
+their ``.grad``), so its update is torch's: buf = μ·buf + Δ; θ −= lr·(Δ + μ·buf) with Nesterov,
+lr·buf without. θ and the momentum are checkpointed (:meth:`DiLoCoSync.shared_state`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from phalanx._check import check_bool, check_float, fail
+from phalanx.local_sgd.periodic import DEFAULT_BUCKET_BYTES, PeriodicSync
+from phalanx.local_sgd.replicas import Replica, nbytes
+from phalanx.mesh.replica_average import average_tensors
+
+__all__ = ["DiLoCoSync", "check_momentum"]
+
+GLOBAL = "global/"
+MOMENTUM = "momentum/"
+
+
+def check_momentum(name: str, value: object, *, where: str = "") -> float:
+    """A momentum: a number >= 0 and < 1 (1 would never forget a pseudo-gradient)."""
+    number = check_float(name, value, min=0, where=where)
+    if number >= 1:
+        raise fail(name, value, "a number >= 0 and < 1", where=where)
+    return number
+
+
+class DiLoCoSync(PeriodicSync):
+    """DiLoCo's outer loop around the user's (inner) optimizer.
+
+    Args:
+        replica: This rank's parameters and buffers (equal on every rank when built).
+        group: The replicas' process group (None: every rank).
+        every: Inner steps per outer step (H, >= 1).
+        outer_lr: The outer SGD's learning rate (> 0).
+        outer_momentum: Its momentum (0 <= momentum < 1).
+        nesterov: Nesterov momentum (as DiLoCo); ignored without momentum.
+        bucket_bytes: Cap of each flat all-reduce bucket.
+    """
+
+    def __init__(
+        self,
+        replica: Replica,
+        group: dist.ProcessGroup | None,
+        every: int,
+        outer_lr: float,
+        outer_momentum: float,
+        nesterov: bool = True,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
+        super().__init__(replica, group, every, bucket_bytes)
+        where = type(self).__name__
+        lr = check_float("outer_lr", outer_lr, above=0, where=where)
+        momentum = check_momentum("outer_momentum", outer_momentum, where=where)
+        nesterov = check_bool("nesterov", nesterov, where=where)
+        self.global_params = [t.clone() for t in replica.param_tensors]
+        """θ: the parameters of the last outer step (equal on every rank)."""
+        self.outer = torch.optim.SGD(
+            self.global_params, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0
+        )
+
+    def pseudo_gradient(self) -> list[torch.Tensor]:
+        """Δ = θ − θ_local of each parameter, on this rank (new tensors)."""
+        return list(torch._foreach_sub(self.global_params, self.replica.param_tensors))
+
+    def sync(self) -> int:
+        deltas = self.pseudo_gradient()
+        buffers = self.replica.buffer_tensors
+        average_tensors(deltas + buffers, self.group, self.bucket_bytes)
+        self.outer_step(deltas)
+        return nbytes(deltas + buffers)
+
+    def outer_step(self, averaged: list[torch.Tensor]) -> None:
+        """Step θ with the averaged pseudo-gradient; every local parameter restarts from θ."""
+        for theta, delta in zip(self.global_params, averaged):
+            theta.grad = delta
+        self.outer.step()
+        for theta, local in zip(self.global_params, self.replica.param_tensors):
+            theta.grad = None
+            local.copy_(theta)
+
+    def shared_state(self) -> dict[str, torch.Tensor]:
+        """θ (``global/<name>``) and the outer momentum (``momentum/<name>``, once it exists)."""
+        out: dict[str, torch.Tensor] = {}
+        for (name, _), theta in zip(self.replica.params, self.global_params):
+            out[GLOBAL + name] = theta
+            buf = self.outer.state.get(theta, {}).get("momentum_buffer")
+            if buf is not None:
+                out[MOMENTUM + name] = buf
+        return out
+
+    def load_shared_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.outer.state.clear()
+        for (name, _), theta in zip(self.replica.params, self.global_params):
+            if GLOBAL + name not in tensors:
+                raise ValueError(f"the checkpoint holds no DiLoCo global parameter {name!r}")
+            theta.copy_(tensors[GLOBAL + name].view_as(theta))
+            if MOMENTUM + name in tensors:
+                buf = tensors[MOMENTUM + name].to(theta.dtype).view_as(theta).clone()
+                self.outer.state[theta] = {"momentum_buffer": buf}
