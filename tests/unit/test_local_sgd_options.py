@@ -1,4 +1,5 @@
-"""``phalanx.LocalSGD`` / ``phalanx.DiLoCo`` options: checked when built, presets by name."""
+"""``phalanx.LocalSGD`` / ``DiLoCo`` / ``StreamingDiLoCo``: options checked when built, presets
+by name, the fragment plan, and what a checkpoint of replicas refuses."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from torch import nn
 
 import phalanx
 from phalanx.local_sgd import DiLoCoSync, LocalSGDSync, Replica
-from phalanx.local_sgd.checkpoint import replica_piece
+from phalanx.local_sgd.checkpoint import FORMAT, ReplicaModelState, replica_piece
+from phalanx.local_sgd.fragments import default_offsets, due, split_fragments
+from phalanx.sharding.pieces import PieceReader
 from phalanx.train.strategies import resolve, strategy_names
 
 
@@ -67,3 +70,49 @@ def test_replica_lists_trained_parameters_and_float_buffers() -> None:
 def test_replica_piece_is_a_row_of_a_stacked_tensor() -> None:
     piece = replica_piece("w", torch.zeros(2, 3), rank=1, world_size=4)
     assert (piece.key, piece.shape, piece.start, piece.end) == ("replica/w", (4, 2, 3), 6, 12)
+
+
+def test_a_checkpoint_of_another_world_size_is_refused() -> None:
+    model = nn.Linear(2, 2)
+    view = ReplicaModelState(model, LocalSGDSync(Replica.of(model), None, 4), 0, 1)
+    meta = {"format": FORMAT, "world_size": 2, "steps": 1}
+    with pytest.raises(ValueError, match=r"holds 2 replicas .* resume at world_size=2"):
+        view.load_sharded_state(meta, PieceReader([], lambda source: {}))
+    with pytest.raises(ValueError, match="not saved by LocalSGD or DiLoCo"):
+        view.load_sharded_state({"format": "phalanx.zero/1"}, PieceReader([], lambda s: {}))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"fragments": 0}, r"StreamingDiLoCo\(fragments=0\): fragments must be an int >= 1"),
+        ({"overlap": 100}, r"StreamingDiLoCo\(overlap=100\): overlap must be an int in 0..99"),
+        ({"offsets": (0,)}, r"StreamingDiLoCo\(offsets=\(0,\)\): one offset per fragment"),
+        ({"sync_every": 4, "fragments": 2, "offsets": (0, 4)}, "must be < sync_every=4, got"),
+        ({"offsets": (0, -1, 0, 0)}, r"offsets\[1\] must be an int >= 0, got int -1"),
+        ({"quantise": "int2"}, r"StreamingDiLoCo\(quantise='int2'\): quantise must be one of"),
+        ({"quantise_block": 0}, r"quantise_block must be an int >= 1"),
+    ],
+)
+def test_streaming_options_are_checked(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises((ValueError, TypeError), match=message):
+        phalanx.StreamingDiLoCo(**kwargs)
+
+
+def test_streaming_presets_and_defaults() -> None:
+    s = resolve("streaming-diloco")
+    assert isinstance(s, phalanx.StreamingDiLoCo) and s == phalanx.StreamingDiLoCo()
+    assert (s.sync_every, s.fragments, s.overlap, s.offsets) == (100, 4, 1, None)
+    assert phalanx.StreamingDiLoCo(fragments=2, offsets=[0, 50]).offsets == (0, 50)
+
+
+def test_fragments_are_balanced_runs_of_consecutive_parameters() -> None:
+    assert split_fragments([10, 10, 10, 10], 2) == [[0, 1], [2, 3]]
+    assert split_fragments([100, 1, 1, 1], 3) == [[0], [1], [2, 3]]  # every run non-empty
+    assert split_fragments([1, 1, 100], 2) == [[0, 1], [2]]
+    assert split_fragments([5], 1) == [[0]]
+    with pytest.raises(ValueError, match="fragments=3 must be between 1 and the number of"):
+        split_fragments([1, 1], 3)
+    assert default_offsets(8, 3) == [0, 2, 5]
+    assert [s for s in range(1, 13) if due(s, 4, 0)] == [4, 8, 12]
+    assert [s for s in range(1, 13) if due(s, 4, 2)] == [2, 6, 10]

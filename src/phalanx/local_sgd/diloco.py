@@ -12,15 +12,21 @@ one step each: for plain SGD that is DDP's step, up to floating-point rounding.
 The outer optimizer is ``torch.optim.SGD`` over the global parameters (the pseudo-gradient as
 their ``.grad``), so its update is torch's: buf = μ·buf + Δ; θ −= lr·(Δ + μ·buf) with Nesterov,
 lr·buf without. θ and the momentum are checkpointed (:meth:`DiLoCoSync.shared_state`).
+The pseudo-gradient travels in float32 or quantised (``codec``: bf16, int8 or int4 with one
+scale per ``block`` elements, :mod:`.pending_average`); the buffers are averaged in their dtype.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
-from phalanx._check import check_bool, check_float, fail
+from phalanx._check import check_bool, check_choice, check_float, check_int, fail
+from phalanx.local_sgd.pending_average import PendingAverage
 from phalanx.local_sgd.periodic import DEFAULT_BUCKET_BYTES, PeriodicSync
+from phalanx.local_sgd.quantise import CODECS
 from phalanx.local_sgd.replicas import Replica, nbytes
 from phalanx.mesh.replica_average import average_tensors
 
@@ -49,6 +55,8 @@ class DiLoCoSync(PeriodicSync):
         outer_momentum: Its momentum (0 <= momentum < 1).
         nesterov: Nesterov momentum (as DiLoCo); ignored without momentum.
         bucket_bytes: Cap of each flat all-reduce bucket.
+        codec: How the pseudo-gradient travels: "fp32", "bf16", "int8" or "int4".
+        block: Elements per quantisation scale (int8, int4).
     """
 
     def __init__(
@@ -60,9 +68,13 @@ class DiLoCoSync(PeriodicSync):
         outer_momentum: float,
         nesterov: bool = True,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        codec: str = "fp32",
+        block: int = 256,
     ) -> None:
         super().__init__(replica, group, every, bucket_bytes)
         where = type(self).__name__
+        self.codec = check_choice("codec", codec, choices=CODECS, where=where)
+        self.block = check_int("block", block, min=1, where=where)
         lr = check_float("outer_lr", outer_lr, above=0, where=where)
         momentum = check_momentum("outer_momentum", outer_momentum, where=where)
         nesterov = check_bool("nesterov", nesterov, where=where)
@@ -72,25 +84,39 @@ class DiLoCoSync(PeriodicSync):
             self.global_params, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0
         )
 
-    def pseudo_gradient(self) -> list[torch.Tensor]:
-        """Δ = θ − θ_local of each parameter, on this rank (new tensors)."""
-        return list(torch._foreach_sub(self.global_params, self.replica.param_tensors))
+    def pseudo_gradient(self, indices: Sequence[int]) -> list[torch.Tensor]:
+        """Δ = θ − θ_local of the parameters at ``indices``, on this rank (new tensors)."""
+        local = self.replica.param_tensors
+        return [self.global_params[i] - local[i] for i in indices]
+
+    def launch(self, deltas: list[torch.Tensor]) -> PendingAverage:
+        """Start averaging ``deltas`` over the group in the outer codec (in place on wait)."""
+        return PendingAverage(deltas, self.group, self.codec, self.block, self.bucket_bytes)
+
+    def average_buffers(self) -> int:
+        """Average the floating-point buffers (no outer step: they have no gradient)."""
+        buffers = self.replica.buffer_tensors
+        average_tensors(buffers, self.group, self.bucket_bytes)
+        return nbytes(buffers)
 
     def sync(self) -> int:
-        deltas = self.pseudo_gradient()
-        buffers = self.replica.buffer_tensors
-        average_tensors(deltas + buffers, self.group, self.bucket_bytes)
-        self.outer_step(deltas)
-        return nbytes(deltas + buffers)
+        every = range(len(self.global_params))
+        deltas = self.pseudo_gradient(every)
+        pending = self.launch(deltas)
+        pending.wait()
+        self.outer_step(every, deltas)
+        return pending.sent_bytes + self.average_buffers()
 
-    def outer_step(self, averaged: list[torch.Tensor]) -> None:
-        """Step θ with the averaged pseudo-gradient; every local parameter restarts from θ."""
-        for theta, delta in zip(self.global_params, averaged):
-            theta.grad = delta
+    def outer_step(self, indices: Sequence[int], averaged: list[torch.Tensor]) -> None:
+        """Step θ at ``indices`` with the averaged pseudo-gradient (torch's SGD skips the
+        parameters without one); those local parameters restart from θ."""
+        local = self.replica.param_tensors
+        for i, delta in zip(indices, averaged):
+            self.global_params[i].grad = delta
         self.outer.step()
-        for theta, local in zip(self.global_params, self.replica.param_tensors):
-            theta.grad = None
-            local.copy_(theta)
+        for i in indices:
+            self.global_params[i].grad = None
+            local[i].copy_(self.global_params[i])
 
     def shared_state(self) -> dict[str, torch.Tensor]:
         """θ (``global/<name>``) and the outer momentum (``momentum/<name>``, once it exists)."""

@@ -65,6 +65,9 @@ class PeriodicSync:
         """Bring the replicas together; the bytes this rank handed to collectives."""
         raise NotImplementedError
 
+    def finish(self) -> None:
+        """Training is over: wait for communication still in flight (idempotent)."""
+
     def shared_state(self) -> dict[str, torch.Tensor]:
         """State equal on every rank that a checkpoint keeps once (by name)."""
         return {}

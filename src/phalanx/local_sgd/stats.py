@@ -26,8 +26,8 @@ class SyncStats:
     """Seconds the training thread spent inside the synchronisations (flattening, the
     all-reduces and the outer step): time not spent computing."""
 
-    def add(self, sent: int, seconds: float) -> None:
-        """Count one synchronisation."""
-        self.syncs += 1
+    def add(self, sent: int, seconds: float, syncs: int = 1) -> None:
+        """Count ``syncs`` synchronisations (streaming DiLoCo: fragments launched)."""
+        self.syncs += syncs
         self.bytes_sent += sent
         self.sync_seconds += seconds

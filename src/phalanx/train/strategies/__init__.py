@@ -15,6 +15,7 @@ from phalanx.train.strategies.mesh import Mesh
 from phalanx.train.strategies.ps import PS
 from phalanx.train.strategies.registry import register_strategy, resolve, strategy_names
 from phalanx.train.strategies.single import DP, Single
+from phalanx.train.strategies.streaming_diloco import StreamingDiLoCo
 from phalanx.train.strategies.torch_ddp import TorchDDP
 from phalanx.train.strategies.torch_fsdp import TorchFSDP
 from phalanx.train.strategies.torch_zero import TorchZero1
@@ -33,6 +34,7 @@ __all__ = [
     "Runner",
     "Single",
     "Strategy",
+    "StreamingDiLoCo",
     "TorchDDP",
     "TorchFSDP",
     "TorchZero1",

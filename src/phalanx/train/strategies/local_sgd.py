@@ -21,11 +21,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from phalanx._check import FLAG, check_float, check_int, rule
+from phalanx._check import FLAG, check_choice, check_float, check_int, rule
 from phalanx.comm.group import World
 from phalanx.local_sgd import DiLoCoSync, LocalSGDSync, PeriodicSync, Replica
 from phalanx.local_sgd.checkpoint import ReplicaModelState, replica_optimizer_state
 from phalanx.local_sgd.diloco import check_momentum
+from phalanx.local_sgd.quantise import CODECS
 from phalanx.train.precision import Precision
 from phalanx.train.strategies.base import (
     JobOptions,
@@ -38,7 +39,7 @@ from phalanx.train.strategies.base import (
 )
 from phalanx.train.strategies.initial_state import start_from_rank0
 
-__all__ = ["DiLoCo", "LocalSGD", "ReplicaRunner", "ReplicaStrategy"]
+__all__ = ["DiLoCo", "LocalSGD", "ReplicaRunner", "ReplicaStrategy", "bucket_bytes"]
 
 _MIB = 1024 * 1024
 
@@ -61,7 +62,8 @@ class ReplicaStrategy(Strategy):
         return ReplicaRunner(self, world)
 
 
-def _bucket_bytes(cap_mb: float) -> int:
+def bucket_bytes(cap_mb: float) -> int:
+    """``bucket_cap_mb`` in bytes (at least 1)."""
     return max(1, int(cap_mb * _MIB))
 
 
@@ -87,7 +89,7 @@ class LocalSGD(ReplicaStrategy):
         )
 
     def make_sync(self, replica: Replica, group: dist.ProcessGroup | None) -> PeriodicSync:
-        return LocalSGDSync(replica, group, self.sync_every, _bucket_bytes(self.bucket_cap_mb))
+        return LocalSGDSync(replica, group, self.sync_every, bucket_bytes(self.bucket_cap_mb))
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,9 @@ class DiLoCo(ReplicaStrategy):
         outer_momentum: Its momentum (0 <= momentum < 1; the paper's 0.9).
         nesterov: Nesterov momentum (ignored with outer_momentum=0).
         bucket_cap_mb: Flat all-reduce buckets of at most this many MiB.
+        quantise: How pseudo-gradients travel: "fp32", "bf16", "int8" or "int4" (the
+            integers with one float32 scale per ``quantise_block`` elements).
+        quantise_block: Elements per scale.
     """
 
     name: ClassVar[str] = "diloco"
@@ -109,6 +114,8 @@ class DiLoCo(ReplicaStrategy):
     outer_momentum: float = 0.9
     nesterov: bool = True
     bucket_cap_mb: float = 25.0
+    quantise: str = "fp32"
+    quantise_block: int = 256
 
     def __post_init__(self) -> None:
         check_fields(
@@ -118,6 +125,8 @@ class DiLoCo(ReplicaStrategy):
             outer_momentum=rule(check_momentum),
             nesterov=FLAG,
             bucket_cap_mb=rule(check_float, above=0),
+            quantise=rule(check_choice, choices=CODECS),
+            quantise_block=rule(check_int, min=1),
         )
 
     def make_sync(self, replica: Replica, group: dist.ProcessGroup | None) -> PeriodicSync:
@@ -128,7 +137,9 @@ class DiLoCo(ReplicaStrategy):
             self.outer_lr,
             self.outer_momentum,
             self.nesterov,
-            _bucket_bytes(self.bucket_cap_mb),
+            bucket_bytes(self.bucket_cap_mb),
+            self.quantise,
+            self.quantise_block,
         )
 
 
@@ -167,6 +178,11 @@ class ReplicaRunner(Runner):
         assert self.sync is not None
         self.sync.after_step()
         return stepped
+
+    def finish(self) -> None:
+        """The loop is over: wait for any synchronisation still in flight."""
+        if self.sync is not None:
+            self.sync.finish()
 
     def checkpointed(self, saving: bool) -> tuple[nn.Module | None, torch.optim.Optimizer | None]:
         """Per-rank views of the replica and inner optimizer (``local_sgd/checkpoint.py``)."""

@@ -16,6 +16,7 @@ from phalanx.train.strategies.local_sgd import DiLoCo, LocalSGD
 from phalanx.train.strategies.mesh import Mesh
 from phalanx.train.strategies.ps import PS
 from phalanx.train.strategies.single import DP, Single
+from phalanx.train.strategies.streaming_diloco import StreamingDiLoCo
 from phalanx.train.strategies.torch_ddp import TorchDDP
 from phalanx.train.strategies.torch_fsdp import TorchFSDP
 from phalanx.train.strategies.torch_zero import TorchZero1
@@ -44,6 +45,7 @@ _PRESETS: dict[str, Preset] = {
     "hogwild": Hogwild,
     "localsgd": LocalSGD,
     "diloco": DiLoCo,
+    "streaming-diloco": StreamingDiLoCo,
 }
 
 
