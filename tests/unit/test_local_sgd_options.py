@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import phalanx
-from phalanx.local_sgd import DiLoCoSync, LocalSGDSync, Replica
+from phalanx.local_sgd import DiLoCoSync, LocalSGDSync, Outer, Replica
 from phalanx.local_sgd.checkpoint import FORMAT, ReplicaModelState, replica_piece
 from phalanx.local_sgd.fragments import default_offsets, due, split_fragments
 from phalanx.sharding.pieces import PieceReader
@@ -50,10 +50,12 @@ def test_the_algorithms_check_their_own_arguments() -> None:
     replica = Replica.of(nn.Linear(2, 2))
     with pytest.raises(ValueError, match=r"LocalSGDSync\(every=0\)"):
         LocalSGDSync(replica, None, 0)
-    with pytest.raises(ValueError, match=r"DiLoCoSync\(outer_momentum=1\)"):
-        DiLoCoSync(replica, None, 2, 0.7, 1)
-    with pytest.raises(ValueError, match=r"DiLoCoSync\(outer_lr=-1\)"):
-        DiLoCoSync(replica, None, 2, -1, 0.9)
+    with pytest.raises(ValueError, match=r"Outer\(momentum=1\): momentum must be a number >= 0"):
+        Outer(momentum=1)
+    with pytest.raises(ValueError, match=r"Outer\(lr=-1\)"):
+        Outer(lr=-1)
+    with pytest.raises(TypeError, match=r"DiLoCoSync\(outer=0.7\): outer must be a phalanx"):
+        DiLoCoSync(replica, None, 2, 0.7)  # type: ignore[arg-type]
 
 
 def test_replica_lists_trained_parameters_and_float_buffers() -> None:

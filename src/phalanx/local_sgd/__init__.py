@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from phalanx.local_sgd.diloco import DiLoCoSync
 from phalanx.local_sgd.local_sgd import LocalSGDSync
+from phalanx.local_sgd.outer import Outer
 from phalanx.local_sgd.periodic import PeriodicSync
 from phalanx.local_sgd.replicas import Replica
 from phalanx.local_sgd.stats import SyncStats
 
-__all__ = ["DiLoCoSync", "LocalSGDSync", "PeriodicSync", "Replica", "SyncStats"]
+__all__ = ["DiLoCoSync", "LocalSGDSync", "Outer", "PeriodicSync", "Replica", "SyncStats"]

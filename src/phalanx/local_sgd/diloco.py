@@ -10,10 +10,9 @@ With H = 1, outer lr 1 and no momentum, θ − 1·mean(θ − θ_i) is the mean 
 one step each: for plain SGD that is DDP's step, up to floating-point rounding.
 
 The outer optimizer is ``torch.optim.SGD`` over the global parameters (the pseudo-gradient as
-their ``.grad``), so its update is torch's: buf = μ·buf + Δ; θ −= lr·(Δ + μ·buf) with Nesterov,
-lr·buf without. θ and the momentum are checkpointed (:meth:`DiLoCoSync.shared_state`).
-The pseudo-gradient travels in float32 or quantised (``codec``: bf16, int8 or int4 with one
-scale per ``block`` elements, :mod:`.pending_average`); the buffers are averaged in their dtype.
+their ``.grad``, :mod:`.outer`). θ and the momentum are checkpointed
+(:meth:`DiLoCoSync.shared_state`). The pseudo-gradient travels in float32 or quantised
+(:mod:`.pending_average`); the buffers are averaged in their dtype.
 """
 
 from __future__ import annotations
@@ -23,25 +22,17 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from phalanx._check import check_bool, check_choice, check_float, check_int, fail
+from phalanx._check import check_instance
+from phalanx.local_sgd.outer import Outer
 from phalanx.local_sgd.pending_average import PendingAverage
 from phalanx.local_sgd.periodic import DEFAULT_BUCKET_BYTES, PeriodicSync
-from phalanx.local_sgd.quantise import CODECS
 from phalanx.local_sgd.replicas import Replica, nbytes
 from phalanx.mesh.replica_average import average_tensors
 
-__all__ = ["DiLoCoSync", "check_momentum"]
+__all__ = ["DiLoCoSync"]
 
 GLOBAL = "global/"
 MOMENTUM = "momentum/"
-
-
-def check_momentum(name: str, value: object, *, where: str = "") -> float:
-    """A momentum: a number >= 0 and < 1 (1 would never forget a pseudo-gradient)."""
-    number = check_float(name, value, min=0, where=where)
-    if number >= 1:
-        raise fail(name, value, "a number >= 0 and < 1", where=where)
-    return number
 
 
 class DiLoCoSync(PeriodicSync):
@@ -51,12 +42,8 @@ class DiLoCoSync(PeriodicSync):
         replica: This rank's parameters and buffers (equal on every rank when built).
         group: The replicas' process group (None: every rank).
         every: Inner steps per outer step (H, >= 1).
-        outer_lr: The outer SGD's learning rate (> 0).
-        outer_momentum: Its momentum (0 <= momentum < 1).
-        nesterov: Nesterov momentum (as DiLoCo); ignored without momentum.
+        outer: The outer optimizer and codec (:class:`.Outer`).
         bucket_bytes: Cap of each flat all-reduce bucket.
-        codec: How the pseudo-gradient travels: "fp32", "bf16", "int8" or "int4".
-        block: Elements per quantisation scale (int8, int4).
     """
 
     def __init__(
@@ -64,25 +51,16 @@ class DiLoCoSync(PeriodicSync):
         replica: Replica,
         group: dist.ProcessGroup | None,
         every: int,
-        outer_lr: float,
-        outer_momentum: float,
-        nesterov: bool = True,
+        outer: Outer,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        codec: str = "fp32",
-        block: int = 256,
     ) -> None:
         super().__init__(replica, group, every, bucket_bytes)
-        where = type(self).__name__
-        self.codec = check_choice("codec", codec, choices=CODECS, where=where)
-        self.block = check_int("block", block, min=1, where=where)
-        lr = check_float("outer_lr", outer_lr, above=0, where=where)
-        momentum = check_momentum("outer_momentum", outer_momentum, where=where)
-        nesterov = check_bool("nesterov", nesterov, where=where)
+        self.options = check_instance(
+            "outer", outer, Outer, "a phalanx.local_sgd.Outer", where=type(self).__name__
+        )
         self.global_params = [t.clone() for t in replica.param_tensors]
         """θ: the parameters of the last outer step (equal on every rank)."""
-        self.outer = torch.optim.SGD(
-            self.global_params, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0
-        )
+        self.outer = outer.optimizer(self.global_params)
 
     def pseudo_gradient(self, indices: Sequence[int]) -> list[torch.Tensor]:
         """Δ = θ − θ_local of the parameters at ``indices``, on this rank (new tensors)."""
@@ -91,7 +69,8 @@ class DiLoCoSync(PeriodicSync):
 
     def launch(self, deltas: list[torch.Tensor]) -> PendingAverage:
         """Start averaging ``deltas`` over the group in the outer codec (in place on wait)."""
-        return PendingAverage(deltas, self.group, self.codec, self.block, self.bucket_bytes)
+        o = self.options
+        return PendingAverage(deltas, self.group, o.codec, o.block, self.bucket_bytes)
 
     def average_buffers(self) -> int:
         """Average the floating-point buffers (no outer step: they have no gradient)."""

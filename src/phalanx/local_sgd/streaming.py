@@ -25,6 +25,7 @@ import torch.distributed as dist
 from phalanx._check import check_int, check_ints
 from phalanx.local_sgd.diloco import DiLoCoSync
 from phalanx.local_sgd.fragments import default_offsets, due, split_fragments
+from phalanx.local_sgd.outer import Outer
 from phalanx.local_sgd.pending_average import PendingAverage
 from phalanx.local_sgd.periodic import DEFAULT_BUCKET_BYTES
 from phalanx.local_sgd.replicas import Replica
@@ -66,19 +67,13 @@ class StreamingDiLoCoSync(DiLoCoSync):
         replica: Replica,
         group: dist.ProcessGroup | None,
         every: int,
-        outer_lr: float,
-        outer_momentum: float,
-        nesterov: bool = True,
+        outer: Outer,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        codec: str = "fp32",
-        block: int = 256,
         fragments: int = 1,
         offsets: Sequence[int] | None = None,
         overlap: int = 0,
     ) -> None:
-        super().__init__(
-            replica, group, every, outer_lr, outer_momentum, nesterov, bucket_bytes, codec, block
-        )
+        super().__init__(replica, group, every, outer, bucket_bytes)
         where = type(self).__name__
         count = check_int("fragments", fragments, min=1, where=where)
         self.plan = split_fragments([t.numel() for t in replica.param_tensors], count)

@@ -25,7 +25,7 @@ from phalanx._check import FLAG, check_choice, check_float, check_int, rule
 from phalanx.comm.group import World
 from phalanx.local_sgd import DiLoCoSync, LocalSGDSync, PeriodicSync, Replica
 from phalanx.local_sgd.checkpoint import ReplicaModelState, replica_optimizer_state
-from phalanx.local_sgd.diloco import check_momentum
+from phalanx.local_sgd.outer import Outer, check_momentum
 from phalanx.local_sgd.quantise import CODECS
 from phalanx.train.precision import Precision
 from phalanx.train.strategies.base import (
@@ -129,18 +129,15 @@ class DiLoCo(ReplicaStrategy):
             quantise_block=rule(check_int, min=1),
         )
 
-    def make_sync(self, replica: Replica, group: dist.ProcessGroup | None) -> PeriodicSync:
-        return DiLoCoSync(
-            replica,
-            group,
-            self.sync_every,
-            self.outer_lr,
-            self.outer_momentum,
-            self.nesterov,
-            bucket_bytes(self.bucket_cap_mb),
-            self.quantise,
-            self.quantise_block,
+    def outer(self) -> Outer:
+        """The outer step these options describe."""
+        return Outer(
+            self.outer_lr, self.outer_momentum, self.nesterov, self.quantise, self.quantise_block
         )
+
+    def make_sync(self, replica: Replica, group: dist.ProcessGroup | None) -> PeriodicSync:
+        cap = bucket_bytes(self.bucket_cap_mb)
+        return DiLoCoSync(replica, group, self.sync_every, self.outer(), cap)
 
 
 class ReplicaRunner(Runner):

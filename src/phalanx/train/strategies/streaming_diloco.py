@@ -68,16 +68,13 @@ class StreamingDiLoCo(DiLoCo):
             )
 
     def make_sync(self, replica: Replica, group: dist.ProcessGroup | None) -> PeriodicSync:
+        cap = bucket_bytes(self.bucket_cap_mb)
         return StreamingDiLoCoSync(
             replica,
             group,
             self.sync_every,
-            self.outer_lr,
-            self.outer_momentum,
-            self.nesterov,
-            bucket_bytes(self.bucket_cap_mb),
-            self.quantise,
-            self.quantise_block,
+            self.outer(),
+            cap,
             self.fragments,
             self.offsets,
             self.overlap,
