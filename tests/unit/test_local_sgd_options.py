@@ -118,3 +118,38 @@ def test_fragments_are_balanced_runs_of_consecutive_parameters() -> None:
     assert default_offsets(8, 3) == [0, 2, 5]
     assert [s for s in range(1, 13) if due(s, 4, 0)] == [4, 8, 12]
     assert [s for s in range(1, 13) if due(s, 4, 2)] == [2, 6, 10]
+
+
+@pytest.fixture
+def alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A world of one: no launcher's variables."""
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.mark.usefixtures("alone")
+def test_fp16_and_a_missing_optimizer_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"precision='fp16-mixed' with strategy LocalSGD\("):
+        phalanx.Job(phalanx.LocalSGD(), precision="fp16-mixed")
+    assert not phalanx.is_initialized()
+    with phalanx.Job("diloco") as job, pytest.raises(ValueError, match="pass the optimizer"):
+        job.setup(nn.Linear(2, 2), None)
+
+
+@pytest.mark.usefixtures("alone")
+def test_alone_diloco_restarts_from_theta_every_h_steps_and_sends_nothing_for_localsgd() -> None:
+    for strategy in (phalanx.DiLoCo(sync_every=2), phalanx.LocalSGD(sync_every=2)):
+        with phalanx.Job(strategy, straggler_check_every=0) as job:
+            model = nn.Linear(3, 2)
+            opt = torch.optim.AdamW(model.parameters(), 0.1)
+            model, _ = job.setup(model, opt, loss_fn=torch.nn.functional.mse_loss)
+            for _ in range(4):
+                job.forward_backward(torch.randn(4, 3), torch.randn(4, 2))
+                job.step()
+            sync = job.runner.sync  # type: ignore[attr-defined]
+            assert sync.stats.syncs == 2
+            if isinstance(sync, DiLoCoSync):
+                assert all(map(torch.equal, sync.global_params, model.parameters()))
+                assert sync.outer.state  # the momentum exists after two outer steps
+            else:
+                assert sync.stats.bytes_sent == 0  # nothing to average with

@@ -75,8 +75,8 @@ class DiLoCoSync(PeriodicSync):
     def average_buffers(self) -> int:
         """Average the floating-point buffers (no outer step: they have no gradient)."""
         buffers = self.replica.buffer_tensors
-        average_tensors(buffers, self.group, self.bucket_bytes)
-        return nbytes(buffers)
+        sent = average_tensors(buffers, self.group, self.bucket_bytes)  # buckets; 0 alone
+        return nbytes(buffers) if sent else 0
 
     def sync(self) -> int:
         every = range(len(self.global_params))

@@ -21,5 +21,5 @@ class LocalSGDSync(PeriodicSync):
 
     def sync(self) -> int:
         tensors = self.replica.param_tensors + self.replica.buffer_tensors
-        average_tensors(tensors, self.group, self.bucket_bytes)
-        return nbytes(tensors)
+        sent = average_tensors(tensors, self.group, self.bucket_bytes)  # buckets; 0 alone
+        return nbytes(tensors) if sent else 0
