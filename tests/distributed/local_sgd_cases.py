@@ -61,8 +61,11 @@ def adamw(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=3e-2)
 
 
-def train(strategy: phalanx.train.Strategy | str, make_opt: Optim) -> dict[str, Any]:
-    """STEPS steps of ``strategy`` on this rank's batches: parameters, stats, bytes sent."""
+def train(
+    strategy: phalanx.train.Strategy | str, make_opt: Optim, flush: bool = False
+) -> dict[str, Any]:
+    """STEPS steps of ``strategy`` on this rank's batches (then, with ``flush``, a
+    synchronisation off the schedule): parameters, stats, bytes sent."""
     model = make_model()
     opt = make_opt(model)
     job = phalanx.Job(strategy, straggler_check_every=0)
@@ -71,9 +74,12 @@ def train(strategy: phalanx.train.Strategy | str, make_opt: Optim) -> dict[str, 
     for step in range(STEPS):
         job.forward_backward(*batch(job.world.rank, step))
         job.step()
-    sent = sum(b for _, b in phalanx.comm_stats().values())
     runner = job.runner
-    stats = runner.sync.stats if isinstance(runner, ReplicaRunner) and runner.sync else None
+    sync = runner.sync if isinstance(runner, ReplicaRunner) else None
+    if flush and sync is not None:
+        sync.flush()
+    sent = sum(b for _, b in phalanx.comm_stats().values())
+    stats = None if sync is None else sync.stats
     out = {"params": [p.detach().clone() for p in model.parameters()], "sent": sent}
     out["stats"] = None if stats is None else (stats.syncs, stats.bytes_sent)
     job.close()

@@ -10,6 +10,7 @@ ranks (one set of rank processes for every run; ``local_sgd_cases.py`` trains an
 - Streaming DiLoCo: one fragment, offset 0, no overlap is DiLoCo, bitwise (fp32 and int8
   outer gradients); two fragments on staggered beats with a 1-step overlap and int8 / int4
   outer gradients equal the simulation of the paper's schedule, bitwise.
+- ``flush()`` at the end leaves every replica with the same model.
 - Bytes: what each rank hands to collectives is its parameters once per synchronisation
   (encoded: values and scales, when quantised), counted alike by ``SyncStats`` and
   ``phalanx.comm_stats()``.
@@ -59,6 +60,9 @@ def _every_run() -> dict[str, Any]:
         out[f"streaming1-{codec}"] = train(streaming, adamw)
     for codec in ("int8", "int4"):
         out[f"streaming2-{codec}"] = train(_streaming(codec), adamw)
+    out["localsgd-flushed"] = train(phalanx.LocalSGD(sync_every=3), adamw, flush=True)
+    out["diloco-flushed"] = train(phalanx.DiLoCo(sync_every=3, **OUTER), adamw, flush=True)
+    out["streaming2-int8-flushed"] = train(_streaming("int8"), adamw, flush=True)
     if dist.get_rank() == 0:
         out["sim-localsgd"] = simulate(3, adamw, None)
         out["sim-diloco"] = simulate(3, adamw, {"lr": 0.7, "momentum": 0.9})
@@ -130,3 +134,16 @@ def test_one_fragment_without_overlap_is_diloco(codec: str, runs: list[dict[str,
         one, ref = got[f"streaming1-{codec}"], got["diloco" if codec == "fp32" else "diloco-int8"]
         assert all(map(torch.equal, one["params"], ref["params"])), f"rank {rank} {codec}"
         assert one["stats"] == ref["stats"]
+
+
+def test_flush_leaves_every_replica_with_one_model(runs: list[dict[str, Any]]) -> None:
+    for name in ("localsgd-flushed", "diloco-flushed", "streaming2-int8-flushed"):
+        for a, b in zip(runs[0][name]["params"], runs[1][name]["params"]):
+            assert torch.equal(a, b), name
+    # LocalSGD's flush is the average of where the replicas were (the runs are the same).
+    ends = [r["localsgd"]["params"] for r in runs]
+    for a, b0, b1 in zip(runs[0]["localsgd-flushed"]["params"], *ends):
+        assert torch.equal(a, (b0 + b1) / 2)
+    assert runs[0]["localsgd-flushed"]["stats"][0] == 3  # steps 3, 6, and the flush
+    # Streaming: the 5 launches, then one outer step of the whole model.
+    assert runs[0]["streaming2-int8-flushed"]["stats"][0] == 6

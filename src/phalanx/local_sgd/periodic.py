@@ -54,12 +54,23 @@ class PeriodicSync:
         self.steps += 1
         if self.steps < self.every:
             return False
+        self._timed_sync()
+        self.steps = 0
+        return True
+
+    def flush(self) -> None:
+        """Synchronise now, off the schedule, if any step was taken since the last time: the
+        end of training, so that every replica holds the same model to evaluate and export
+        (LocalSGD's average, DiLoCo's θ after an outer step). Collective."""
+        if self.steps:
+            self._timed_sync()
+            self.steps = 0
+
+    def _timed_sync(self) -> None:
         start = time.perf_counter()
         with torch.no_grad():
             sent = self.sync()
         self.stats.add(sent, time.perf_counter() - start)
-        self.steps = 0
-        return True
 
     def sync(self) -> int:
         """Bring the replicas together; the bytes this rank handed to collectives."""
