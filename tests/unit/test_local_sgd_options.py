@@ -3,6 +3,8 @@ by name, the fragment plan, and what a checkpoint of replicas refuses."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -153,3 +155,22 @@ def test_alone_diloco_restarts_from_theta_every_h_steps_and_sends_nothing_for_lo
                 assert sync.outer.state  # the momentum exists after two outer steps
             else:
                 assert sync.stats.bytes_sent == 0  # nothing to average with
+
+
+@pytest.mark.usefixtures("alone")
+def test_a_diloco_checkpoint_exports_theta_to_a_plain_model(tmp_path: Path) -> None:
+    with phalanx.Job(phalanx.DiLoCo(sync_every=2), checkpoint_dir=tmp_path) as job:
+        model = nn.Linear(3, 2)
+        opt = torch.optim.AdamW(model.parameters(), 0.1)
+        model, _ = job.setup(model, opt, loss_fn=torch.nn.functional.mse_loss)
+        for _ in range(3):  # one outer step, then one inner step: θ != the local model
+            job.forward_backward(torch.randn(4, 3), torch.randn(4, 2))
+            job.step()
+        job.save(async_=False)
+        theta = [t.clone() for t in job.runner.sync.global_params]  # type: ignore[attr-defined]
+        assert not torch.equal(theta[0], model.weight.detach())
+    plain = nn.Linear(3, 2)
+    with pytest.warns(UserWarning, match=r"unexpected .*momentum/bias.*replica/weight"):
+        phalanx.checkpoint.load(tmp_path, model=plain, strict=False)
+    assert torch.equal(plain.weight.detach(), theta[0])
+    assert torch.equal(plain.bias.detach(), theta[1])

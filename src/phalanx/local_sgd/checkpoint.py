@@ -5,9 +5,10 @@ inner optimizer (AdamW's moments) differs for good; a checkpoint of rank 0's alo
 every rank as rank 0. So each rank writes its model state and optimizer state as
 :class:`~phalanx.sharding.pieces.Piece` records of a tensor with a leading replica dimension:
 ``replica/<name>`` of shape ``(world_size, *shape)``, rank ``r`` holding row ``r``. Rank 0
-also writes the state the ranks share (DiLoCo's global parameters and outer momentum, keyed by
-name) and ``meta``: the format, the world size and the steps since the last synchronisation.
-A job resumes at the world size that saved it (its replicas are per rank).
+also writes the state the ranks share (DiLoCo's global parameters θ under the parameters' own
+names, so that ``checkpoint.load(path, model=plain_model, strict=False)`` exports θ; its outer
+momentum) and ``meta``: the format, the world size and the steps since the last
+synchronisation. A job resumes at the world size that saved it (its replicas are per rank).
 """
 
 from __future__ import annotations

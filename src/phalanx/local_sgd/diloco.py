@@ -31,7 +31,9 @@ from phalanx.mesh.replica_average import average_tensors
 
 __all__ = ["DiLoCoSync"]
 
-GLOBAL = "global/"
+GLOBAL = ""
+"""θ is saved under the parameters' own names: ``checkpoint.load(path, model=plain_model,
+strict=False)`` loads the global model of a DiLoCo checkpoint (the rest is prefixed)."""
 MOMENTUM = "momentum/"
 
 
@@ -98,7 +100,7 @@ class DiLoCoSync(PeriodicSync):
             local[i].copy_(self.global_params[i])
 
     def shared_state(self) -> dict[str, torch.Tensor]:
-        """θ (``global/<name>``) and the outer momentum (``momentum/<name>``, once it exists)."""
+        """θ (by parameter name) and the outer momentum (``momentum/<name>``, once it exists)."""
         out: dict[str, torch.Tensor] = {}
         for (name, _), theta in zip(self.replica.params, self.global_params):
             out[GLOBAL + name] = theta
