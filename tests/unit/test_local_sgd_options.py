@@ -174,3 +174,33 @@ def test_a_diloco_checkpoint_exports_theta_to_a_plain_model(tmp_path: Path) -> N
         phalanx.checkpoint.load(tmp_path, model=plain, strict=False)
     assert torch.equal(plain.weight.detach(), theta[0])
     assert torch.equal(plain.bias.detach(), theta[1])
+
+
+def _frozen_job(path: Path) -> tuple[phalanx.Job, nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+    model[0].weight.requires_grad_(False)  # AdamW never steps it: it has no state
+    opt = torch.optim.AdamW(model.parameters(), 0.1)
+    job = phalanx.Job(phalanx.LocalSGD(sync_every=2), checkpoint_dir=path)
+    model, _ = job.setup(model, opt, loss_fn=torch.nn.functional.mse_loss)
+    return job, model, opt
+
+
+@pytest.mark.usefixtures("alone")
+def test_resume_restores_the_inner_state_of_stepped_parameters_only(tmp_path: Path) -> None:
+    job, model, opt = _frozen_job(tmp_path)
+    with job:
+        for _ in range(3):
+            job.forward_backward(torch.randn(4, 3), torch.randn(4, 2))
+            job.step()
+        job.save(async_=False)
+        saved = {i: dict(opt.state[p]) for i, p in enumerate(model.parameters()) if p in opt.state}
+    job, model, opt = _frozen_job(tmp_path)
+    with job:
+        job.resume()
+        assert model[0].weight not in opt.state
+        for i, p in enumerate(model.parameters()):
+            if i in saved:
+                assert torch.equal(opt.state[p]["exp_avg"], saved[i]["exp_avg"])
+                assert torch.equal(opt.state[p]["step"], saved[i]["step"])
+        assert len(saved) == 3

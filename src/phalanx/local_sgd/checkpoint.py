@@ -88,6 +88,25 @@ class ReplicaModelState:
             raise ValueError(f"the checkpoint's steps since the last sync is {steps!r}")
 
 
+class _ReplicaOptimizerState(ParallelOptimizerState):
+    """Restores only the parameters whose state the checkpoint holds (a frozen or unused
+    parameter has none: AdamW never stepped it)."""
+
+    def load_sharded_state(self, meta: dict[str, Any], reader: PieceReader) -> None:
+        saved = set(reader.keys())
+        names = meta.get("per_element", [])
+        every = self.layout
+        self.layout = [
+            (p, held)
+            for p, held in every
+            if all(h.of_state(k).key in saved for h in held for k in names)
+        ]
+        try:
+            super().load_sharded_state(meta, reader)
+        finally:
+            self.layout = every
+
+
 def replica_optimizer_state(
     model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, world_size: int
 ) -> ParallelOptimizerState:
@@ -96,4 +115,4 @@ def replica_optimizer_state(
     layout: HeldPieces = [
         (p, [replica_piece(n, p, rank, world_size)]) for n, p in model.named_parameters()
     ]
-    return ParallelOptimizerState(optimizer, layout, {id(p) for p, _ in layout})
+    return _ReplicaOptimizerState(optimizer, layout, {id(p) for p, _ in layout})
