@@ -23,7 +23,8 @@ list against ``__all__``); everything else stays importable from its subpackage:
 - Counting what went on the wire: ``comm_stats``, ``reset_comm_stats``.
 - The job API: ``Job`` and its strategies ``DDP``, ``Zero``, ``Mesh``, ``PS`` (parameter
   servers: ``phalanx.parameter_server.ParameterServer`` is the low-level object it drives, hence
-  the short name), ``Hogwild``, ``TorchDDP``, ``TorchZero1``, ``TorchFSDP`` (torch's baselines).
+  the short name), ``LocalSGD``, ``DiLoCo`` and ``StreamingDiLoCo`` (slow links),
+  ``Hogwild``, ``TorchDDP``, ``TorchZero1``, ``TorchFSDP`` (torch's baselines).
   Single-process ``"single"`` / ``"dp"``, the ``Strategy`` base class and ``register_strategy``
   are in ``phalanx.train``.
 - Starting workers from Python: ``spawn``, ``SpawnError``.
@@ -104,9 +105,12 @@ if TYPE_CHECKING:  # loaded by __getattr__ on first use; imported here for type 
     from phalanx.sharding.zero3 import FullyShardedDataParallel as FullyShardedDataParallel
     from phalanx.train import DDP as DDP
     from phalanx.train import PS as PS
+    from phalanx.train import DiLoCo as DiLoCo
     from phalanx.train import Hogwild as Hogwild
     from phalanx.train import Job as Job
+    from phalanx.train import LocalSGD as LocalSGD
     from phalanx.train import Mesh as Mesh
+    from phalanx.train import StreamingDiLoCo as StreamingDiLoCo
     from phalanx.train import TorchDDP as TorchDDP
     from phalanx.train import TorchFSDP as TorchFSDP
     from phalanx.train import TorchZero1 as TorchZero1
@@ -126,6 +130,7 @@ _SUBMODULES = (
     "hogwild",
     "horovod",
     "launch",
+    "local_sgd",
     "mesh",
     "model_parallel",
     "models",
@@ -157,6 +162,9 @@ _LAZY_NAMES = {
     "Mesh": "phalanx.train",
     "PS": "phalanx.train",
     "Hogwild": "phalanx.train",
+    "LocalSGD": "phalanx.train",
+    "DiLoCo": "phalanx.train",
+    "StreamingDiLoCo": "phalanx.train",
     "TorchDDP": "phalanx.train",
     "TorchZero1": "phalanx.train",
     "TorchFSDP": "phalanx.train",
@@ -186,14 +194,17 @@ __all__ = [
     "PS",
     "CollectiveError",
     "DataParallel",
+    "DiLoCo",
     "DistributedDataParallel",
     "DistributedSampler",
     "FullyShardedDataParallel",
     "Hogwild",
     "Job",
+    "LocalSGD",
     "Mesh",
     "ReduceOp",
     "SpawnError",
+    "StreamingDiLoCo",
     "SyncBatchNorm",
     "TorchDDP",
     "TorchFSDP",

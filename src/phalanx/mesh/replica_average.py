@@ -5,12 +5,13 @@ other micro-batches, so DDP's "all-reduce during the one backward" does not appl
 accumulated gradients are averaged once the schedule has run, on the same bucket planner and
 engine as DDP's (:mod:`phalanx.data_parallel.buckets`, :mod:`~phalanx.data_parallel.bucket_engine`):
 flat buckets of at most ``bucket_bytes`` (one dtype and device each), every bucket launched
-before the first wait, then copied back.
+before the first wait, then copied back. :func:`average_tensors` is the same average over any
+tensors (LocalSGD and DiLoCo average parameters and pseudo-gradients with it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -20,14 +21,14 @@ from phalanx.data_parallel.bucket_engine import BucketEngine
 from phalanx.data_parallel.buckets import BucketPlan, ParamSpec, plan_buckets
 from phalanx.data_parallel.coalesce import copy_back, flatten
 
-__all__ = ["average_gradients"]
+__all__ = ["average_gradients", "average_tensors"]
 
 
 class _Average:
     """The engine's collective: one averaging all-reduce per flat bucket."""
 
     def __init__(
-        self, grads: list[torch.Tensor], plans: list[BucketPlan], group: dist.ProcessGroup
+        self, grads: list[torch.Tensor], plans: list[BucketPlan], group: dist.ProcessGroup | None
     ) -> None:
         self.grads, self.plans, self.group = grads, plans, group
         self.flats: dict[int, torch.Tensor] = {}
@@ -51,17 +52,31 @@ def average_gradients(
     Parameters without a gradient are skipped, so every rank of ``group`` must hold gradients
     for the same parameters (replicas of one model shard do).
     """
+    return average_tensors([p.grad for p in params if p.grad is not None], group, bucket_bytes)
+
+
+def average_tensors(
+    tensors: Sequence[torch.Tensor],
+    group: dist.ProcessGroup | None,
+    bucket_bytes: int = 25 * 1024 * 1024,
+) -> int:
+    """Replace each of ``tensors`` (floating point) by its mean over ``group``, in flat buckets
+    of at most ``bucket_bytes`` (one dtype and device each); returns buckets sent.
+
+    Every rank of ``group`` must pass tensors of the same shapes and dtypes in the same order
+    (the gradients of one model's replicas, LocalSGD's parameters).
+    """
     if bucket_bytes < 1:
-        raise ValueError(f"average_gradients: bucket_bytes must be >= 1, got {bucket_bytes}")
-    if dist.get_world_size(group) == 1:
+        raise ValueError(f"average_tensors: bucket_bytes must be >= 1, got {bucket_bytes}")
+    if dist.get_world_size(group) == 1 or not tensors:
         return 0
-    grads = [p.grad for p in params if p.grad is not None]
+    listed = list(tensors)
     specs = [
-        ParamSpec(i, g.numel(), g.element_size(), str(g.dtype), str(g.device))
-        for i, g in enumerate(grads)
+        ParamSpec(i, t.numel(), t.element_size(), str(t.dtype), str(t.device))
+        for i, t in enumerate(listed)
     ]
     plans = plan_buckets(specs, (bucket_bytes,))
-    engine = BucketEngine([0] * len(plans), _Average(grads, plans, group))
-    engine.launch_all()  # every gradient is complete: all buckets go out before the first wait
+    engine = BucketEngine([0] * len(plans), _Average(listed, plans, group))
+    engine.launch_all()  # every tensor is complete: all buckets go out before the first wait
     engine.wait_all()
     return len(plans)

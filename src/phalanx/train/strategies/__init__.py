@@ -10,10 +10,12 @@ from __future__ import annotations
 from phalanx.train.strategies.base import JobOptions, Prepared, Runner, Strategy
 from phalanx.train.strategies.ddp import DDP
 from phalanx.train.strategies.hogwild import Hogwild
+from phalanx.train.strategies.local_sgd import DiLoCo, LocalSGD
 from phalanx.train.strategies.mesh import Mesh
 from phalanx.train.strategies.ps import PS
 from phalanx.train.strategies.registry import register_strategy, resolve, strategy_names
 from phalanx.train.strategies.single import DP, Single
+from phalanx.train.strategies.streaming_diloco import StreamingDiLoCo
 from phalanx.train.strategies.torch_ddp import TorchDDP
 from phalanx.train.strategies.torch_fsdp import TorchFSDP
 from phalanx.train.strategies.torch_zero import TorchZero1
@@ -23,13 +25,16 @@ __all__ = [
     "DDP",
     "DP",
     "PS",
+    "DiLoCo",
     "Hogwild",
     "JobOptions",
+    "LocalSGD",
     "Mesh",
     "Prepared",
     "Runner",
     "Single",
     "Strategy",
+    "StreamingDiLoCo",
     "TorchDDP",
     "TorchFSDP",
     "TorchZero1",

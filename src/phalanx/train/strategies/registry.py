@@ -12,9 +12,11 @@ from phalanx._check import FLAG, check_str, checked, fail, rule
 from phalanx.train.strategies.base import Strategy
 from phalanx.train.strategies.ddp import DDP
 from phalanx.train.strategies.hogwild import Hogwild
+from phalanx.train.strategies.local_sgd import DiLoCo, LocalSGD
 from phalanx.train.strategies.mesh import Mesh
 from phalanx.train.strategies.ps import PS
 from phalanx.train.strategies.single import DP, Single
+from phalanx.train.strategies.streaming_diloco import StreamingDiLoCo
 from phalanx.train.strategies.torch_ddp import TorchDDP
 from phalanx.train.strategies.torch_fsdp import TorchFSDP
 from phalanx.train.strategies.torch_zero import TorchZero1
@@ -41,6 +43,9 @@ _PRESETS: dict[str, Preset] = {
     "ps-async": lambda: PS(mode="async"),
     "ssp": lambda: PS(mode="ssp"),  # needs a bound: the error says phalanx.PS(staleness=)
     "hogwild": Hogwild,
+    "localsgd": LocalSGD,
+    "diloco": DiLoCo,
+    "streaming-diloco": StreamingDiLoCo,
 }
 
 
