@@ -11,14 +11,24 @@ from phalanx._optional import MissingExtraError
 
 __all__ = ["main"]
 
-SUITES = ("comm", "ddp", "checkpoint", "zero", "pipeline", "tensor_parallel", "param_server")
+SUITES = (
+    "comm",
+    "ddp",
+    "checkpoint",
+    "zero",
+    "pipeline",
+    "tensor_parallel",
+    "param_server",
+    "low_bandwidth",
+)
 
 USAGE = """usage: phalanx <command> [args]
 
 commands:
   run      launch a training script on N processes / machines (torchrun's flags)
   bench    benchmarks: `phalanx bench SUITE [--quick] [--out DIR]`, SUITE one of comm, ddp,
-           checkpoint, zero, pipeline, tensor_parallel, param_server (ours vs torch, same run;
+           checkpoint, zero, pipeline, tensor_parallel, param_server, low_bandwidth (ours vs
+           torch or the methods against each other, same run;
            results in DIR, default a new runs/bench-SUITE-<timestamp>/)
   plan     model-state memory per device for DDP and ZeRO-1/2/3 (the ZeRO paper's formulas)
   doctor   check torch, backends, GPUs, network interfaces and ports

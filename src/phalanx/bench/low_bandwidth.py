@@ -1,0 +1,158 @@
+"""``phalanx bench low_bandwidth``: data parallelism against communicating rarely, on a slow link.
+
+Two network namespaces joined by a veth capped at ``--mbit`` each way (``slow_link``: ``tc
+tbf``) stand for two machines; each runs ``phalanx run`` with one training rank, so every
+byte between the workers crosses the slow link. One after another on that link, the methods
+train the same small char GPT from the same weights on the same token budget
+(``low_bandwidth_worker``):
+
+- ``ddp``: phalanx DDP, gradients all-reduced every step;
+- ``powersgd``: the same with the rank-4 PowerSGD hook (compressed every step);
+- ``ps_async``: an asynchronous parameter server (its server beside the first worker, on the
+  first machine; so the second worker pushes and pulls over the link);
+- ``localsgd``, ``diloco`` (fp32), ``diloco_int8`` and ``streaming_diloco`` (4 fragments, int8
+  outer gradients): every ``--sync-every`` steps.
+
+Reported per method: the final validation loss, the bytes each machine sent over the link
+(its interface counters, so every protocol's overhead counts), wall time, utilisation (the
+share of time not waiting for communication) and loss against wall time
+(``low_bandwidth.png`` with ``bench`` extras). Needs root and iproute2 (network namespaces);
+without them it says so and exits 2. The last line is ``RESULT {json}`` with ``methods``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from phalanx.bench.common import Output, add_output_flags
+from phalanx.bench.low_bandwidth_worker import METHODS
+from phalanx.bench.slow_link import Link, slow_link, unavailable
+
+__all__ = ["main", "summarize"]
+
+DEFAULT = ("ddp", "powersgd", "ps_async", "localsgd", "diloco", "diloco_int8", "streaming_diloco")
+
+
+def _env() -> dict[str, str]:
+    src = str(Path(__file__).resolve().parents[2])
+    env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _run_method(link: Link, method: str, out: Path, worker_args: list[str], timeout: float) -> None:
+    """Train ``method`` over ``link``: one agent per namespace (the first gets the PS server)."""
+    port = str(random.randrange(20000, 30000))
+    procs = []
+    for side in (0, 1):
+        nproc = "2" if method == "ps_async" and side == 0 else "1"
+        node = ["--nnodes", "2", "--node-rank", str(side), "--nproc-per-node", nproc]
+        master = ["--master-addr", link.addr[0], "--master-port", port, "--rdzv-timeout", "60"]
+        launch = [sys.executable, "-m", "phalanx.launch", *node, *master]
+        worker = ["-m", "phalanx.bench.low_bandwidth_worker", method, str(out), *worker_args]
+        procs.append(link.popen(side, [*launch, *worker], env=_env()))
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            if p.returncode != 0:
+                raise RuntimeError(f"{method} failed (exit {p.returncode}):\n{err[-3000:]}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.communicate()
+
+
+def summarize(reports: list[dict[str, Any]], link_mbit: float) -> dict[str, Any]:
+    """One method's row from its ranks' reports: per-machine bytes, worker loss, time."""
+    workers = [r for r in reports if not r["server"]]
+    per_node = [r["tx_bytes"] for r in reports if r["local_rank"] == 0]
+    return {
+        "bytes_per_rank": statistics.mean(per_node),
+        "final_val_loss": statistics.mean(r["final_val_loss"] for r in workers),
+        "wall_s": max(r["wall_s"] for r in workers),
+        "utilisation": statistics.mean(r["utilisation"] for r in workers),
+        "collective_bytes": workers[0]["collective_bytes"],
+        "curve": min(workers, key=lambda r: r["rank"])["curve"],
+        "link_mbit": link_mbit,
+    }
+
+
+def _print(methods: dict[str, dict[str, Any]], mbit: float) -> None:
+    base = methods.get("ddp")
+    print(f"\nslow link: {mbit:g} Mbit/s each way (tc tbf between two network namespaces)")
+    head = ("method", "val loss", "MB sent", "vs ddp", "wall s", "x ddp", "util")
+    print("".join(f"{h:<18}" if i == 0 else f"{h:>9}" for i, h in enumerate(head)))
+    for name, m in methods.items():
+        fewer = f"{base['bytes_per_rank'] / m['bytes_per_rank']:.0f}x" if base else "-"
+        faster = f"{base['wall_s'] / m['wall_s']:.2f}" if base else "-"
+        print(
+            f"{name:<18}{m['final_val_loss']:>9.4f}{m['bytes_per_rank'] / 1e6:>9.2f}{fewer:>9}"
+            f"{m['wall_s']:>9.1f}{faster:>9}{m['utilisation']:>9.2f}"
+        )
+
+
+def _plot(methods: dict[str, dict[str, Any]], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(no plot: matplotlib is missing; pip install 'phalanx[bench]')")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, m in methods.items():
+        ax.plot([c[0] for c in m["curve"]], [c[2] for c in m["curve"]], marker=".", label=name)
+    ax.set(xlabel="wall time (s)", ylabel="validation loss", title="char GPT over a slow link")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``phalanx bench low_bandwidth [--mbit 100] [--steps 400] [--methods ...] [--out DIR]``."""
+    parser = argparse.ArgumentParser(prog="phalanx bench low_bandwidth", description=__doc__)
+    parser.add_argument("--mbit", type=float, default=100.0, help="link rate each way, Mbit/s")
+    parser.add_argument("--steps", type=int, default=400, help="batches per worker")
+    parser.add_argument("--sync-every", type=int, default=100, help="H of the replica methods")
+    parser.add_argument("--methods", default=",".join(DEFAULT), help=f"comma list of {METHODS}")
+    parser.add_argument("--no-plot", action="store_true", help="skip the plot")
+    add_output_flags(parser, "low_bandwidth")
+    args = parser.parse_args(argv)
+    methods = [m for m in args.methods.split(",") if m]
+    if not methods or any(m not in METHODS for m in methods):
+        parser.error(f"--methods must name some of {', '.join(METHODS)}, got {args.methods!r}")
+    for flag in ("mbit", "steps", "sync_every"):
+        if getattr(args, flag) <= 0:
+            parser.error(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+    if (why := unavailable()) is not None:
+        print(f"phalanx bench low_bandwidth: {why}", file=sys.stderr)
+        return 2
+    output = Output.create("low_bandwidth", args.out, args.json)
+    worker_args = ["--steps", str(args.steps), "--sync-every", str(args.sync_every)]
+    rows: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="phalanx-lowbw-") as tmp, slow_link(args.mbit) as link:
+        for method in methods:
+            _run_method(link, method, Path(tmp), worker_args, timeout=60 + 2.0 * args.steps)
+            reports = [json.loads(p.read_text()) for p in Path(tmp).glob(f"{method}-rank*.json")]
+            rows[method] = summarize(reports, args.mbit)
+            output.rows([{"method": method, **rows[method]}])
+    _print(rows, args.mbit)
+    if not args.no_plot:
+        _plot(rows, output.path("low_bandwidth.png"))
+    config = {"steps": args.steps, "sync_every": args.sync_every, "link_mbit": args.mbit}
+    output.result({"link_mbit": args.mbit, "config": config, "methods": rows})
+    return 0
