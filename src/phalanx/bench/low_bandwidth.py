@@ -128,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mbit", type=float, default=100.0, help="link rate each way, Mbit/s")
     parser.add_argument("--steps", type=int, default=400, help="batches per worker")
     parser.add_argument("--sync-every", type=int, default=100, help="H of the replica methods")
+    parser.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer lr")
+    parser.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo's momentum")
     parser.add_argument("--methods", default=",".join(DEFAULT), help=f"comma list of {METHODS}")
     parser.add_argument("--no-plot", action="store_true", help="skip the plot")
     add_output_flags(parser, "low_bandwidth")
@@ -143,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     output = Output.create("low_bandwidth", args.out, args.json)
     worker_args = ["--steps", str(args.steps), "--sync-every", str(args.sync_every)]
+    worker_args += ["--outer-lr", str(args.outer_lr), "--outer-momentum", str(args.outer_momentum)]
     rows: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="phalanx-lowbw-") as tmp, slow_link(args.mbit) as link:
         for method in methods:
@@ -154,5 +157,6 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_plot:
         _plot(rows, output.path("low_bandwidth.png"))
     config = {"steps": args.steps, "sync_every": args.sync_every, "link_mbit": args.mbit}
+    config.update(outer_lr=args.outer_lr, outer_momentum=args.outer_momentum)
     output.result({"link_mbit": args.mbit, "config": config, "methods": rows})
     return 0

@@ -35,8 +35,9 @@ METHODS = ("ddp", "powersgd", "ps_async", "localsgd", "diloco", "diloco_int8", "
 SEED = 1234
 
 
-def strategy_for(method: str, sync_every: int) -> Any:
-    """The ``phalanx.Job`` strategy of ``method`` (H = ``sync_every`` for the replica ones)."""
+def strategy_for(method: str, sync_every: int, outer_lr: float = 0.7, momentum: float = 0.9) -> Any:
+    """The ``phalanx.Job`` strategy of ``method`` (H = ``sync_every`` for the replica ones;
+    DiLoCo's outer Nesterov SGD with ``outer_lr`` and ``momentum``)."""
     if method in ("ddp", "powersgd"):
         return phalanx.DDP()
     if method == "ps_async":
@@ -45,9 +46,13 @@ def strategy_for(method: str, sync_every: int) -> Any:
         return phalanx.LocalSGD(sync_every=sync_every)
     if method in ("diloco", "diloco_int8"):
         quantise = "int8" if method == "diloco_int8" else "fp32"
-        return phalanx.DiLoCo(sync_every=sync_every, quantise=quantise)
+        return phalanx.DiLoCo(
+            sync_every=sync_every, outer_lr=outer_lr, outer_momentum=momentum, quantise=quantise
+        )
     if method == "streaming_diloco":
-        return phalanx.StreamingDiLoCo(sync_every=sync_every, fragments=4, quantise="int8")
+        return phalanx.StreamingDiLoCo(
+            sync_every=sync_every, outer_lr=outer_lr, outer_momentum=momentum, quantise="int8"
+        )
     raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
 
 
@@ -94,6 +99,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--n-embd", type=int, default=128)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--sync-every", type=int, default=100, help="H of the replica methods")
+    p.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer learning rate")
+    p.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo's outer momentum")
     p.add_argument("--eval-every", type=int, default=50)
     return p.parse_args(argv)
 
@@ -127,7 +134,8 @@ def _setup(
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     torch.set_num_threads(1)
-    job = phalanx.Job(strategy_for(args.method, args.sync_every), seed=SEED)
+    strategy = strategy_for(args.method, args.sync_every, args.outer_lr, args.outer_momentum)
+    job = phalanx.Job(strategy, seed=SEED)
     model, loader, val, workers = _setup(args, job)
     tx0, start = link_tx_bytes(), time.perf_counter()
     curve: list[tuple[float, int, float]] = []
