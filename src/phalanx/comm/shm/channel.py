@@ -1,0 +1,125 @@
+"""A group's shared segment as the collectives see it: typed slots, steps and barriers.
+
+Every collective is a sequence of *steps*; a step uses the slots and result of one parity
+(steps alternate), and has one or two barriers. The first step of a call publishes the call's
+descriptor and checks everyone's after its first barrier.
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Callable
+
+import torch
+
+from phalanx.comm.errors import CollectiveError, CollectiveMismatchError
+from phalanx.comm.shm.descriptor import Call, check_same
+from phalanx.comm.shm.layout import Layout
+from phalanx.comm.shm.sync import Arrivals
+
+__all__ = ["Channel", "guarded"]
+
+
+class Channel:
+    """Typed views of a mapped segment, and the barrier over its ranks."""
+
+    def __init__(
+        self,
+        segment: mmap.mmap,
+        layout: Layout,
+        rank: int,
+        timeout_s: float,
+        spin_s: float,
+        label: str,
+    ) -> None:
+        self.segment = segment
+        self.layout = layout
+        self.rank = rank
+        self.world_size = layout.world_size
+        self.label = label
+        self.arrivals = Arrivals(segment, layout, rank, timeout_s, spin_s)
+        self._bytes = torch.frombuffer(segment, dtype=torch.uint8)
+        self._views: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+        self.steps = 0
+        self.calls = 0
+        self.broken: BaseException | None = None
+        self.current = Call("none")
+
+    def close(self) -> None:
+        """Drop every view of the segment and unmap it."""
+        self._views.clear()
+        self._bytes = torch.empty(0, dtype=torch.uint8)
+        self.arrivals.release()
+        try:
+            self.segment.close()
+        except BufferError:  # a caller still holds a view: the mapping goes with the process
+            pass
+
+    def capacity(self, dtype: torch.dtype) -> int:
+        """Elements of ``dtype`` that fit in one slot."""
+        return self.layout.slot_bytes // dtype.itemsize
+
+    def next_step(self) -> int:
+        """Start a step; return its parity."""
+        self.steps += 1
+        return self.steps & 1
+
+    def slot(self, parity: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rank ``rank``'s slot of ``parity`` as a flat tensor of ``dtype``."""
+        return self._view(parity, rank, dtype)
+
+    def result(self, parity: int, dtype: torch.dtype) -> torch.Tensor:
+        """The result area of ``parity`` as a flat tensor of ``dtype``."""
+        return self._view(parity, self.world_size, dtype)
+
+    def _view(self, parity: int, index: int, dtype: torch.dtype) -> torch.Tensor:
+        key = (parity, index, dtype)
+        view = self._views.get(key)
+        if view is None:
+            start = self.layout.slot(parity, index)
+            view = self._bytes[start : start + self.layout.slot_bytes].view(dtype)
+            self._views[key] = view
+        return view
+
+    def begin(self, call: Call) -> Call:
+        """Number a new call on this group; raise if an earlier failure broke the group."""
+        if self.broken is not None:
+            raise CollectiveError(
+                f"{self.label}: {call.kind} refused: the group failed earlier "
+                f"({self.broken}); destroy it and start a new one"
+            )
+        self.calls += 1
+        self.current = Call(call.kind, call.dtype, call.numel, call.op, call.root, self.calls)
+        return self.current
+
+    def what(self) -> str:
+        return f"{self.label}: {self.current.kind} (call #{self.current.number})"
+
+    def publish(self, parity: int) -> None:
+        """Write this rank's descriptor of the current call for the step of ``parity``."""
+        self.current.write(self.segment, self.layout.descriptor(self.rank, parity))
+
+    def check(self, parity: int) -> None:
+        """After the first barrier of a call: compare every rank's descriptor with ours."""
+        offsets = [self.layout.descriptor(r, parity) for r in range(self.world_size)]
+        check_same([Call.read(self.segment, o) for o in offsets], self.what())
+
+    def barrier(self) -> None:
+        self.arrivals.barrier(self.what)
+
+    def first_barrier(self, parity: int) -> None:
+        """The barrier that opens a call: publish, arrive, wait, compare descriptors."""
+        self.publish(parity)
+        self.barrier()
+        self.check(parity)
+
+
+def guarded(channel: Channel, body: Callable[[], None]) -> None:
+    """Run ``body``; a failure other than a mismatch marks the group broken."""
+    try:
+        body()
+    except CollectiveMismatchError:
+        raise
+    except BaseException as exc:
+        channel.broken = exc
+        raise

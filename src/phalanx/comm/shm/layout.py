@@ -1,0 +1,83 @@
+"""Where everything lives in a group's shared segment: a pure plan of byte offsets.
+
+One segment per process group::
+
+    [control: one 512-byte block per rank][parity 0: slot of rank 0 .. slot of rank n-1, result]
+                                          [parity 1: slot of rank 0 .. slot of rank n-1, result]
+
+A rank's control block holds its arrival counter (alone on its cache line; only that rank
+writes it), its pid and process start time (so peers can tell that it died), and one call
+descriptor per parity. Slots and results come in two parities: consecutive steps of the
+collectives alternate between them, so a rank may fill its slot for the next step while a slow
+peer still reads the previous one (see ``collectives.py`` for why that is safe).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+__all__ = ["DESCRIPTOR_WORDS", "Layout", "slot_bytes_from_env"]
+
+CONTROL_BLOCK = 512
+COUNTER_OFFSET = 0
+PID_OFFSET = 64
+START_OFFSET = 72
+DESCRIPTOR_OFFSET = 128
+DESCRIPTOR_WORDS = 16
+PAGE = 4096
+DEFAULT_SLOT_MB = 4.0
+SLOT_ENV = "PHALANX_SHM_SLOT_MB"
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def slot_bytes_from_env() -> int:
+    """Bytes of one rank's slot: ``PHALANX_SHM_SLOT_MB`` (MiB, default 4), whole pages."""
+    raw = os.environ.get(SLOT_ENV, "")
+    try:
+        mib = float(raw) if raw else DEFAULT_SLOT_MB
+    except ValueError:
+        mib = -1.0
+    if not 0.0625 <= mib <= 4096:
+        raise ValueError(
+            f"environment variable {SLOT_ENV}={raw!r} must be a number of MiB in 0.0625..4096 "
+            f"(the size of each rank's staging slot); unset it for {DEFAULT_SLOT_MB:g}"
+        )
+    return _round_up(int(mib * 2**20), PAGE)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Byte offsets in the segment of a group of ``world_size`` ranks."""
+
+    world_size: int
+    slot_bytes: int
+
+    @property
+    def control_bytes(self) -> int:
+        return _round_up(self.world_size * CONTROL_BLOCK, PAGE)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.control_bytes + 2 * (self.world_size + 1) * self.slot_bytes
+
+    def counter(self, rank: int) -> int:
+        return rank * CONTROL_BLOCK + COUNTER_OFFSET
+
+    def pid(self, rank: int) -> int:
+        return rank * CONTROL_BLOCK + PID_OFFSET
+
+    def start_time(self, rank: int) -> int:
+        return rank * CONTROL_BLOCK + START_OFFSET
+
+    def descriptor(self, rank: int, parity: int) -> int:
+        return rank * CONTROL_BLOCK + DESCRIPTOR_OFFSET + parity * DESCRIPTOR_WORDS * 8
+
+    def slot(self, parity: int, rank: int) -> int:
+        return self.control_bytes + (parity * (self.world_size + 1) + rank) * self.slot_bytes
+
+    def result(self, parity: int) -> int:
+        return self.slot(parity, self.world_size)

@@ -1,0 +1,148 @@
+"""Arrival counters in shared memory: a barrier that spins briefly, then sleeps in the kernel.
+
+Each rank owns one 32-bit counter in the segment and is the only writer of it. Arriving at a
+barrier is "write my data, then store counter + 1, then FUTEX_WAKE my counter"; waiting is
+"until every peer's counter has reached mine: read it, spin a little, then FUTEX_WAIT on it".
+No atomic read-modify-write is needed, which pure Python could not do.
+
+Memory ordering. The data a rank copies into its slot must be visible to a peer that sees the
+counter move. On x86-64 (TSO) stores become visible to other cores in program order and loads
+are not reordered with older loads, so "data stores, then counter store" on one side and
+"counter load, then data loads" on the other is enough; the compiler cannot reorder across the
+opaque ctypes and torch calls between them. Weakly ordered machines (aarch64, POWER) would need
+a release fence before the counter store and an acquire fence after the counter load (C11
+``atomic_store_explicit(memory_order_release)`` / ``atomic_load(memory_order_acquire)``), which
+pure Python has no way to issue, so :func:`futex.available` refuses them.
+
+A peer that does not arrive is told apart from a slow one: while it sleeps, a waiter checks the
+peer's process (pid and start time published in the segment) every 0.1 s, and names it at once
+when it died, or after the group's timeout when it is alive but elsewhere.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import time
+from collections.abc import Callable
+
+from phalanx.comm.errors import CollectiveError, CollectiveTimeoutError
+from phalanx.comm.shm.futex import futex_wait, futex_wake
+from phalanx.comm.shm.layout import Layout
+
+__all__ = ["Arrivals", "PeerDiedError", "spin_seconds_from_env"]
+
+_MASK = 0xFFFFFFFF
+_HALF = 0x80000000
+_SLICE_S = 0.1
+SPIN_ENV = "PHALANX_SHM_SPIN_US"
+DEFAULT_SPIN_US = 50.0
+
+
+class PeerDiedError(CollectiveError):
+    """A rank of a shared-memory group died while the others waited for it."""
+
+
+def spin_seconds_from_env() -> float:
+    """Seconds a waiter spins before it sleeps: ``PHALANX_SHM_SPIN_US`` (default 50 us)."""
+    raw = os.environ.get(SPIN_ENV, "")
+    try:
+        micros = float(raw) if raw else DEFAULT_SPIN_US
+    except ValueError:
+        micros = -1.0
+    if not 0 <= micros <= 1e6:
+        raise ValueError(
+            f"environment variable {SPIN_ENV}={raw!r} must be microseconds in 0..1000000 "
+            f"(how long a waiting rank spins before it sleeps); unset it for {DEFAULT_SPIN_US:g}"
+        )
+    return micros / 1e6
+
+
+def _start_time(pid: int) -> int | None:
+    """Field 22 of /proc/<pid>/stat (clock ticks after boot); None when gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+    return None if fields[0] in (b"Z", b"X") else int(fields[19])
+
+
+class Arrivals:
+    """This rank's view of every rank's arrival counter in a mapped segment."""
+
+    def __init__(
+        self, segment: mmap.mmap, layout: Layout, rank: int, timeout_s: float, spin_s: float
+    ) -> None:
+        n = layout.world_size
+        self._words = [ctypes.c_uint32.from_buffer(segment, layout.counter(r)) for r in range(n)]
+        self._addresses = [ctypes.addressof(w) for w in self._words]
+        self._pids = [ctypes.c_int64.from_buffer(segment, layout.pid(r)) for r in range(n)]
+        self._starts = [ctypes.c_int64.from_buffer(segment, layout.start_time(r)) for r in range(n)]
+        self.rank = rank
+        self.timeout_s = timeout_s
+        self._spin_s = spin_s
+        self._peers = [r for r in range(n) if r != rank]
+        self._count = 0
+        self._pids[rank].value = os.getpid()
+        self._starts[rank].value = _start_time(os.getpid()) or 0
+
+    def release(self) -> None:
+        """Drop the ctypes views, so the segment can be unmapped."""
+        self._words, self._pids, self._starts = [], [], []
+
+    def barrier(self, what: Callable[[], str]) -> None:
+        """Arrive, then wait until every rank has arrived as often as this one.
+
+        ``what`` names the operation for an error ("shm all_reduce #12 ...").
+        """
+        self._count = (self._count + 1) & _MASK
+        self._words[self.rank].value = self._count
+        futex_wake(self._addresses[self.rank])
+        deadline = time.monotonic() + self.timeout_s
+        for peer in self._peers:
+            self._wait_for(peer, deadline, what)
+
+    def _reached(self, peer: int) -> bool:
+        return (self._words[peer].value - self._count) & _MASK < _HALF
+
+    def _wait_for(self, peer: int, deadline: float, what: Callable[[], str]) -> None:
+        if self._reached(peer):
+            return
+        spin_until = time.perf_counter() + self._spin_s
+        while time.perf_counter() < spin_until:
+            for _ in range(32):
+                if self._reached(peer):
+                    return
+        word = self._words[peer]
+        while True:
+            seen = word.value
+            if (seen - self._count) & _MASK < _HALF:
+                return
+            now = time.monotonic()
+            if now >= deadline:
+                self._timed_out(what)
+            futex_wait(self._addresses[peer], seen, min(_SLICE_S, deadline - now))
+            if not self._reached(peer) and not self._alive(peer):
+                raise PeerDiedError(
+                    f"{what()}: rank {peer} (pid {self._pids[peer].value}) died before it "
+                    "arrived; the group cannot continue: restart the job (phalanx run "
+                    "--max-restarts N restarts it for you) and look at that rank's log"
+                )
+
+    def _alive(self, peer: int) -> bool:
+        pid, recorded = self._pids[peer].value, self._starts[peer].value
+        if pid == 0:  # not published yet: it is still starting
+            return True
+        start = _start_time(pid)
+        return start is not None and recorded in (0, start)
+
+    def _timed_out(self, what: Callable[[], str]) -> None:
+        missing = [p for p in self._peers if not self._reached(p)]
+        raise CollectiveTimeoutError(
+            f"{what()}: timed out after {self.timeout_s:g} s (the group's timeout) waiting for "
+            f"rank(s) {missing}, alive but not arriving: they are stuck in other work or "
+            "called a different collective (PHALANX_DEBUG=1 compares every call); if their work "
+            "is that slow, raise timeout= in init_process_group"
+        )
