@@ -19,6 +19,8 @@ from phalanx.comm.shm.sync import Arrivals
 
 __all__ = ["Channel", "guarded"]
 
+_MAX_VIEWS = 512
+
 
 class Channel:
     """Typed views of a mapped segment, and the barrier over its ranks."""
@@ -39,11 +41,12 @@ class Channel:
         self.label = label
         self.arrivals = Arrivals(segment, layout, rank, timeout_s, spin_s)
         self._bytes = torch.frombuffer(segment, dtype=torch.uint8)
-        self._views: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+        self._views: dict[tuple[int, int, torch.dtype, int], torch.Tensor] = {}
         self.steps = 0
         self.calls = 0
         self.broken: BaseException | None = None
         self.current = Call("none")
+        self._packed = self.current.pack()
 
     def close(self) -> None:
         """Drop every view of the segment and unmap it."""
@@ -64,20 +67,25 @@ class Channel:
         self.steps += 1
         return self.steps & 1
 
-    def slot(self, parity: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
-        """Rank ``rank``'s slot of ``parity`` as a flat tensor of ``dtype``."""
-        return self._view(parity, rank, dtype)
+    def slot(self, parity: int, rank: int, dtype: torch.dtype, numel: int = -1) -> torch.Tensor:
+        """The first ``numel`` elements (default: all) of rank ``rank``'s slot of ``parity``."""
+        return self._view(parity, rank, dtype, numel)
 
-    def result(self, parity: int, dtype: torch.dtype) -> torch.Tensor:
-        """The result area of ``parity`` as a flat tensor of ``dtype``."""
-        return self._view(parity, self.world_size, dtype)
+    def result(self, parity: int, dtype: torch.dtype, numel: int = -1) -> torch.Tensor:
+        """The first ``numel`` elements (default: all) of the result area of ``parity``."""
+        return self._view(parity, self.world_size, dtype, numel)
 
-    def _view(self, parity: int, index: int, dtype: torch.dtype) -> torch.Tensor:
-        key = (parity, index, dtype)
+    def _view(self, parity: int, index: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        # Slicing a tensor costs microseconds in Python; a bucketed training step asks for the
+        # same few shapes again and again, so views are kept (a bounded number of them).
+        key = (parity, index, dtype, numel)
         view = self._views.get(key)
         if view is None:
+            if len(self._views) > _MAX_VIEWS:
+                self._views.clear()
             start = self.layout.slot(parity, index)
             view = self._bytes[start : start + self.layout.slot_bytes].view(dtype)
+            view = view if numel < 0 else view[:numel]
             self._views[key] = view
         return view
 
@@ -90,6 +98,7 @@ class Channel:
             )
         self.calls += 1
         self.current = Call(call.kind, call.dtype, call.numel, call.op, call.root, self.calls)
+        self._packed = self.current.pack()
         return self.current
 
     def what(self) -> str:
@@ -97,12 +106,15 @@ class Channel:
 
     def publish(self, parity: int) -> None:
         """Write this rank's descriptor of the current call for the step of ``parity``."""
-        self.current.write(self.segment, self.layout.descriptor(self.rank, parity))
+        offset = self.layout.descriptor(self.rank, parity)
+        self.segment[offset : offset + len(self._packed)] = self._packed
 
     def check(self, parity: int) -> None:
         """After the first barrier of a call: compare every rank's descriptor with ours."""
+        size = len(self._packed)
         offsets = [self.layout.descriptor(r, parity) for r in range(self.world_size)]
-        check_same([Call.read(self.segment, o) for o in offsets], self.what())
+        if any(self.segment[o : o + size] != self._packed for o in offsets):
+            check_same([Call.read(self.segment, o) for o in offsets], self.what())
 
     def barrier(self) -> None:
         self.arrivals.barrier(self.what)

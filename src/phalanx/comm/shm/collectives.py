@@ -26,6 +26,8 @@ from phalanx.comm.errors import CollectiveMismatchError
 from phalanx.comm.shm.channel import Channel
 from phalanx.comm.shm.ops import reduce_into
 
+ONE_SHOT_BYTES = 256 << 10
+
 __all__ = [
     "all_gather",
     "all_reduce",
@@ -53,22 +55,39 @@ def barrier(ch: Channel) -> None:
 
 
 def all_reduce(ch: Channel, flat: torch.Tensor, op: int, root: int | None = None) -> None:
-    """Reduce ``flat`` in place over the group (``root`` set: only the root receives)."""
-    n, rank = ch.world_size, ch.rank
+    """Reduce ``flat`` in place over the group (``root`` set: only the root receives).
+
+    One-shot (every rank reduces whole slots straight into its tensor: one barrier) for two
+    ranks, where it also moves fewer bytes in all, and for messages up to ``ONE_SHOT_BYTES``;
+    two-shot (rank r reduces the r-th 1/n into the result area, then all copy it: two
+    barriers, 1/n of the arithmetic each) for larger ones. Both add in rank order.
+    """
+    one_shot = ch.world_size <= 2 or flat.numel() * flat.dtype.itemsize <= ONE_SHOT_BYTES
     for i, (lo, hi) in enumerate(_chunks(flat.numel(), ch.capacity(flat.dtype))):
         parity, m = ch.next_step(), hi - lo
-        ch.slot(parity, rank, flat.dtype)[:m].copy_(flat[lo:hi])
+        part = flat if m == flat.numel() else flat[lo:hi]
+        ch.slot(parity, ch.rank, flat.dtype, m).copy_(part)
         if i == 0:
             ch.first_barrier(parity)
         else:
             ch.barrier()
-        a, b = _share(m, n, rank)
-        slots = [ch.slot(parity, q, flat.dtype)[a:b] for q in range(n)]
-        result = ch.result(parity, flat.dtype)
-        reduce_into(result[a:b], slots, op)
-        ch.barrier()
-        if root is None or root == rank:
-            flat[lo:hi].copy_(result[:m])
+        if one_shot:
+            if root is None or root == ch.rank:
+                slots = [ch.slot(parity, q, flat.dtype, m) for q in range(ch.world_size)]
+                reduce_into(part, slots, op)
+        else:
+            _two_shot(ch, parity, part, op, root)
+
+
+def _two_shot(ch: Channel, parity: int, part: torch.Tensor, op: int, root: int | None) -> None:
+    m, dtype = part.numel(), part.dtype
+    a, b = _share(m, ch.world_size, ch.rank)
+    slots = [ch.slot(parity, q, dtype)[a:b] for q in range(ch.world_size)]
+    result = ch.result(parity, dtype, m)
+    reduce_into(result[a:b], slots, op)
+    ch.barrier()
+    if root is None or root == ch.rank:
+        part.copy_(result)
 
 
 def broadcast(ch: Channel, flat: torch.Tensor, root: int) -> None:

@@ -65,8 +65,8 @@ class Call:
             number=number,
         )
 
-    def write(self, segment: mmap.mmap, offset: int) -> None:
-        _FORMAT.pack_into(segment, offset, *self.words())
+    def pack(self) -> bytes:
+        return _FORMAT.pack(*self.words())
 
     @classmethod
     def read(cls, segment: mmap.mmap, offset: int) -> Call:

@@ -26,7 +26,7 @@ START_OFFSET = 72
 DESCRIPTOR_OFFSET = 128
 DESCRIPTOR_WORDS = 16
 PAGE = 4096
-DEFAULT_SLOT_MB = 4.0
+DEFAULT_SLOT_MB = 1.0
 SLOT_ENV = "PHALANX_SHM_SLOT_MB"
 
 
@@ -35,7 +35,7 @@ def _round_up(n: int, to: int) -> int:
 
 
 def slot_bytes_from_env() -> int:
-    """Bytes of one rank's slot: ``PHALANX_SHM_SLOT_MB`` (MiB, default 4), whole pages."""
+    """Bytes of one rank's slot: ``PHALANX_SHM_SLOT_MB`` (MiB, default 1), whole pages."""
     raw = os.environ.get(SLOT_ENV, "")
     try:
         mib = float(raw) if raw else DEFAULT_SLOT_MB
