@@ -58,7 +58,9 @@ class ShmProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         self._rank, self._size = rank, world_size
         check_one_host(store, rank, world_size, timeout)
         layout = Layout(world_size, slot_bytes_from_env())
-        segment = open_segment(store, rank, world_size, layout.total_bytes, timeout)
+        path, segment = open_segment(store, rank, world_size, layout.total_bytes, timeout)
+        self.segment_path = path
+        """Where the group's segment was in /dev/shm (unlinked once every rank mapped it)."""
         seconds = timeout.total_seconds()
         label = f"shm group of {world_size} (rank {rank})"
         spin = spin_seconds_from_env()

@@ -134,4 +134,5 @@ def guarded(channel: Channel, body: Callable[[], None]) -> None:
         raise
     except BaseException as exc:
         channel.broken = exc
+        channel.arrivals.fail()
         raise

@@ -78,8 +78,8 @@ def _attach(store: dist.Store, timeout: timedelta) -> tuple[str, int]:
 
 def open_segment(
     store: dist.Store, rank: int, world_size: int, nbytes: int, timeout: timedelta
-) -> mmap.mmap:
-    """Create (rank 0) or attach to the group's segment; return it mapped and already unlinked."""
+) -> tuple[str, mmap.mmap]:
+    """Create (rank 0) or attach to the group's segment: its path (already unlinked) and map."""
     if rank == 0:
         name, fd = _create(nbytes)
         store.set(f"{_KEY}name", name)
@@ -103,7 +103,7 @@ def open_segment(
             f"backend='shm': ranks {missing} did not map the group's shared segment within "
             f"{timeout.total_seconds():g} s; start every rank, or check that they run"
         ) from exc
-    return mapped
+    return _path(name), mapped
 
 
 def _unlink(name: str) -> None:

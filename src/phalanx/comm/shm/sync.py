@@ -80,6 +80,7 @@ class Arrivals:
         self._addresses = [ctypes.addressof(w) for w in self._words]
         self._pids = [ctypes.c_int64.from_buffer(segment, layout.pid(r)) for r in range(n)]
         self._starts = [ctypes.c_int64.from_buffer(segment, layout.start_time(r)) for r in range(n)]
+        self._failed = [ctypes.c_uint32.from_buffer(segment, layout.failed(r)) for r in range(n)]
         self.rank = rank
         self.timeout_s = timeout_s
         self._spin_s = spin_s
@@ -90,7 +91,12 @@ class Arrivals:
 
     def release(self) -> None:
         """Drop the ctypes views, so the segment can be unmapped."""
-        self._words, self._pids, self._starts = [], [], []
+        self._words, self._pids, self._starts, self._failed = [], [], [], []
+
+    def fail(self) -> None:
+        """Tell the peers that this rank gave up on the group (it raised a timeout or the like)."""
+        self._failed[self.rank].value = 1
+        futex_wake(self._addresses[self.rank])
 
     def barrier(self, what: Callable[[], str]) -> None:
         """Arrive, then wait until every rank has arrived as often as this one.
@@ -103,6 +109,18 @@ class Arrivals:
         deadline = time.monotonic() + self.timeout_s
         for peer in self._peers:
             self._wait_for(peer, deadline, what)
+        self._check_failed(what)
+
+    def _check_failed(self, what: Callable[[], str]) -> None:
+        # A peer that gave up may have arrived before it did; its data may be stale, so no
+        # rank completes a call that a peer abandoned.
+        for peer in self._peers:
+            if self._failed[peer].value:
+                raise CollectiveError(
+                    f"{what()}: rank {peer} gave up on this group after an error of its own "
+                    "(see that rank's log: a timeout or a dead peer); the group cannot "
+                    "continue: destroy it, or restart the job"
+                )
 
     def _reached(self, peer: int) -> bool:
         return (self._words[peer].value - self._count) & _MASK < _HALF
@@ -120,6 +138,7 @@ class Arrivals:
             seen = word.value
             if (seen - self._count) & _MASK < _HALF:
                 return
+            self._check_failed(what)
             now = time.monotonic()
             if now >= deadline:
                 self._timed_out(what)
