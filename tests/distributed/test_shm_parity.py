@@ -97,9 +97,8 @@ class _Cases:
         """Run ``run(group)`` on shm and on gloo; record ``name`` when the results differ."""
         self.count += 1
         ours, theirs = run(None), run(self.gloo)
-        if exact and not _same(ours, theirs):
-            self.failures.append(f"{name}: shm {ours[:4].tolist()} gloo {theirs[:4].tolist()}")
-        elif not exact and not _close(ours, theirs, self.world):
+        equal = _same(ours, theirs) if exact else _close(ours, theirs, self.world)
+        if not equal:
             self.failures.append(f"{name}: shm {ours[:4].tolist()} gloo {theirs[:4].tolist()}")
 
     def expect(self, name: str, ours: torch.Tensor, reference: torch.Tensor) -> None:
@@ -115,8 +114,13 @@ def _all_reduce_cases(c: _Cases) -> None:
             for n in SIZES:
                 seed = hash((int(op), str(dtype), n)) % 10_000
 
-                def run(group: object, op: RED = op, dtype: torch.dtype = dtype, n: int = n,
-                        seed: int = seed) -> torch.Tensor:
+                def run(
+                    group: object,
+                    op: RED = op,
+                    dtype: torch.dtype = dtype,
+                    n: int = n,
+                    seed: int = seed,
+                ) -> torch.Tensor:
                     t = _data(c.rank, dtype, n, seed, op)
                     dist.all_reduce(t, op=dist.ReduceOp(op), group=group)
                     return t
@@ -132,16 +136,24 @@ def _rooted_cases(c: _Cases) -> None:
     for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool):
         for n in (0, 5, 40_003):
             for root in (0, c.world - 1):
-                def bcast(group: object, dtype: torch.dtype = dtype, n: int = n,
-                          root: int = root) -> torch.Tensor:
+
+                def bcast(
+                    group: object, dtype: torch.dtype = dtype, n: int = n, root: int = root
+                ) -> torch.Tensor:
                     t = _data(c.rank, dtype, n, 7)
                     dist.broadcast(t, root, group=group)
                     return t
 
                 c.both(f"broadcast {dtype} n={n} root={root}", bcast, True)
                 for op in (RED.SUM, RED.MAX):
-                    def reduce(group: object, dtype: torch.dtype = dtype, n: int = n,
-                               root: int = root, op: RED = op) -> torch.Tensor:
+
+                    def reduce(
+                        group: object,
+                        dtype: torch.dtype = dtype,
+                        n: int = n,
+                        root: int = root,
+                        op: RED = op,
+                    ) -> torch.Tensor:
                         t = _data(c.rank, dtype, n, 8)
                         dist.reduce(t, root, op=dist.ReduceOp(op), group=group)
                         return t if c.rank == root else t[:0]  # elsewhere: undefined
@@ -154,6 +166,7 @@ def _gather_cases(c: _Cases) -> None:
     w = c.world
     for dtype in (torch.float16, torch.int32, torch.uint8, torch.bool):
         for n in (0, 1, 7, 40_003):
+
             def into(group: object, dtype: torch.dtype = dtype, n: int = n) -> torch.Tensor:
                 out = torch.empty(w * n, dtype=dtype)
                 dist.all_gather_into_tensor(out, _data(c.rank, dtype, n, 9), group=group)
@@ -175,8 +188,10 @@ def _reduce_scatter_cases(c: _Cases) -> None:
             if not _valid(op, dtype):
                 continue
             for n in (0, 1, 13, 20_001):
-                def rs(group: object, op: RED = op, dtype: torch.dtype = dtype,
-                       n: int = n) -> torch.Tensor:
+
+                def rs(
+                    group: object, op: RED = op, dtype: torch.dtype = dtype, n: int = n
+                ) -> torch.Tensor:
                     out = torch.empty(n, dtype=dtype)
                     inp = _data(c.rank, dtype, w * n, 11, op)
                     dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp(op), group=group)
@@ -190,6 +205,7 @@ def _all_to_all_cases(c: _Cases) -> None:
     w, r = c.world, c.rank
     for dtype in (torch.float32, torch.int64):
         for rows in (0, w, 3 * w):
+
             def even(group: object, dtype: torch.dtype = dtype, rows: int = rows) -> torch.Tensor:
                 inp = _data(r, dtype, rows * 3, 12).view(rows, 3)
                 out = torch.empty_like(inp)
@@ -201,7 +217,12 @@ def _all_to_all_cases(c: _Cases) -> None:
         sends = [(r + d) % 3 * 9001 for d in range(w)]
         recvs = [(s + r) % 3 * 9001 for s in range(w)]
 
-        def uneven(group: object, dtype: torch.dtype = dtype) -> torch.Tensor:
+        def uneven(
+            group: object,
+            dtype: torch.dtype = dtype,
+            sends: list[int] = sends,
+            recvs: list[int] = recvs,
+        ) -> torch.Tensor:
             inp = _data(r, dtype, sum(sends), 13)
             out = torch.empty(sum(recvs), dtype=dtype)
             dist.all_to_all_single(out, inp, recvs, sends, group=group)
@@ -228,7 +249,7 @@ def test_every_collective_matches_gloo(world_size: int) -> None:
     )
     for count, failures in results:
         assert count > 400
-        assert failures == [], '\n'.join(failures)
+        assert failures == [], "\n".join(failures)
 
 
 def _large() -> bool:

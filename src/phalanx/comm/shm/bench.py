@@ -11,6 +11,7 @@ single-process ``copy_`` of the same size for scale. Not part of the test suite.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Sequence
@@ -40,20 +41,24 @@ def _rank(sizes: Sequence[int], iters: int) -> dict[str, dict[int, list[float]]]
         groups = {"gloo": gloo, "shm": None}
         for name in ("gloo", "shm"):
             times[name][size] = []
-        times["copy"][size] = [_timed(lambda: scratch.copy_(t), lambda: None) for _ in range(n)]
+        copy = functools.partial(scratch.copy_, t)
+        times["copy"][size] = [_timed(copy, lambda: None) for _ in range(n)]
         for i in range(n + 2):
             order = ("gloo", "shm") if i % 2 else ("shm", "gloo")
             for name in order:
                 g = groups[name]
-                took = _timed(lambda g=g: dist.all_reduce(t, group=g), lambda g=g: dist.barrier(g))
+                run = functools.partial(dist.all_reduce, t, group=g)
+                took = _timed(run, functools.partial(dist.barrier, g))
                 if i >= 2:  # warm-up
                     times[name][size].append(took)
     return times
 
 
 def _summary(per_rank: list[dict[str, dict[int, list[float]]]], world: int) -> str:
-    lines = [f"{'size':>8} {'gloo p50':>10} {'shm p50':>10} {'gloo busbw':>11} "
-             f"{'shm busbw':>10} {'shm/gloo':>8} {'copy GB/s':>9}"]
+    lines = [
+        f"{'size':>8} {'gloo p50':>10} {'shm p50':>10} {'gloo busbw':>11} "
+        f"{'shm busbw':>10} {'shm/gloo':>8} {'copy GB/s':>9}"
+    ]
     factor = 2 * (world - 1) / world
     for size in per_rank[0]["shm"]:
         p50 = {}

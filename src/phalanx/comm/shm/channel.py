@@ -7,6 +7,7 @@ descriptor and checks everyone's after its first barrier.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 from collections.abc import Callable
 
@@ -53,10 +54,9 @@ class Channel:
         self._views.clear()
         self._bytes = torch.empty(0, dtype=torch.uint8)
         self.arrivals.release()
-        try:
+        # A caller may still hold a view (BufferError): the mapping then goes with the process.
+        with contextlib.suppress(BufferError):
             self.segment.close()
-        except BufferError:  # a caller still holds a view: the mapping goes with the process
-            pass
 
     def capacity(self, dtype: torch.dtype) -> int:
         """Elements of ``dtype`` that fit in one slot."""

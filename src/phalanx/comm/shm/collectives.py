@@ -140,7 +140,7 @@ def all_to_all(
 ) -> None:
     """Rank r's ``flat`` part d (``send_counts[d]`` elements) lands in rank d's ``out`` part r."""
     n, rank = ch.world_size, ch.rank
-    sends, recvs = _exchange_counts(ch, send_counts, recv_counts)
+    sends = _exchange_counts(ch, send_counts, recv_counts)
     piece = max(1, ch.capacity(flat.dtype) // n)
     rounds = max((c + piece - 1) // piece for row in sends for c in row)
     send_at = _offsets(send_counts)
@@ -158,7 +158,6 @@ def all_to_all(
             start = recv_at[q] + lo
             theirs = ch.slot(parity, q, flat.dtype)
             out[start : start + m].copy_(theirs[rank * piece : rank * piece + m])
-    del recvs
 
 
 def _offsets(counts: Sequence[int]) -> list[int]:
@@ -171,8 +170,8 @@ def _offsets(counts: Sequence[int]) -> list[int]:
 
 def _exchange_counts(
     ch: Channel, send_counts: Sequence[int], recv_counts: Sequence[int]
-) -> tuple[list[list[int]], list[list[int]]]:
-    """Every rank's send and receive counts, checked to pair up (same verdict on every rank)."""
+) -> list[list[int]]:
+    """Every rank's send counts, checked against the receive counts (same verdict on every rank)."""
     n, parity = ch.world_size, ch.next_step()
     header = torch.tensor([*send_counts, *recv_counts], dtype=torch.int64)
     ch.slot(parity, ch.rank, torch.int64)[: 2 * n].copy_(header)
@@ -188,4 +187,4 @@ def _exchange_counts(
                     "sizes must pair up (input_split_sizes of one rank = output_split_sizes of "
                     "the other)"
                 )
-    return sends, recvs
+    return sends

@@ -19,7 +19,7 @@ from phalanx.comm.errors import CollectiveMismatchError
 from phalanx.comm.shm.layout import DESCRIPTOR_WORDS
 from phalanx.comm.shm.ops import DTYPES, op_name
 
-__all__ = ["Call", "KINDS", "check_same"]
+__all__ = ["KINDS", "Call", "check_same"]
 
 KINDS = (
     "none",

@@ -12,6 +12,7 @@ import ctypes
 import errno
 import os
 import platform
+from collections.abc import Callable
 
 __all__ = ["available", "futex_wait", "futex_wake"]
 
@@ -32,16 +33,16 @@ def available() -> str | None:
     total store order (see ``sync.py``); the futex syscall number is the x86-64 one.
     """
     machine = platform.machine().lower()
-    if not platform.system() == "Linux" or machine not in _SYS_FUTEX:
+    if platform.system() != "Linux" or machine not in _SYS_FUTEX:
         return f"{platform.system()} on {platform.machine()} (it needs Linux on x86-64)"
     return None
 
 
-_syscall = None
+_syscall: Callable[..., int] | None = None
 _NR = _SYS_FUTEX.get(platform.machine().lower(), -1)
 
 
-def _libc_syscall() -> ctypes._CFuncPtr:
+def _libc_syscall() -> Callable[..., int]:
     global _syscall
     if _syscall is None:
         fn = ctypes.CDLL(None, use_errno=True).syscall

@@ -2,14 +2,16 @@
 
 One segment per process group::
 
-    [control: one 512-byte block per rank][parity 0: slot of rank 0 .. slot of rank n-1, result]
-                                          [parity 1: slot of rank 0 .. slot of rank n-1, result]
+    [control: a 512-byte block per rank]
+    [parity 0: slot of rank 0 .. slot of rank n-1, result]
+    [parity 1: slot of rank 0 .. slot of rank n-1, result]
 
 A rank's control block holds its arrival counter (alone on its cache line; only that rank
 writes it), its pid and process start time (so peers can tell that it died), a flag it sets
-when it gives up on the group after an error, and one call descriptor per parity. Slots and results come in two parities: consecutive steps of the
-collectives alternate between them, so a rank may fill its slot for the next step while a slow
-peer still reads the previous one (see ``collectives.py`` for why that is safe).
+when it gives up on the group after an error, and one call descriptor per parity. Slots and
+results come in two parities: consecutive steps of the collectives alternate between them, so
+a rank may fill its slot for the next step while a slow peer still reads the previous one
+(``collectives.py`` says why that is safe).
 """
 
 from __future__ import annotations

@@ -36,26 +36,25 @@ DTYPES: tuple[torch.dtype, ...] = (
 )
 
 _Binary = Callable[..., torch.Tensor]
-_RED = ReduceOp.RedOpType
 _BINARY: dict[int, _Binary] = {
-    int(_RED.SUM): torch.add,
-    int(_RED.AVG): torch.add,
-    int(_RED.PRODUCT): torch.mul,
-    int(_RED.MIN): torch.minimum,
-    int(_RED.MAX): torch.maximum,
-    int(_RED.BAND): torch.bitwise_and,
-    int(_RED.BOR): torch.bitwise_or,
-    int(_RED.BXOR): torch.bitwise_xor,
+    ReduceOp.SUM.value: torch.add,
+    ReduceOp.AVG.value: torch.add,
+    ReduceOp.PRODUCT.value: torch.mul,
+    ReduceOp.MIN.value: torch.minimum,
+    ReduceOp.MAX.value: torch.maximum,
+    ReduceOp.BAND.value: torch.bitwise_and,
+    ReduceOp.BOR.value: torch.bitwise_or,
+    ReduceOp.BXOR.value: torch.bitwise_xor,
 }
-_NAMES = {int(v): k for k, v in _RED.__members__.items()}
-_BITWISE = {int(_RED.BAND), int(_RED.BOR), int(_RED.BXOR)}
-AVG = int(_RED.AVG)
+_NAMES = {v.value: k for k, v in ReduceOp.RedOpType.__members__.items()}
+_BITWISE = {ReduceOp.BAND.value, ReduceOp.BOR.value, ReduceOp.BXOR.value}
+AVG = ReduceOp.AVG.value
 
 
 def op_code(op: object) -> int:
     """The integer code of a ``ReduceOp`` (or of its ``RedOpType``)."""
     red = getattr(op, "op", op)
-    return int(red)  # type: ignore[call-overload]
+    return int(getattr(red, "value", red))  # type: ignore[call-overload]
 
 
 def op_name(code: int) -> str:

@@ -12,6 +12,7 @@ then a surviving rank unlinks it when it gives up waiting.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -21,7 +22,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-__all__ = ["SHM_DIR", "SEGMENT_PREFIX", "check_one_host", "open_segment"]
+__all__ = ["SEGMENT_PREFIX", "SHM_DIR", "check_one_host", "open_segment"]
 
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "phalanx-shm-"
@@ -89,10 +90,10 @@ def open_segment(
         mapped = mmap.mmap(fd, nbytes)
     finally:
         os.close(fd)
-    store.set(f"{_KEY}mapped/{rank}", b"1")
+    store.set(f"{_KEY}mapped/{rank}", "1")
     if store.add(f"{_KEY}mapped", 1) == world_size:
         _unlink(name)
-        store.set(f"{_KEY}unlinked", b"1")
+        store.set(f"{_KEY}unlinked", "1")
     try:
         store.wait([f"{_KEY}unlinked"], timeout)
     except dist.DistStoreError as exc:
@@ -107,7 +108,5 @@ def open_segment(
 
 
 def _unlink(name: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(_path(name))
-    except FileNotFoundError:
-        pass

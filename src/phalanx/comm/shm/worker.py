@@ -16,13 +16,14 @@ from collections import deque
 from collections.abc import Callable
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 from torch.futures import Future
 
 __all__ = ["Executor", "ShmWork"]
 
 
-class ShmWork(dist._Work):  # type: ignore[misc]  # torch's Work trampoline (PyWork)
+class ShmWork(dist._Work):  # torch's Work trampoline (PyWork)
     """A queued collective: ``wait()`` raises its error, ``get_future()`` completes with it."""
 
     def __init__(self, executor: Executor, run: Callable[[], None], value: object) -> None:
@@ -65,8 +66,8 @@ class ShmWork(dist._Work):  # type: ignore[misc]  # torch's Work trampoline (PyW
             return exc
         return None
 
-    def result(self) -> object:
-        return self._value
+    def result(self) -> list[torch.Tensor]:
+        return self._value if isinstance(self._value, list) else []
 
     def synchronize(self) -> None:
         self.wait()
@@ -82,7 +83,7 @@ class Executor:
     def __init__(self, name: str) -> None:
         self._queue: deque[ShmWork] = deque()
         self._cond = threading.Condition()
-        self._running = threading.Lock()
+        self._running = threading.RLock()  # a callback of a finished call may wait: re-enter
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
