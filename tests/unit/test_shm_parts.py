@@ -92,9 +92,7 @@ def test_descriptors_round_trip_and_a_mismatch_names_both_calls() -> None:
 
 
 def test_reductions_refused_as_gloo_refuses_them() -> None:
-    with pytest.raises(
-        ValueError, match=r"BAND needs an integer or bool tensor, got torch\.float32"
-    ):
+    with pytest.raises(ValueError, match=r"BAND needs an integer or bool tensor, got .*float32"):
         check_reduction(BAND, torch.float32, "all_reduce")
     with pytest.raises(ValueError, match=r"AVG needs a floating tensor, got torch\.int64"):
         check_reduction(AVG, torch.int64, "all_reduce")
