@@ -51,7 +51,19 @@ def _rank(sizes: Sequence[int], iters: int) -> dict[str, dict[int, list[float]]]
                 took = _timed(run, functools.partial(dist.barrier, g))
                 if i >= 2:  # warm-up
                     times[name][size].append(took)
+    for name, group in (("gloo", gloo), ("shm", None)):
+        times[f"wait {name}"] = {0: list(_waiting_cpu(group))}
     return times
+
+
+def _waiting_cpu(group: object, late_s: float = 1.0) -> tuple[float, float]:
+    """(wall, CPU) seconds of rank 0's all_reduce while rank 1 arrives ``late_s`` late."""
+    dist.barrier(group)  # type: ignore[arg-type]
+    if dist.get_rank() == 1:
+        time.sleep(late_s)
+    wall, cpu = time.perf_counter(), time.process_time()
+    dist.all_reduce(torch.ones(1024), group=group)
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def _summary(per_rank: list[dict[str, dict[int, list[float]]]], world: int) -> str:
@@ -71,6 +83,12 @@ def _summary(per_rank: list[dict[str, dict[int, list[float]]]], world: int) -> s
             f"{label:>8} {p50['gloo'] * 1e6:>8.0f}us {p50['shm'] * 1e6:>8.0f}us "
             f"{bw['gloo'] * factor:>7.2f}GB/s {bw['shm'] * factor:>6.2f}GB/s "
             f"{p50['gloo'] / p50['shm']:>7.2f}x {bw['copy']:>9.2f}"
+        )
+    for name in ("gloo", "shm"):
+        wall, cpu = per_rank[0][f"wait {name}"][0]
+        lines.append(
+            f"{name}: rank 0 waited {wall:.2f} s for a late rank 1 and used {cpu * 1e3:.0f} ms "
+            f"of CPU ({cpu / wall:.1%} of a core)"
         )
     return "\n".join(lines)
 

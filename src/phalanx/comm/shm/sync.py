@@ -128,11 +128,13 @@ class Arrivals:
     def _wait_for(self, peer: int, deadline: float, what: Callable[[], str]) -> None:
         if self._reached(peer):
             return
+        # Spin, yielding the core: with more runnable threads than cores (two ranks and their
+        # worker threads on two busy cores) the peer we wait for may need this very core.
         spin_until = time.perf_counter() + self._spin_s
         while time.perf_counter() < spin_until:
-            for _ in range(32):
-                if self._reached(peer):
-                    return
+            os.sched_yield()
+            if self._reached(peer):
+                return
         word = self._words[peer]
         while True:
             seen = word.value
