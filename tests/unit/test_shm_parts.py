@@ -21,10 +21,10 @@ from phalanx.comm.shm.backend import ShmProcessGroup
 from phalanx.comm.shm.collectives import _chunks, _share
 from phalanx.comm.shm.descriptor import Call, check_same
 from phalanx.comm.shm.futex import futex_wait, futex_wake
-from phalanx.comm.shm.layout import CONTROL_BLOCK, PAGE, Layout, slot_bytes_from_env
+from phalanx.comm.shm.layout import CONTROL_BLOCK, PAGE, Layout
 from phalanx.comm.shm.ops import check_reduction, reduce_into
 from phalanx.comm.shm.segment import SEGMENT_PREFIX, check_one_host, open_segment
-from phalanx.comm.shm.sync import spin_seconds_from_env
+from phalanx.comm.shm.settings import slot_bytes_from_env, spin_seconds_from_env
 from phalanx.comm.shm.worker import Executor
 
 SUM, MAX, BAND, AVG = (

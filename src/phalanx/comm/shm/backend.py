@@ -22,10 +22,10 @@ from phalanx.comm.shm import collectives
 from phalanx.comm.shm.channel import Channel, guarded
 from phalanx.comm.shm.descriptor import Call
 from phalanx.comm.shm.futex import available
-from phalanx.comm.shm.layout import Layout, slot_bytes_from_env
+from phalanx.comm.shm.layout import Layout
 from phalanx.comm.shm.ops import check_dtype, check_reduction, op_code
 from phalanx.comm.shm.segment import check_one_host, open_segment
-from phalanx.comm.shm.sync import spin_seconds_from_env
+from phalanx.comm.shm.settings import slot_bytes_from_env, spin_seconds_from_env
 from phalanx.comm.shm.worker import Executor, ShmWork
 
 __all__ = ["ShmProcessGroup"]

@@ -16,10 +16,9 @@ a rank may fill its slot for the next step while a slow peer still reads the pre
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-__all__ = ["DESCRIPTOR_WORDS", "Layout", "slot_bytes_from_env"]
+__all__ = ["DESCRIPTOR_WORDS", "Layout"]
 
 CONTROL_BLOCK = 512
 COUNTER_OFFSET = 0
@@ -29,27 +28,10 @@ FAILED_OFFSET = 80
 DESCRIPTOR_OFFSET = 128
 DESCRIPTOR_WORDS = 16
 PAGE = 4096
-DEFAULT_SLOT_MB = 1.0
-SLOT_ENV = "PHALANX_SHM_SLOT_MB"
 
 
 def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
-
-
-def slot_bytes_from_env() -> int:
-    """Bytes of one rank's slot: ``PHALANX_SHM_SLOT_MB`` (MiB, default 1), whole pages."""
-    raw = os.environ.get(SLOT_ENV, "")
-    try:
-        mib = float(raw) if raw else DEFAULT_SLOT_MB
-    except ValueError:
-        mib = -1.0
-    if not 0.0625 <= mib <= 4096:
-        raise ValueError(
-            f"environment variable {SLOT_ENV}={raw!r} must be a number of MiB in 0.0625..4096 "
-            f"(the size of each rank's staging slot); unset it for {DEFAULT_SLOT_MB:g}"
-        )
-    return _round_up(int(mib * 2**20), PAGE)
 
 
 @dataclass(frozen=True)

@@ -31,32 +31,15 @@ from phalanx.comm.errors import CollectiveError, CollectiveTimeoutError
 from phalanx.comm.shm.futex import futex_wait, futex_wake
 from phalanx.comm.shm.layout import Layout
 
-__all__ = ["Arrivals", "PeerDiedError", "spin_seconds_from_env"]
+__all__ = ["Arrivals", "PeerDiedError"]
 
 _MASK = 0xFFFFFFFF
 _HALF = 0x80000000
 _SLICE_S = 0.1
-SPIN_ENV = "PHALANX_SHM_SPIN_US"
-DEFAULT_SPIN_US = 50.0
 
 
 class PeerDiedError(CollectiveError):
     """A rank of a shared-memory group died while the others waited for it."""
-
-
-def spin_seconds_from_env() -> float:
-    """Seconds a waiter spins before it sleeps: ``PHALANX_SHM_SPIN_US`` (default 50 us)."""
-    raw = os.environ.get(SPIN_ENV, "")
-    try:
-        micros = float(raw) if raw else DEFAULT_SPIN_US
-    except ValueError:
-        micros = -1.0
-    if not 0 <= micros <= 1e6:
-        raise ValueError(
-            f"environment variable {SPIN_ENV}={raw!r} must be microseconds in 0..1000000 "
-            f"(how long a waiting rank spins before it sleeps); unset it for {DEFAULT_SPIN_US:g}"
-        )
-    return micros / 1e6
 
 
 def _start_time(pid: int) -> int | None:
