@@ -212,3 +212,26 @@ def test_stuck_peer_times_out_named_without_burning_cpu() -> None:
     # rank 0 gave up on the call: rank 1, late, must not complete it with stale data
     assert "rank 0 gave up" in results[1]["error"] and "all_reduce" in results[1]["error"]
     assert results[1]["took"] < 0.5
+
+
+def _fsdp2_sums() -> list[float]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    for layer in (model[0], model[2], model):
+        fully_shard(layer, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(4, 8, generator=g)).sum().backward()
+        opt.step()
+    return [p.full_tensor().sum().item() for p in model.parameters()]
+
+
+def test_torch_fsdp2_trains_as_on_gloo() -> None:
+    ours = run_distributed(_fsdp2_sums, world_size=2, backend="shm", timeout=60)
+    assert ours == run_distributed(_fsdp2_sums, world_size=2, backend="gloo", timeout=60)
