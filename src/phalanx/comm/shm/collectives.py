@@ -27,6 +27,7 @@ from phalanx.comm.shm.channel import Channel
 from phalanx.comm.shm.ops import reduce_into
 
 ONE_SHOT_BYTES = 256 << 10
+ONE_SHOT_RANKS = 2
 
 __all__ = [
     "all_gather",
@@ -57,12 +58,13 @@ def barrier(ch: Channel) -> None:
 def all_reduce(ch: Channel, flat: torch.Tensor, op: int, root: int | None = None) -> None:
     """Reduce ``flat`` in place over the group (``root`` set: only the root receives).
 
-    One-shot (every rank reduces whole slots straight into its tensor: one barrier) for two
-    ranks, where it also moves fewer bytes in all, and for messages up to ``ONE_SHOT_BYTES``;
-    two-shot (rank r reduces the r-th 1/n into the result area, then all copy it: two
-    barriers, 1/n of the arithmetic each) for larger ones. Both add in rank order.
+    One-shot (every rank reduces whole slots straight into its tensor: one barrier) up to
+    ``ONE_SHOT_RANKS`` ranks, where it also moves fewer bytes in all, and for messages up to
+    ``ONE_SHOT_BYTES``; two-shot (rank r reduces the r-th 1/n into the result area, then all
+    copy it: two barriers, 1/n of the arithmetic each) for larger ones. Both add in rank order.
     """
-    one_shot = ch.world_size <= 2 or flat.numel() * flat.dtype.itemsize <= ONE_SHOT_BYTES
+    nbytes = flat.numel() * flat.dtype.itemsize
+    one_shot = ch.world_size <= ONE_SHOT_RANKS or nbytes <= ONE_SHOT_BYTES
     for i, (lo, hi) in enumerate(_chunks(flat.numel(), ch.capacity(flat.dtype))):
         parity, m = ch.next_step(), hi - lo
         part = flat if m == flat.numel() else flat[lo:hi]
