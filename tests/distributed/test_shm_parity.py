@@ -199,6 +199,11 @@ def _reduce_scatter_cases(c: _Cases) -> None:
 
                 name = f"reduce_scatter_tensor {op_name(int(op))} {dtype} n={n}"
                 c.both(name, rs, _exact(op, dtype, c.world))
+                if op == RED.SUM and n and _exact(op, dtype, w):  # list form, vs gloo tensor form
+                    inp = _data(c.rank, dtype, w * n, 11, op)
+                    out = torch.empty(n, dtype=dtype)
+                    dist.reduce_scatter(out, list(inp.split(n)))
+                    c.expect(f"reduce_scatter {dtype} n={n}", out, rs(c.gloo))
 
 
 def _all_to_all_cases(c: _Cases) -> None:
