@@ -89,8 +89,16 @@ class Executor:
         self._thread.start()
 
     def submit(self, run: Callable[[], None], value: object, wake: bool) -> ShmWork:
-        """Queue ``run``; ``wake=False`` leaves it to the caller's ``wait()`` (a sync call)."""
+        """Queue ``run``, or run it now when it is synchronous (``wake=False``) and nothing is
+        queued or running before it; else a sync call is left to the caller's ``wait()``."""
         work = ShmWork(self, run, value)
+        if not wake and not self._queue and not self._stopped and self._running.acquire(False):
+            try:
+                if not self._queue:
+                    work.execute()
+                    return work
+            finally:
+                self._running.release()
         with self._cond:
             if self._stopped:
                 raise RuntimeError("the shm process group was shut down")
