@@ -53,7 +53,20 @@ def _rank(sizes: Sequence[int], iters: int) -> dict[str, dict[int, list[float]]]
                     times[name][size].append(took)
     for name, group in (("gloo", gloo), ("shm", None)):
         times[f"wait {name}"] = {0: list(_waiting_cpu(group))}
+        times[f"back-to-back {name}"] = {0: _back_to_back(group, iters * 5)}
     return times
+
+
+def _back_to_back(group: object, n: int) -> list[float]:
+    """Per-call times of ``n`` 4 KiB all-reduces issued one after the other (no barrier)."""
+    t = torch.ones(1024)
+    dist.barrier(group)  # type: ignore[arg-type]
+    took = []
+    for _ in range(n):
+        start = time.perf_counter()
+        dist.all_reduce(t, group=group)
+        took.append(time.perf_counter() - start)
+    return took
 
 
 def _waiting_cpu(group: object, late_s: float = 1.0) -> tuple[float, float]:
@@ -84,6 +97,9 @@ def _summary(per_rank: list[dict[str, dict[int, list[float]]]], world: int) -> s
             f"{bw['gloo'] * factor:>7.2f}GB/s {bw['shm'] * factor:>6.2f}GB/s "
             f"{p50['gloo'] / p50['shm']:>7.2f}x {bw['copy']:>9.2f}"
         )
+    for name in ("gloo", "shm"):
+        median = statistics.median(per_rank[0][f"back-to-back {name}"][0])
+        lines.append(f"{name}: 4 KiB all_reduce back to back, rank 0's p50 {median * 1e6:.0f} us")
     for name in ("gloo", "shm"):
         wall, cpu = per_rank[0][f"wait {name}"][0]
         lines.append(
