@@ -235,3 +235,25 @@ def _fsdp2_sums() -> list[float]:
 def test_torch_fsdp2_trains_as_on_gloo() -> None:
     ours = run_distributed(_fsdp2_sums, world_size=2, backend="shm", timeout=60)
     assert ours == run_distributed(_fsdp2_sums, world_size=2, backend="gloo", timeout=60)
+
+
+def _uneven_join() -> int:
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    steps = 0
+    with ddp.join(divide_by_initial_world_size=False):
+        for _ in range(2 + 3 * rank):
+            opt.zero_grad()
+            ddp(torch.randn(3, 4)).sum().backward()
+            opt.step()
+            steps += 1
+    return steps
+
+
+def test_torch_ddp_join_with_uneven_inputs() -> None:
+    # torch's join hands the work of a forward all-reduce to the reducer, which uses it in
+    # backward after Python dropped it: the backend must keep it alive (it hung before).
+    assert run_distributed(_uneven_join, world_size=2, backend="shm", timeout=30) == [2, 5]

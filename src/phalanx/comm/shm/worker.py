@@ -22,6 +22,12 @@ from torch.futures import Future
 
 __all__ = ["Executor", "ShmWork"]
 
+# A work made in Python and handed to C++ by Python code (torch DDP's join passes the work of
+# its forward all-reduce to the reducer, which calls getFuture() in backward) has no Python
+# owner left, and torch's Work trampoline then loses the Python methods (getFuture "not
+# implemented", wait() forever). Each group keeps its latest calls alive for that reason.
+KEEP_RECENT = 256
+
 
 class ShmWork(dist._Work):  # torch's Work trampoline (PyWork)
     """A queued collective: ``wait()`` raises its error, ``get_future()`` completes with it."""
@@ -82,6 +88,7 @@ class Executor:
 
     def __init__(self, name: str) -> None:
         self._queue: deque[ShmWork] = deque()
+        self._recent: deque[ShmWork] = deque(maxlen=KEEP_RECENT)
         self._cond = threading.Condition()
         self._running = threading.RLock()  # a callback of a finished call may wait: re-enter
         self._stopped = False
@@ -92,6 +99,7 @@ class Executor:
         """Queue ``run``, or run it now when it is synchronous (``wake=False``) and nothing is
         queued or running before it; else a sync call is left to the caller's ``wait()``."""
         work = ShmWork(self, run, value)
+        self._recent.append(work)
         if not wake and not self._queue and not self._stopped and self._running.acquire(False):
             try:
                 if not self._queue:
