@@ -74,6 +74,9 @@ def _fallback_and_checks() -> dict[str, Any]:
     s = torch.zeros(2)
     dist.scatter(s, [torch.full((2,), 5.0 + i) for i in range(2)] if r == 0 else None, src=0)
     out["scatter"] = s.tolist()
+    sparse = torch.sparse_coo_tensor([[r]], [1.0], (2,))  # sparse gradients: gloo's all-reduce
+    dist.all_reduce(sparse)
+    out["sparse"] = sparse.to_dense().tolist()
     objs: list[Any] = [None, None]
     dist.all_gather_object(objs, {"rank": r})
     out["objects"] = objs
@@ -123,6 +126,7 @@ def test_other_calls_fall_back_to_gloo_and_bad_input_is_refused() -> None:
     assert [r["scatter"] for r in results] == [[5.0, 5.0], [6.0, 6.0]]
     for res in results:
         assert res["objects"] == [{"rank": 0}, {"rank": 1}]
+        assert res["sparse"] == [1.0, 1.0]
         assert res["subgroup"] == ("shm", [2.0, 2.0], True)
         assert len(res["refused"]) == 4, res["refused"]
         assert "contiguous" in res["refused"][0]

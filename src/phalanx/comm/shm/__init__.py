@@ -14,9 +14,11 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-__all__ = ["BACKEND", "register"]
+__all__ = ["BACKEND", "GLOO_P2P", "register"]
 
 BACKEND = "shm"
+GLOO_P2P = ("gloo", BACKEND)
+"""Backends whose point-to-point calls are gloo's: CPU tensors, matched by tag."""
 
 
 def _create(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> dist.ProcessGroup:

@@ -106,7 +106,9 @@ class ShmProcessGroup(dist.ProcessGroup):
             raise ValueError(f"{where}: root rank {root} is outside 0..{self._size - 1}")
         return root
 
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> ShmWork:  # type: ignore[override]
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:  # type: ignore[override]
+        if any(t.layout != torch.strided for t in tensors):  # sparse gradients: gloo's
+            return self._gloo.allreduce(tensors, opts)  # type: ignore[attr-defined]
         flat = _flat(_one(tensors, "all_reduce"), "tensor", "all_reduce")
         code = op_code(opts.reduceOp)
         check_reduction(code, flat.dtype, "all_reduce")
