@@ -15,8 +15,8 @@ import torch.distributed as dist
 from torch import nn
 
 import phalanx
-from phalanx.comm.errors import CollectiveError, CollectiveMismatchError
-from phalanx.comm.shm.sync import PeerDiedError
+from phalanx.comm.errors import CollectiveMismatchError
+from phalanx.comm.shm.errors import PeerDiedError, ShmError
 from phalanx.testing import run_distributed
 
 
@@ -197,7 +197,7 @@ def _stuck_peer() -> dict[str, Any]:
     cpu, start = time.process_time(), time.monotonic()
     try:
         dist.all_reduce(torch.ones(10))
-    except CollectiveError as exc:
+    except ShmError as exc:
         took, used = time.monotonic() - start, time.process_time() - cpu
         return {"error": str(exc), "took": took, "cpu": used, "type": type(exc).__name__}
     return {"error": None}
@@ -212,7 +212,7 @@ def test_stuck_peer_times_out_named_without_burning_cpu() -> None:
     assert "timeout" in first["error"]
     assert 0.9 < first["took"] < 2.5
     assert first["cpu"] < 0.25 * first["took"]  # it slept in the kernel, did not spin
-    assert first["type"] == "CollectiveTimeoutError"
+    assert first["type"] == "ShmTimeoutError"
     # rank 0 gave up on the call: rank 1, late, must not complete it with stale data
     assert "rank 0 gave up" in results[1]["error"] and "all_reduce" in results[1]["error"]
     assert results[1]["took"] < 0.5
@@ -261,3 +261,23 @@ def test_torch_ddp_join_with_uneven_inputs() -> None:
     # torch's join hands the work of a forward all-reduce to the reducer, which uses it in
     # backward after Python dropped it: the backend must keep it alive (it hung before).
     assert run_distributed(_uneven_join, world_size=2, backend="shm", timeout=30) == [2, 5]
+
+
+def _stuck_peer_through_phalanx() -> str:
+    if dist.get_rank() == 1:
+        time.sleep(2.5)
+        return ""
+    try:
+        phalanx.all_reduce(torch.ones(4))
+    except phalanx.CollectiveError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_phalanx_blames_a_stuck_peer_on_shm_as_on_gloo() -> None:
+    # shm's errors are torch's DistBackendError, so phalanx adds what the others were doing
+    message = run_distributed(
+        _stuck_peer_through_phalanx, world_size=2, backend="shm", collective_timeout=1.0
+    )[0]
+    assert message.startswith("CollectiveTimeoutError"), message
+    assert "rank(s) [1] never reached it" in message and "collective #1" in message

@@ -13,8 +13,9 @@ from collections.abc import Callable
 
 import torch
 
-from phalanx.comm.errors import CollectiveError, CollectiveMismatchError
+from phalanx.comm.errors import CollectiveMismatchError
 from phalanx.comm.shm.descriptor import Call, check_same
+from phalanx.comm.shm.errors import ShmError
 from phalanx.comm.shm.layout import Layout
 from phalanx.comm.shm.sync import Arrivals
 
@@ -92,7 +93,7 @@ class Channel:
     def begin(self, call: Call) -> Call:
         """Number a new call on this group; raise if an earlier failure broke the group."""
         if self.broken is not None:
-            raise CollectiveError(
+            raise ShmError(
                 f"{self.label}: {call.kind} refused: the group failed earlier "
                 f"({self.broken}); destroy it and start a new one"
             )

@@ -27,19 +27,15 @@ import os
 import time
 from collections.abc import Callable
 
-from phalanx.comm.errors import CollectiveError, CollectiveTimeoutError
+from phalanx.comm.shm.errors import PeerDiedError, ShmError, ShmTimeoutError
 from phalanx.comm.shm.futex import futex_wait, futex_wake
 from phalanx.comm.shm.layout import Layout
 
-__all__ = ["Arrivals", "PeerDiedError"]
+__all__ = ["Arrivals"]
 
 _MASK = 0xFFFFFFFF
 _HALF = 0x80000000
 _SLICE_S = 0.1
-
-
-class PeerDiedError(CollectiveError):
-    """A rank of a shared-memory group died while the others waited for it."""
 
 
 def _start_time(pid: int) -> int | None:
@@ -99,7 +95,7 @@ class Arrivals:
         # rank completes a call that a peer abandoned.
         for peer in self._peers:
             if self._failed[peer].value:
-                raise CollectiveError(
+                raise ShmError(
                     f"{what()}: rank {peer} gave up on this group after an error of its own "
                     "(see that rank's log: a timeout or a dead peer); the group cannot "
                     "continue: destroy it, or restart the job"
@@ -144,7 +140,7 @@ class Arrivals:
 
     def _timed_out(self, what: Callable[[], str]) -> None:
         missing = [p for p in self._peers if not self._reached(p)]
-        raise CollectiveTimeoutError(
+        raise ShmTimeoutError(
             f"{what()}: timed out after {self.timeout_s:g} s (the group's timeout) waiting for "
             f"rank(s) {missing}, alive but not arriving: they are stuck in other work or "
             "called a different collective (PHALANX_DEBUG=1 compares every call); if their work "
