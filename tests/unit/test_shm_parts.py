@@ -181,3 +181,11 @@ def test_a_group_of_one_runs_every_collective() -> None:
     assert torch.equal(out, t) and torch.equal(t, torch.arange(5.0))
     pg.barrier(dist.BarrierOptions()).wait()
     pg.shutdown()
+
+
+def test_pipelines_use_gloo_style_p2p_on_shm(monkeypatch: pytest.MonkeyPatch) -> None:
+    from phalanx.pipeline import runner
+
+    monkeypatch.setattr(runner.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(runner.dist, "get_backend", lambda group=None: "shm")
+    assert runner._p2p_mode(None, None, "interleaved", 2) == "eager"  # tags work: gloo's P2P
