@@ -82,8 +82,10 @@ class ShmProcessGroup(dist.ProcessGroup):
         return self._size
 
     def shutdown(self) -> None:
+        """Finish the queued calls, unmap the segment, shut the gloo group underneath down."""
         self._executor.stop()
         self._channel.close()
+        self._gloo.shutdown()
 
     def abort(self) -> None:
         self.shutdown()
@@ -199,9 +201,7 @@ class ShmProcessGroup(dist.ProcessGroup):
         if len(parts) != self._size:
             raise ValueError(f"reduce_scatter: {len(parts)} inputs for a group of {self._size}")
         joined = torch.cat([p.reshape(-1) for p in parts]) if parts else out.new_empty(0)
-        work = self.reduce_scatter_single(out, joined, opts)
-        work._value = output_tensors
-        return work
+        return self.reduce_scatter_single(out, joined, opts)  # its future: [out], as gloo's
 
     def all_to_all_single(  # type: ignore[override]
         self,
