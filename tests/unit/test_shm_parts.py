@@ -6,6 +6,7 @@ import ctypes
 import itertools
 import mmap
 import os
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -25,6 +26,7 @@ from phalanx.comm.shm.layout import CONTROL_BLOCK, PAGE, Layout
 from phalanx.comm.shm.ops import check_reduction, reduce_into
 from phalanx.comm.shm.segment import SEGMENT_PREFIX, check_one_host, open_segment
 from phalanx.comm.shm.settings import slot_bytes_from_env, spin_seconds_from_env
+from phalanx.comm.shm.sync import process_start
 from phalanx.comm.shm.worker import Executor
 
 SUM, MAX, BAND, AVG = (
@@ -140,9 +142,19 @@ def test_futex_times_out_returns_on_change_and_wakes_a_sleeper() -> None:
 
 def test_one_host_check_names_every_rank_and_host() -> None:
     store = dist.HashStore()
-    store.set("phalanx_shm/host/1", "elsewhere")
+    store.set("phalanx_shm/host/1", "123 456 elsewhere")
     with pytest.raises(ValueError, match="rank 1 on elsewhere; use backend='gloo'"):
         check_one_host(store, 0, 2, timedelta(seconds=2))
+
+
+def test_peer_processes_are_watched_only_where_visible() -> None:
+    me = (os.getpid(), process_start(os.getpid()))
+    store = dist.HashStore()
+    store.set("phalanx_shm/host/1", f"{me[0]} {me[1]} {socket.gethostname()}")
+    assert check_one_host(store, 0, 2, timedelta(seconds=2)) == [me, me]
+    store = dist.HashStore()  # a pid that is not this one's peer (another pid namespace)
+    store.set("phalanx_shm/host/1", f"{me[0]} {me[1] + 1} {socket.gethostname()}")
+    assert check_one_host(store, 0, 2, timedelta(seconds=2)) is None
 
 
 def test_segment_is_unlinked_when_every_rank_has_mapped_it() -> None:

@@ -56,7 +56,7 @@ class ShmProcessGroup(dist.ProcessGroup):
         if reason is not None:
             raise RuntimeError(f"backend='shm' cannot run on {reason}; use backend='gloo'")
         self._rank, self._size = rank, world_size
-        check_one_host(store, rank, world_size, timeout)
+        processes = check_one_host(store, rank, world_size, timeout)
         layout = Layout(world_size, slot_bytes_from_env())
         path, segment = open_segment(store, rank, world_size, layout.total_bytes, timeout)
         self.segment_path = path
@@ -64,7 +64,7 @@ class ShmProcessGroup(dist.ProcessGroup):
         seconds = timeout.total_seconds()
         label = f"shm group of {world_size} (rank {rank})"
         spin = spin_seconds_from_env()
-        self._channel = Channel(segment, layout, rank, seconds, spin, label)
+        self._channel = Channel(segment, layout, rank, seconds, spin, label, processes)
         gloo_store = dist.PrefixStore(_GLOO_PREFIX, store)
         self._gloo = dist.ProcessGroupGloo(gloo_store, rank, world_size, timeout)
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._gloo)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -35,13 +35,14 @@ class Channel:
         timeout_s: float,
         spin_s: float,
         label: str,
+        processes: Sequence[tuple[int, int]] | None,
     ) -> None:
         self.segment = segment
         self.layout = layout
         self.rank = rank
         self.world_size = layout.world_size
         self.label = label
-        self.arrivals = Arrivals(segment, layout, rank, timeout_s, spin_s)
+        self.arrivals = Arrivals(segment, layout, rank, timeout_s, spin_s, processes)
         self._bytes = torch.frombuffer(segment, dtype=torch.uint8)
         self._views: dict[tuple[int, int, torch.dtype, int], torch.Tensor] = {}
         self.steps = 0

@@ -7,8 +7,8 @@ One segment per process group::
     [parity 1: slot of rank 0 .. slot of rank n-1, result]
 
 A rank's control block holds its arrival counter (alone on its cache line; only that rank
-writes it), its pid and process start time (so peers can tell that it died), a flag it sets
-when it gives up on the group after an error, and one call descriptor per parity. Slots and
+writes it), a flag it sets when it gives up on the group after an error, and one call
+descriptor per parity. Slots and
 results come in two parities: consecutive steps of the collectives alternate between them, so
 a rank may fill its slot for the next step while a slow peer still reads the previous one
 (``collectives.py`` says why that is safe).
@@ -22,9 +22,7 @@ __all__ = ["DESCRIPTOR_WORDS", "Layout"]
 
 CONTROL_BLOCK = 512
 COUNTER_OFFSET = 0
-PID_OFFSET = 64
-START_OFFSET = 72
-FAILED_OFFSET = 80
+FAILED_OFFSET = 64
 DESCRIPTOR_OFFSET = 128
 DESCRIPTOR_WORDS = 16
 PAGE = 4096
@@ -51,12 +49,6 @@ class Layout:
 
     def counter(self, rank: int) -> int:
         return rank * CONTROL_BLOCK + COUNTER_OFFSET
-
-    def pid(self, rank: int) -> int:
-        return rank * CONTROL_BLOCK + PID_OFFSET
-
-    def start_time(self, rank: int) -> int:
-        return rank * CONTROL_BLOCK + START_OFFSET
 
     def failed(self, rank: int) -> int:
         return rank * CONTROL_BLOCK + FAILED_OFFSET

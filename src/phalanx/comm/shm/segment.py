@@ -22,6 +22,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from phalanx.comm.shm.sync import process_start
+
 __all__ = ["SEGMENT_PREFIX", "SHM_DIR", "check_one_host", "open_segment"]
 
 SHM_DIR = "/dev/shm"
@@ -33,18 +35,29 @@ def _path(name: str) -> str:
     return os.path.join(SHM_DIR, name)
 
 
-def check_one_host(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> None:
-    """Raise when the ranks of the group are not all on this machine (compared by hostname)."""
-    store.set(f"{_KEY}host/{rank}", socket.gethostname())
+def check_one_host(
+    store: dist.Store, rank: int, world_size: int, timeout: timedelta
+) -> list[tuple[int, int]] | None:
+    """Raise when the ranks of the group are not all on this machine (compared by hostname).
+
+    Returns every rank's (pid, process start time), or None when this process cannot see the
+    others' processes (another pid namespace): then a dead peer is found by the timeout only.
+    """
+    pid = os.getpid()
+    store.set(f"{_KEY}host/{rank}", f"{pid} {process_start(pid) or 0} {socket.gethostname()}")
     keys = [f"{_KEY}host/{r}" for r in range(world_size)]
     store.wait(keys, timeout)
-    hosts = [store.get(k).decode() for k in keys]
+    fields = [store.get(k).decode().split(" ", 2) for k in keys]
+    hosts = [f[2] for f in fields]
     if len(set(hosts)) > 1:
         where = ", ".join(f"rank {r} on {h}" for r, h in enumerate(hosts))
         raise ValueError(
             f"backend='shm' needs every rank of the group on one machine, but {where}; use "
             "backend='gloo' for a job that spans machines"
         )
+    processes = [(int(f[0]), int(f[1])) for f in fields]
+    visible = all(process_start(p) == start for p, start in processes)
+    return processes if visible else None
 
 
 def _create(nbytes: int) -> tuple[str, int]:

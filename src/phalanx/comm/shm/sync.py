@@ -15,8 +15,8 @@ a release fence before the counter store and an acquire fence after the counter 
 pure Python has no way to issue, so :func:`futex.available` refuses them.
 
 A peer that does not arrive is told apart from a slow one: while it sleeps, a waiter checks the
-peer's process (pid and start time published in the segment) every 0.1 s, and names it at once
-when it died, or after the group's timeout when it is alive but elsewhere.
+peer's process (pid and start time, exchanged through the store at start-up) every 0.1 s, and
+names it at once when it died, or after the group's timeout when it is alive but elsewhere.
 """
 
 from __future__ import annotations
@@ -25,20 +25,20 @@ import ctypes
 import mmap
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from phalanx.comm.shm.errors import PeerDiedError, ShmError, ShmTimeoutError
 from phalanx.comm.shm.futex import futex_wait, futex_wake
 from phalanx.comm.shm.layout import Layout
 
-__all__ = ["Arrivals"]
+__all__ = ["Arrivals", "process_start"]
 
 _MASK = 0xFFFFFFFF
 _HALF = 0x80000000
 _SLICE_S = 0.1
 
 
-def _start_time(pid: int) -> int | None:
+def process_start(pid: int) -> int | None:
     """Field 22 of /proc/<pid>/stat (clock ticks after boot); None when gone or a zombie."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -52,25 +52,29 @@ class Arrivals:
     """This rank's view of every rank's arrival counter in a mapped segment."""
 
     def __init__(
-        self, segment: mmap.mmap, layout: Layout, rank: int, timeout_s: float, spin_s: float
+        self,
+        segment: mmap.mmap,
+        layout: Layout,
+        rank: int,
+        timeout_s: float,
+        spin_s: float,
+        processes: Sequence[tuple[int, int]] | None,
     ) -> None:
+        """``processes``: every rank's (pid, start time) to watch, None where not visible."""
         n = layout.world_size
         self._words = [ctypes.c_uint32.from_buffer(segment, layout.counter(r)) for r in range(n)]
         self._addresses = [ctypes.addressof(w) for w in self._words]
-        self._pids = [ctypes.c_int64.from_buffer(segment, layout.pid(r)) for r in range(n)]
-        self._starts = [ctypes.c_int64.from_buffer(segment, layout.start_time(r)) for r in range(n)]
         self._failed = [ctypes.c_uint32.from_buffer(segment, layout.failed(r)) for r in range(n)]
+        self._processes = processes
         self.rank = rank
         self.timeout_s = timeout_s
         self._spin_s = spin_s
         self._peers = [r for r in range(n) if r != rank]
         self._count = 0
-        self._pids[rank].value = os.getpid()
-        self._starts[rank].value = _start_time(os.getpid()) or 0
 
     def release(self) -> None:
         """Drop the ctypes views, so the segment can be unmapped."""
-        self._words, self._pids, self._starts, self._failed = [], [], [], []
+        self._words, self._failed = [], []
 
     def fail(self) -> None:
         """Tell the peers that this rank gave up on the group (it raised a timeout or the like)."""
@@ -126,17 +130,19 @@ class Arrivals:
             futex_wait(self._addresses[peer], seen, min(_SLICE_S, deadline - now))
             if not self._reached(peer) and not self._alive(peer):
                 raise PeerDiedError(
-                    f"{what()}: rank {peer} (pid {self._pids[peer].value}) died before it "
+                    f"{what()}: rank {peer} (pid {self._pid(peer)}) died before it "
                     "arrived; the group cannot continue: restart the job (phalanx run "
                     "--max-restarts N restarts it for you) and look at that rank's log"
                 )
 
+    def _pid(self, peer: int) -> int:
+        return 0 if self._processes is None else self._processes[peer][0]
+
     def _alive(self, peer: int) -> bool:
-        pid, recorded = self._pids[peer].value, self._starts[peer].value
-        if pid == 0:  # not published yet: it is still starting
+        if self._processes is None:  # in another pid namespace: only the timeout tells
             return True
-        start = _start_time(pid)
-        return start is not None and recorded in (0, start)
+        pid, start = self._processes[peer]
+        return process_start(pid) == start
 
     def _timed_out(self, what: Callable[[], str]) -> None:
         missing = [p for p in self._peers if not self._reached(p)]
