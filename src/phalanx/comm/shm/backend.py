@@ -26,6 +26,7 @@ from phalanx.comm.shm.layout import Layout
 from phalanx.comm.shm.ops import check_dtype, check_reduction, op_code
 from phalanx.comm.shm.segment import check_one_host, open_segment
 from phalanx.comm.shm.settings import slot_bytes_from_env, spin_seconds_from_env
+from phalanx.comm.shm.sync import Arrivals
 from phalanx.comm.shm.worker import Executor, ShmWork
 
 __all__ = ["ShmProcessGroup"]
@@ -56,15 +57,14 @@ class ShmProcessGroup(dist.ProcessGroup):
         if reason is not None:
             raise RuntimeError(f"backend='shm' cannot run on {reason}; use backend='gloo'")
         self._rank, self._size = rank, world_size
+        layout, spin = Layout(world_size, slot_bytes_from_env()), spin_seconds_from_env()
         processes = check_one_host(store, rank, world_size, timeout)
-        layout = Layout(world_size, slot_bytes_from_env())
         path, segment = open_segment(store, rank, world_size, layout.total_bytes, timeout)
         self.segment_path = path
         """Where the group's segment was in /dev/shm (unlinked once every rank mapped it)."""
-        seconds = timeout.total_seconds()
+        arrivals = Arrivals(segment, layout, rank, timeout.total_seconds(), spin, processes)
         label = f"shm group of {world_size} (rank {rank})"
-        spin = spin_seconds_from_env()
-        self._channel = Channel(segment, layout, rank, seconds, spin, label, processes)
+        self._channel = Channel(segment, layout, arrivals, label)
         gloo_store = dist.PrefixStore(_GLOO_PREFIX, store)
         self._gloo = dist.ProcessGroupGloo(gloo_store, rank, world_size, timeout)
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._gloo)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
@@ -27,22 +27,13 @@ _MAX_VIEWS = 512
 class Channel:
     """Typed views of a mapped segment, and the barrier over its ranks."""
 
-    def __init__(
-        self,
-        segment: mmap.mmap,
-        layout: Layout,
-        rank: int,
-        timeout_s: float,
-        spin_s: float,
-        label: str,
-        processes: Sequence[tuple[int, int]] | None,
-    ) -> None:
+    def __init__(self, segment: mmap.mmap, layout: Layout, arrivals: Arrivals, label: str) -> None:
         self.segment = segment
         self.layout = layout
-        self.rank = rank
+        self.rank = arrivals.rank
         self.world_size = layout.world_size
         self.label = label
-        self.arrivals = Arrivals(segment, layout, rank, timeout_s, spin_s, processes)
+        self.arrivals = arrivals
         self._bytes = torch.frombuffer(segment, dtype=torch.uint8)
         self._views: dict[tuple[int, int, torch.dtype, int], torch.Tensor] = {}
         self.steps = 0
