@@ -6,6 +6,12 @@ Collectives go through one POSIX shared-memory segment per group (``segment.py``
 counters that spin briefly, then sleep on a futex (``sync.py``), and reductions as torch ops
 (``collectives.py``); calls run in issue order on a worker thread (``worker.py``). Point-to-point
 and the other calls go to a gloo group made underneath (``backend.py``).
+
+Where buffers that already live in shared memory (no copy-in) would plug in: a second segment per
+group for persistent buffers (``segment.open_segment`` under another store key), whose views a
+strategy allocates its buckets in; ``collectives.all_reduce`` would then skip the copy into the
+slot when ``flat`` lies in it and read the peers' buffers there. Descriptors, barriers, the
+ordered executor and the error paths stay as they are.
 """
 
 from __future__ import annotations
