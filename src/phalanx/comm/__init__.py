@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from phalanx.comm import exit_guard
+from phalanx.comm import exit_guard, shm
 from phalanx.comm.collectives import (
     all_gather,
     all_gather_into_tensor,
@@ -39,6 +39,7 @@ from phalanx.comm.p2p import batch_isend_irecv, irecv, isend, recv, send
 from phalanx.comm.tracking import comm_stats, reset_comm_stats
 
 exit_guard.install()
+shm.register()
 
 __all__ = [
     "CollectiveError",

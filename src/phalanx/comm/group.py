@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT = timedelta(seconds=300)
-BACKENDS = ("auto", "gloo", "nccl", "mpi")
+BACKENDS = ("auto", "gloo", "nccl", "mpi", "shm")
 WHERE = "init_process_group"
 
 
@@ -64,7 +64,7 @@ class World:
     device: torch.device
     """The device this rank computes on (``cuda:local_rank`` with NCCL, else ``cpu``)."""
     backend: str
-    """The c10d backend in use: gloo, nccl or mpi."""
+    """The c10d backend in use: gloo, nccl, mpi or shm."""
 
     @property
     def is_main(self) -> bool:
@@ -198,8 +198,9 @@ def init_process_group(
     """Join the job's default process group and return this process's :class:`World`.
 
     Args:
-        backend: "gloo", "nccl", "mpi", or None/"auto" (NCCL when this local rank has a CUDA
-            device, else gloo). ``PHALANX_BACKEND`` overrides None.
+        backend: "gloo", "nccl", "mpi", "shm" (shared memory, CPU ranks on one machine: see
+            ``phalanx.comm.shm``), or None/"auto" (NCCL when this local rank has a CUDA device,
+            else gloo). ``PHALANX_BACKEND`` overrides None.
         init_method: "env://" (default when MASTER_ADDR is set), "tcp://HOST:PORT" or
             "file:///path". Rank 0 hosts the store for env:// and tcp://, bound only to HOST.
         rank: This process's rank; default from the environment.

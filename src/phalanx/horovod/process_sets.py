@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from phalanx._check import check_int, check_ints
+from phalanx.comm.shm import GLOO_P2P
 from phalanx.horovod.controller import Controller
 
 __all__ = [
@@ -216,7 +217,7 @@ def resolve(process_set: Any, root_rank: int | None = None, member: bool = True)
 def _wrap(group: dist.ProcessGroup) -> ProcessSet:
     """A torch group used as a process set: its rows travel on the group itself (gloo only)."""
     if id(group) not in _RAW:
-        if dist.get_backend(group) != "gloo":
+        if dist.get_backend(group) not in GLOO_P2P:
             raise ValueError(
                 "process_set: a torch.distributed group on a non-gloo backend cannot "
                 "carry Horovod's negotiation; create the set with "

@@ -25,6 +25,7 @@ from phalanx._check import (
     rule,
 )
 from phalanx.comm import collectives as c
+from phalanx.comm.shm import GLOO_P2P
 from phalanx.parameter_server.core import MODES, check_mode
 from phalanx.parameter_server.server import MakeOptimizer, Server, ServerReport
 from phalanx.parameter_server.shards import plan_shards
@@ -105,10 +106,10 @@ class ParameterServer:
         self.group = group if group is not None else dist.group.WORLD
         assert self.group is not None
         backend = str(dist.get_backend(self.group))
-        if backend != "gloo":
+        if backend not in GLOO_P2P:
             raise ValueError(
-                f"ParameterServer needs a gloo group (its messages are CPU tensors with tags, "
-                f"received on one thread per worker), got backend {backend!r}: pass "
+                f"ParameterServer needs a gloo (or shm) group (its messages are CPU tensors with "
+                f"tags, received on one thread per worker), got backend {backend!r}: pass "
                 f"group=torch.distributed.new_group(backend='gloo'); models may stay on the GPU"
             )
         check_mode(mode, bound)

@@ -32,6 +32,7 @@ from phalanx._check import (
     rule,
 )
 from phalanx.comm.collectives import broadcast
+from phalanx.comm.shm import GLOO_P2P
 from phalanx.pipeline.balance import balance_arg, balance_stages, time_costs
 from phalanx.pipeline.p2p import DTYPES, Comm
 from phalanx.pipeline.ports import build_ports
@@ -57,7 +58,7 @@ def _group_info(group: dist.ProcessGroup | None) -> tuple[int, int]:
 
 def _p2p_mode(group: dist.ProcessGroup | None, p2p: str | None, schedule: str, p: int) -> str:
     backend = dist.get_backend(group) if dist.is_initialized() else "gloo"
-    if schedule == "interleaved" and backend != "gloo" and p > 1:
+    if schedule == "interleaved" and backend not in GLOO_P2P and p > 1:
         # Our interleaved traffic relies on tags (several boundaries share a rank pair, in
         # both directions); NCCL ignores tags and would need Megatron's fused exchanges.
         raise ValueError(
@@ -65,7 +66,7 @@ def _p2p_mode(group: dist.ProcessGroup | None, p2p: str | None, schedule: str, p
             "use schedule='1f1b' on this backend"
         )
     if p2p is None:
-        return "eager" if backend == "gloo" else "grouped"
+        return "eager" if backend in GLOO_P2P else "grouped"
     return p2p  # "eager" or "grouped", by Pipeline's argument check
 
 

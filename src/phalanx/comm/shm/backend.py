@@ -1,0 +1,244 @@
+"""``ShmProcessGroup``: the c10d process group behind ``backend="shm"``.
+
+A Python subclass of ``torch.distributed.ProcessGroup``: torch's Python collectives call its
+methods directly, and C++ callers (DDP's reducer, functional collectives) reach the ones that
+torch's ``PyProcessGroup`` trampoline forwards (allreduce, broadcast, allgather, barrier,
+all_gather_single, reduce_scatter(_single), all_to_all_single). Those run on shared memory.
+Everything else (send/recv, gather, scatter, list all_to_all, coalesced calls) is not defined
+here, so it falls through to the C++ base class, which dispatches to the gloo backend that
+the group registers for the CPU device, made over the same store under its own prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from phalanx.comm.shm import collectives
+from phalanx.comm.shm.channel import Channel, guarded
+from phalanx.comm.shm.descriptor import Call
+from phalanx.comm.shm.futex import available
+from phalanx.comm.shm.layout import Layout
+from phalanx.comm.shm.ops import check_dtype, check_reduction, op_code
+from phalanx.comm.shm.segment import check_one_host, open_segment
+from phalanx.comm.shm.settings import slot_bytes_from_env, spin_seconds_from_env
+from phalanx.comm.shm.sync import Arrivals
+from phalanx.comm.shm.worker import Executor, ShmWork
+
+__all__ = ["ShmProcessGroup"]
+
+_GLOO_PREFIX = "phalanx_shm_gloo/"
+
+
+def _flat(t: torch.Tensor, name: str, where: str) -> torch.Tensor:
+    if t.device.type != "cpu":
+        raise ValueError(f"{where}: backend 'shm' takes CPU tensors, {name} is on {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{where}: {name} must be contiguous (call .contiguous() first)")
+    return t.view(-1)
+
+
+def _one(tensors: Sequence[torch.Tensor], where: str) -> torch.Tensor:
+    if len(tensors) != 1:
+        raise ValueError(f"{where}: backend 'shm' takes one tensor per call, got {len(tensors)}")
+    return tensors[0]
+
+
+class ShmProcessGroup(dist.ProcessGroup):
+    """A process group whose collectives go through one shared-memory segment."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta):
+        super().__init__(rank, world_size)  # type: ignore[call-arg]  # (store, ...) fails
+        reason = available()
+        if reason is not None:
+            raise RuntimeError(f"backend='shm' cannot run on {reason}; use backend='gloo'")
+        self._rank, self._size = rank, world_size
+        layout, spin = Layout(world_size, slot_bytes_from_env()), spin_seconds_from_env()
+        processes = check_one_host(store, rank, world_size, timeout)
+        path, segment = open_segment(store, rank, world_size, layout.total_bytes, timeout)
+        self.segment_path = path
+        """Where the group's segment was in /dev/shm (unlinked once every rank mapped it)."""
+        arrivals = Arrivals(segment, layout, rank, timeout.total_seconds(), spin, processes)
+        label = f"shm group of {world_size} (rank {rank})"
+        self._channel = Channel(segment, layout, arrivals, label)
+        gloo_store = dist.PrefixStore(_GLOO_PREFIX, store)
+        self._gloo = dist.ProcessGroupGloo(gloo_store, rank, world_size, timeout)
+        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._gloo)
+        self._executor = Executor(f"phalanx-shm-rank{rank}")
+        self._named = False
+
+    # -- identity -------------------------------------------------------------------------
+    def getBackendName(self) -> str:  # torch's C++ name
+        return "shm"
+
+    def getRank(self) -> int:
+        return self._rank
+
+    def getSize(self) -> int:
+        return self._size
+
+    def shutdown(self) -> None:
+        """Finish the queued calls, unmap the segment, shut the gloo group underneath down."""
+        self._executor.stop()
+        self._channel.close()
+        self._gloo.shutdown()
+
+    def abort(self) -> None:
+        self.shutdown()
+
+    # -- the collectives ------------------------------------------------------------------
+    def _submit(self, call: Call, body: Callable[[], None], value: object, opts: Any) -> ShmWork:
+        channel = self._channel
+        if not self._named:
+            channel.label = f"shm group {self.group_name!r} (rank {self._rank})"
+            self._named = True
+
+        def run() -> None:
+            channel.begin(call)
+            guarded(channel, body)
+
+        return self._executor.submit(run, value, wake=bool(getattr(opts, "asyncOp", True)))
+
+    def _check_root(self, root: int, where: str) -> int:
+        if not 0 <= root < self._size:
+            raise ValueError(f"{where}: root rank {root} is outside 0..{self._size - 1}")
+        return root
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:  # type: ignore[override]
+        if any(t.layout != torch.strided for t in tensors):  # sparse gradients: gloo's
+            return self._gloo.allreduce(tensors, opts)  # type: ignore[attr-defined]
+        flat = _flat(_one(tensors, "all_reduce"), "tensor", "all_reduce")
+        code = op_code(opts.reduceOp)
+        check_reduction(code, flat.dtype, "all_reduce")
+        call = Call("all_reduce", flat.dtype, flat.numel(), code)
+        ch = self._channel
+        return self._submit(call, lambda: collectives.all_reduce(ch, flat, code), tensors, opts)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> ShmWork:  # type: ignore[override]
+        flat = _flat(_one(tensors, "reduce"), "tensor", "reduce")
+        code, root = op_code(opts.reduceOp), self._check_root(opts.rootRank, "reduce")
+        check_reduction(code, flat.dtype, "reduce")
+        call = Call("reduce", flat.dtype, flat.numel(), code, root)
+        ch = self._channel
+        return self._submit(
+            call, lambda: collectives.all_reduce(ch, flat, code, root), tensors, opts
+        )
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> ShmWork:  # type: ignore[override]
+        flat = _flat(_one(tensors, "broadcast"), "tensor", "broadcast")
+        check_dtype(flat.dtype, "broadcast")
+        root = self._check_root(opts.rootRank, "broadcast")
+        call = Call("broadcast", flat.dtype, flat.numel(), 0, root)
+        ch = self._channel
+        return self._submit(call, lambda: collectives.broadcast(ch, flat, root), tensors, opts)
+
+    def barrier(self, opts: Any = None) -> ShmWork:
+        ch = self._channel
+        return self._submit(Call("barrier"), lambda: collectives.barrier(ch), [], opts)
+
+    def _gather_into(
+        self, outs: Sequence[torch.Tensor], inp: torch.Tensor, value: object, opts: Any
+    ) -> ShmWork:
+        flat = _flat(inp, "input", "all_gather")
+        check_dtype(flat.dtype, "all_gather")
+        if len(outs) != self._size:
+            raise ValueError(f"all_gather: {len(outs)} outputs for a group of {self._size}")
+        for q, out in enumerate(outs):
+            if out.dtype != flat.dtype or out.numel() != flat.numel():
+                raise ValueError(
+                    f"all_gather: output {q} is {out.dtype} x {out.numel()}, the input "
+                    f"{flat.dtype} x {flat.numel()}; they must match"
+                )
+        flats = [_flat(o, f"output {q}", "all_gather") for q, o in enumerate(outs)]
+        call = Call("all_gather", flat.dtype, flat.numel())
+        ch = self._channel
+        return self._submit(call, lambda: collectives.all_gather(ch, flats, flat), value, opts)
+
+    def allgather(  # type: ignore[override]
+        self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any
+    ) -> ShmWork:
+        inp = _one(input_tensors, "all_gather")
+        return self._gather_into(output_tensors[0], inp, output_tensors, opts)
+
+    def all_gather_single(self, output: torch.Tensor, inp: torch.Tensor, opts: Any) -> ShmWork:  # type: ignore[override]
+        out = _flat(output, "output", "all_gather_into_tensor")
+        if out.numel() != self._size * inp.numel():
+            raise ValueError(
+                f"all_gather_into_tensor: output has {out.numel()} elements, expected world "
+                f"size {self._size} x input {inp.numel()}"
+            )
+        parts = list(out.split(inp.numel())) if inp.numel() else [out[:0]] * self._size
+        return self._gather_into(parts, inp, [output], opts)
+
+    _allgather_base = all_gather_single  # type: ignore[assignment]
+
+    def reduce_scatter_single(self, output: torch.Tensor, inp: torch.Tensor, opts: Any) -> ShmWork:
+        out = _flat(output, "output", "reduce_scatter_tensor")
+        flat = _flat(inp, "input", "reduce_scatter_tensor")
+        code = op_code(opts.reduceOp)
+        check_reduction(code, flat.dtype, "reduce_scatter_tensor")
+        if out.dtype != flat.dtype or flat.numel() != self._size * out.numel():
+            raise ValueError(
+                f"reduce_scatter_tensor: input is {flat.dtype} x {flat.numel()}, expected "
+                f"{out.dtype} x (world size {self._size} x output {out.numel()})"
+            )
+        call = Call("reduce_scatter", flat.dtype, flat.numel(), code)
+        ch = self._channel
+        body = lambda: collectives.reduce_scatter(ch, out, flat, code)  # noqa: E731
+        return self._submit(call, body, [output], opts)
+
+    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
+
+    def reduce_scatter(  # type: ignore[override]
+        self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any
+    ) -> ShmWork:
+        out = _one(output_tensors, "reduce_scatter")
+        parts = input_tensors[0]
+        if len(parts) != self._size:
+            raise ValueError(f"reduce_scatter: {len(parts)} inputs for a group of {self._size}")
+        joined = torch.cat([p.reshape(-1) for p in parts]) if parts else out.new_empty(0)
+        return self.reduce_scatter_single(out, joined, opts)  # its future: [out], as gloo's
+
+    def all_to_all_single(  # type: ignore[override]
+        self,
+        output: torch.Tensor,
+        inp: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any,
+    ) -> ShmWork:
+        out = _flat(output, "output", "all_to_all_single")
+        flat = _flat(inp, "input", "all_to_all_single")
+        check_dtype(flat.dtype, "all_to_all_single")
+        if out.dtype != flat.dtype:
+            raise ValueError(f"all_to_all_single: output {out.dtype} != input {flat.dtype}")
+        sends = self._counts(inp, input_split_sizes, "input_split_sizes")
+        recvs = self._counts(output, output_split_sizes, "output_split_sizes")
+        call = Call("all_to_all", flat.dtype)
+        ch = self._channel
+        body = lambda: collectives.all_to_all(ch, out, flat, sends, recvs)  # noqa: E731
+        return self._submit(call, body, [output], opts)
+
+    alltoall_base = all_to_all_single  # type: ignore[assignment]
+
+    def _counts(self, t: torch.Tensor, splits: Sequence[int], name: str) -> list[int]:
+        """Elements per rank from the dim-0 split sizes (equal parts when none are given)."""
+        rows = t.size(0) if t.dim() else 1
+        per_row = t.numel() // rows if rows else 0
+        if not splits:
+            if rows % self._size:
+                raise ValueError(
+                    f"all_to_all_single: dim 0 ({rows}) does not divide by the world size "
+                    f"{self._size}; pass {name}"
+                )
+            return [rows // self._size * per_row] * self._size
+        if len(splits) != self._size or sum(splits) != rows or min(splits) < 0:
+            raise ValueError(
+                f"all_to_all_single: {name}={list(splits)} must be {self._size} sizes >= 0 "
+                f"that sum to dim 0 ({rows})"
+            )
+        return [s * per_row for s in splits]
