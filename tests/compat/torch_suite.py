@@ -13,7 +13,8 @@ The wheel ships ``torch/testing/_internal/distributed/``: the suites torch's CI 
 Each test's ranks are forked from a forkserver that has imported the suite once. With
 ``impl="phalanx"`` every name the suite module uses for the class (``DistributedDataParallel``,
 ``nn.parallel.DistributedDataParallel``, ``torch.nn.parallel.DistributedDataParallel``) is
-phalanx's in every rank process.
+phalanx's in every rank process. A test that would only skip for want of a GPU (torch's
+``skip_if_lt_x_gpu`` and the like) starts no process: ``static_skips`` runs the same check here.
 
 Run it directly for a report: ``python -m tests.compat.torch_suite --impl both``.
 """
@@ -33,6 +34,8 @@ import time
 import traceback
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from tests.compat.static_skips import skip_reason
 
 PACKAGE = "torch.testing._internal.distributed"
 TEST_DEADLINE = 240.0
@@ -297,21 +300,60 @@ def _gather(procs: list[Any], conns: list[Any], deadline: float) -> Outcome:
     return max(outcomes.values(), key=lambda o: (o.status == "skipped", o.seconds))
 
 
-def run_suite(impl: str, cases: list[Case], verbose: bool = False) -> dict[str, Outcome]:
-    """Run ``cases`` with ``impl`` ("torch" or "phalanx"); each test's outcome by id."""
+def run_suite(
+    impl: str, cases: list[Case], verbose: bool = False, static: bool = True
+) -> dict[str, Outcome]:
+    """Run ``cases`` with ``impl`` ("torch" or "phalanx"); each test's outcome by id.
+
+    With ``static``, a test that ``static_skips`` finds skipped here starts no process; the first
+    such test of each reason still runs on its ranks, and fails unless they skip it for that
+    reason (so the decision cannot drift from torch's decorators unnoticed).
+    """
     os.environ.update({k: v for k, v in _env(tempfile.gettempdir(), 2).items() if k != "TEMP_DIR"})
     ctx = _context()
-    results = {}
+    results: dict[str, Outcome] = {}
+    confirmed: set[str] = set()
     for case in cases:
-        o = run_test(case, impl, ctx)
-        if o.status == "failed" and case.suite in RETRIED_SUITES:
-            first = o.detail.strip().splitlines()[-1:] or [""]
-            o = run_test(case, impl, ctx)
-            o = Outcome(o.status, f"{o.detail} (retried once; first run: {first[0]})", o.seconds)
+        o = _outcome(case, impl, ctx, confirmed) if static else _run_retried(case, impl, ctx)
         results[case.id] = o
         if verbose:
             print(f"{impl:8} {o.status:8} {o.seconds:6.2f}s {case.id}", flush=True)
     return results
+
+
+def _outcome(case: Case, impl: str, ctx: Any, confirmed: set[str]) -> Outcome:
+    """The static skip where its reason is in ``confirmed``, else the ranks' outcome, checked."""
+    skip = _skipped_here(case)
+    if skip is not None and skip.detail in confirmed:
+        return skip
+    o = _run_retried(case, impl, ctx)
+    if skip is None:
+        return o
+    confirmed.add(skip.detail)
+    if (o.status, o.detail) != (skip.status, skip.detail):
+        return Outcome("failed", f"static_skips said skipped ({skip.detail}), ranks: {o}")
+    return o
+
+
+def _run_retried(case: Case, impl: str, ctx: Any) -> Outcome:
+    o = run_test(case, impl, ctx)
+    if o.status == "failed" and case.suite in RETRIED_SUITES:
+        first = o.detail.strip().splitlines()[-1:] or [""]
+        o = run_test(case, impl, ctx)
+        o = Outcome(o.status, f"{o.detail} (retried once; first run: {first[0]})", o.seconds)
+    return o
+
+
+def _skipped_here(case: Case) -> Outcome | None:
+    """The skip the ranks would report (see ``static_skips``), decided without starting them."""
+    import importlib
+
+    module = importlib.import_module(f"{PACKAGE}.{case.suite}")
+    tmp = tempfile.gettempdir()
+    instance = _instance(case, module, 0, tmp)
+    test = getattr(type(instance), case.name)
+    reason = skip_reason(test, instance, _env(tmp, case.world_size))
+    return None if reason is None else Outcome("skipped", reason)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -324,15 +366,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--impl", choices=["torch", "phalanx", "both"], default="both")
     parser.add_argument("-k", dest="pattern", default="", help="only tests containing this")
     parser.add_argument("--json", help="write every outcome to this file")
+    parser.add_argument(
+        "--run-all", action="store_true", help="start the ranks of every test, even static skips"
+    )
     args = parser.parse_args(argv)
     cases = [c for c in select() if args.pattern in c.id]
     report = {}
     if args.impl in ("torch", "both"):
-        report["torch"] = run_suite("torch", cases, verbose=True)
+        report["torch"] = run_suite("torch", cases, True, not args.run_all)
     if args.impl in ("phalanx", "both"):  # with both, only where torch's class passes
         baseline = report.get("torch")
         ours = [c for c in cases if baseline is None or baseline[c.id].status == "passed"]
-        report["phalanx"] = run_suite("phalanx", ours, verbose=True)
+        report["phalanx"] = run_suite("phalanx", ours, True, not args.run_all)
     counts = {
         impl: {s: sum(o.status == s for o in r.values()) for s in ("passed", "skipped", "failed")}
         for impl, r in report.items()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -109,17 +110,23 @@ def test_validation_passes_matching_collectives() -> None:
     assert results[0][4] == 3 * 3 * 4.0
 
 
-def _absent_rank(validate: bool):  # type: ignore[no-untyped-def]
-    if phalanx.world().rank == 1:
-        time.sleep(6)  # never reaches the all_reduce before the others give up
+def _absent_rank(validate: bool, given_up: str):  # type: ignore[no-untyped-def]
+    flag = Path(given_up)
+    if phalanx.world().rank == 1:  # never reaches the all_reduce before the others give up
+        deadline = time.monotonic() + 6
+        while not flag.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         return None, "", 0.0
-    return _catch(lambda: phalanx.all_reduce(torch.ones(4)))
+    result = _catch(lambda: phalanx.all_reduce(torch.ones(4)))
+    flag.touch()
+    return result
 
 
 @pytest.mark.parametrize("validate", [False, True])
-def test_timeout_names_the_rank_that_never_arrived(validate: bool) -> None:
+def test_timeout_names_the_rank_that_never_arrived(validate: bool, tmp_path: Path) -> None:
+    given_up = str(tmp_path / "given-up")
     results = run_distributed(
-        _absent_rank, validate, world_size=2, validate=validate, collective_timeout=2
+        _absent_rank, validate, given_up, world_size=2, validate=validate, collective_timeout=2
     )
     name, msg, elapsed = results[0]
     assert name == "CollectiveTimeoutError", msg
