@@ -23,14 +23,18 @@ meets the others in the same exchange, whose counts alone decide the weights.
 
 End of training: a replica that has read its data calls :meth:`~.PeriodicSync.flush` (or the
 job's end, :meth:`~.PeriodicSync.finish`) and keeps joining the others' rounds with weight 0
-until every replica is done; the last exchange averages what is left (a flush). A late
-replica reads every one of its samples once, later than the others; their end waits for it.
+until every replica is done; the last exchange averages what is left (a flush). Between
+rounds it waits on the store for the next announcement (made by a replica reaching H, or by
+the last replica to finish), not inside a collective, so a long tail does not look like a
+hung collective. A late replica reads every one of its samples once, later than the others;
+their end waits for it.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -43,6 +47,10 @@ __all__ = ["LATE_POLICIES", "LateRounds", "weights_of"]
 
 LATE_POLICIES = ("wait", "weighted")
 """``"wait"``: every replica syncs after exactly H steps; ``"weighted"``: this module."""
+
+ROUND_TIMEOUT = timedelta(minutes=30)
+"""How long a finished replica waits for the next round's announcement (c10d's default
+collective timeout: one round is at most H inner steps of the slowest replica)."""
 
 _INSTANCES = itertools.count()  # one prefix per LateRounds, in the same order on every rank
 
@@ -71,6 +79,7 @@ class LateRounds:
         self.store = store.sub(f"local_sgd/late/{next(_INSTANCES)}/")
         self.group = group
         self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
         self.round = 0
         """Rounds exchanged so far (checkpointed: the same on every rank at a round's end)."""
         self.history: list[tuple[int, ...]] = []
@@ -95,14 +104,26 @@ class LateRounds:
         """Tell the others this round ends now."""
         self.store.bump(self._key(), 1)
 
+    def finished(self) -> None:
+        """This replica took its last step: count it; the last one to finish announces."""
+        if self.store.bump("done", 1) == self.world:
+            self.announce()
+
+    def wait_announced(self, timeout: timedelta = ROUND_TIMEOUT) -> None:
+        """Block until the current round is announced (a finished replica between rounds)."""
+        self.store.wait_exists([self._key()], timeout)
+
     def exchange(self, steps: int, done: bool) -> tuple[list[int], bool]:
         """Every replica's inner steps this round and whether all are done (collective)."""
         mine = torch.tensor([steps, int(done)], dtype=torch.int64)
-        out = torch.empty(2 * dist.get_world_size(self.group), dtype=torch.int64)
+        out = torch.empty(2 * self.world, dtype=torch.int64)
         C.all_gather_into_tensor(out, mine, self.group)
+        all_done = bool(out[1::2].all())
         if self.rank == 0:  # every replica has left the round's checks
             self.store.delete(self._key())
+            if all_done:
+                self.store.delete("done")
         self.round += 1
         counts = out[0::2].tolist()
         self.history.append(tuple(counts))
-        return counts, bool(out[1::2].all())
+        return counts, all_done

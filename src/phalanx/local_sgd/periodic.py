@@ -91,11 +91,20 @@ class PeriodicSync:
         Weighted: join the others' rounds (weight 0 once this replica's steps are in) until
         every replica has flushed; the last round averages what is left. Once only."""
         if self.late is not None:
-            while not self.late.drained:
-                self.late.drained = self._round(done=True)
+            self._drain(self.late)
         elif self.steps:
             self._timed_sync()
             self.steps = 0
+
+    def _drain(self, late: LateRounds) -> None:
+        if late.drained:
+            return
+        late.finished()
+        while not late.drained:
+            start = time.perf_counter()
+            late.wait_announced()
+            self.stats.add(0, time.perf_counter() - start, 0)
+            late.drained = self._round(done=True)
 
     def _round(self, done: bool) -> bool:
         """One weighted round: exchange the step counts, average by them. True when every
