@@ -28,6 +28,13 @@ rounds it waits on the store for the next announcement (made by a replica reachi
 the last replica to finish), not inside a collective, so a long tail does not look like a
 hung collective. A late replica reads every one of its samples once, later than the others;
 their end waits for it.
+
+Why "wait" stays the default: with "weighted" the result depends on timing (which replica
+took how many steps each round), the ranks are out of step between rounds (no collectives of
+the loop's own there, saves only at a round's end), and with a fixed shard per rank the run
+still ends when the late replica has read its data. What "weighted" buys is bounded stalls:
+the others' rounds go on, and where the slowness moves between replicas the run is shorter
+(measured in the README).
 """
 
 from __future__ import annotations
