@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 import phalanx
+from phalanx.local_sgd import LocalSGDSync, Replica
 from phalanx.local_sgd.late import weights_of
 from phalanx.local_sgd.quantise import decode, encode
 from phalanx.testing import run_distributed
@@ -114,7 +115,10 @@ def _every_run(root: str) -> dict[str, Any]:
         "int8": _run(_diloco("weighted", quantise="int8", quantise_block=BLOCK)),
         # No late worker: H = 3, 7 steps (the simulation tests' schedule), then a flush.
         "even-wait": _run(phalanx.DiLoCo(3, 0.7, 0.9), slow=0, steps=7),
-        "even": _run(phalanx.DiLoCo(3, 0.7, 0.9, late_policy="weighted"), slow=0, steps=7),
+        # Steps of 40 ms: a rank would have to fall a whole step behind to join early.
+        "even": _run(
+            phalanx.DiLoCo(3, 0.7, 0.9, late_policy="weighted"), slow=0, steps=7, step_s=0.04
+        ),
     }
     ckpt = f"{root}/ckpt"
     out["ref"] = _run(_diloco("weighted"), ckpt=ckpt, save_round=2)
@@ -253,6 +257,19 @@ def test_bad_late_policy_is_named() -> None:
         phalanx.LocalSGD(late_policy="later")
     with pytest.raises(ValueError, match=r"StreamingDiLoCo\(late_policy='weighted'\)"):
         phalanx.StreamingDiLoCo(late_policy="weighted")
+    replica = Replica.of(make_model())
+    with pytest.raises(ValueError, match=r"LocalSGDSync.*late_policy.*'sometimes'"):
+        LocalSGDSync(replica, None, 2, late_policy="sometimes")
+    if not dist.is_initialized():
+        with pytest.raises(ValueError, match="needs an initialised process group"):
+            LocalSGDSync(replica, None, 2, late_policy="weighted")
+
+
+def test_weights_are_steps_over_their_total_or_none_when_equal() -> None:
+    assert weights_of([4, 1]) == [0.8, 0.2]
+    assert weights_of([0, 3]) == [0.0, 1.0]
+    assert weights_of([3, 3]) is None  # the plain mean: bitwise the "wait" policy's
+    assert weights_of([0, 0]) is None
 
 
 def test_checks_are_cheap(runs: list[dict[str, Any]]) -> None:
