@@ -275,4 +275,5 @@ def test_weights_are_steps_over_their_total_or_none_when_equal() -> None:
 def test_checks_are_cheap(runs: list[dict[str, Any]]) -> None:
     checks, seconds = runs[1]["weighted"]["checks"]
     assert checks > 0
-    assert seconds / checks < STEP_S / 4, f"{seconds / checks * 1e6:.0f} us per check"
+    # A check that waited for the announcement would take about a round (4 fast steps).
+    assert seconds / checks < STEP_S / 2, f"{seconds / checks * 1e6:.0f} us per check"
