@@ -39,7 +39,7 @@ the others' rounds go on, and where the slowness moves between replicas the run 
 
 from __future__ import annotations
 
-import itertools
+import secrets
 import time
 from datetime import timedelta
 
@@ -58,8 +58,6 @@ LATE_POLICIES = ("wait", "weighted")
 ROUND_TIMEOUT = timedelta(minutes=30)
 """How long a finished replica waits for the next round's announcement (c10d's default
 collective timeout: one round is at most H inner steps of the slowest replica)."""
-
-_INSTANCES = itertools.count()  # one prefix per LateRounds, in the same order on every rank
 
 
 def weights_of(counts: list[int]) -> list[float] | None:
@@ -83,10 +81,10 @@ class LateRounds:
         store = store if store is not None else signed_store()
         if store is None:
             raise ValueError("late_policy='weighted' needs an initialised process group")
-        self.store = store.sub(f"local_sgd/late/{next(_INSTANCES)}/")
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
+        self.store = store.sub(f"local_sgd/late/{self._agree_on_instance()}/")
         self.round = 0
         """Rounds exchanged so far (checkpointed: the same on every rank at a round's end)."""
         self.history: list[tuple[int, ...]] = []
@@ -95,6 +93,14 @@ class LateRounds:
         self.check_seconds = 0.0
         """Seconds spent checking for announcements."""
         self.checks = 0
+
+    def _agree_on_instance(self) -> int:
+        """A random number of group rank 0's: this object's keys, the same on every rank and
+        apart from any earlier job's in the same store (collective)."""
+        mine = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
+        root = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+        C.broadcast(mine, root, self.group)
+        return int(mine[0])
 
     def _key(self) -> str:
         return f"round/{self.round}"
