@@ -8,7 +8,9 @@ every rank as rank 0. So each rank writes its model state and optimizer state as
 also writes the state the ranks share (DiLoCo's global parameters θ under the parameters' own
 names, so that ``checkpoint.load(path, model=plain_model, strict=False)`` exports θ; its outer
 momentum) and ``meta``: the format, the world size and the steps since the last
-synchronisation. A job resumes at the world size that saved it (its replicas are per rank).
+synchronisation (with ``late_policy="weighted"`` also the rounds done, which name the next
+round's announcement). A job resumes at the world size that saved it (its replicas are per
+rank).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ __all__ = ["FORMAT", "ReplicaModelState", "replica_optimizer_state", "replica_pi
 
 FORMAT = "phalanx.replicas/1"
 REPLICA = "replica/"
+SCALAR = "scalar/"
 
 
 def replica_piece(name: str, t: torch.Tensor, rank: int, world_size: int) -> Piece:
@@ -59,6 +62,8 @@ class ReplicaModelState:
             for k, t in self.sync.shared_state().items():
                 pieces.append((Piece(k, tuple(t.shape), 0, t.numel()), t.reshape(-1)))
         meta = {"format": FORMAT, "world_size": self.world_size, "steps": self.sync.steps}
+        if self.sync.late is not None:
+            meta["rounds"] = self.sync.late.round
         return ShardedState(meta, pieces)
 
     @torch.no_grad()
@@ -70,6 +75,8 @@ class ReplicaModelState:
         shared = {k: reader.full(k) for k in reader.keys() if not k.startswith(REPLICA)}  # noqa: SIM118
         self.sync.load_shared_state(shared)
         self.sync.steps = int(meta["steps"])
+        if self.sync.late is not None:
+            self.sync.late.round = int(meta.get("rounds", 0))
 
     def _check(self, meta: dict[str, Any]) -> None:
         if meta.get("format") != FORMAT:
@@ -90,9 +97,46 @@ class ReplicaModelState:
 
 class _ReplicaOptimizerState(ParallelOptimizerState):
     """Restores only the parameters whose state the checkpoint holds (a frozen or unused
-    parameter has none: AdamW never stepped it)."""
+    parameter has none: AdamW never stepped it).
+
+    Tensor scalars (AdamW's ``step``) are per rank too: with ``late_policy="weighted"`` the
+    replicas take different numbers of steps. Each rank writes its own as row ``rank`` of
+    ``replica/scalar/<name>/<state>`` (``meta`` keeps rank 0's, all older checkpoints have).
+    """
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, layout: HeldPieces, rank: int, world_size: int
+    ) -> None:
+        super().__init__(optimizer, layout, {id(p) for p, _ in layout})
+        self.rank, self.world_size = rank, world_size
+
+    def _scalar_pieces(self) -> list[tuple[Piece, dict[str, Any], str]]:
+        """(piece, the parameter's state, the state's name) of every 0-dim tensor state."""
+        out = []
+        for p, held in self.layout:
+            state = self.optimizer.state.get(p, {})
+            name = held[0].key[len(REPLICA) :]
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor) and v.dim() == 0:
+                    key = f"{REPLICA}{SCALAR}{name}/{k}"
+                    out.append((Piece(key, (self.world_size,), self.rank, self.rank + 1), state, k))
+        return out
+
+    def sharded_state(self) -> ShardedState:
+        state = super().sharded_state()
+        for piece, held, k in self._scalar_pieces():
+            state.pieces.append((piece, held[k].detach().reshape(1)))
+        return state
 
     def load_sharded_state(self, meta: dict[str, Any], reader: PieceReader) -> None:
+        self._load_per_element(meta, reader)
+        saved = set(reader.keys())
+        for piece, held, k in self._scalar_pieces():
+            if piece.key in saved:
+                value = reader.read(piece.key, piece.start, piece.end)
+                held[k] = value.view(()).to(held[k]).clone()
+
+    def _load_per_element(self, meta: dict[str, Any], reader: PieceReader) -> None:
         saved = set(reader.keys())
         names = meta.get("per_element", [])
         every = self.layout
@@ -115,4 +159,4 @@ def replica_optimizer_state(
     layout: HeldPieces = [
         (p, [replica_piece(n, p, rank, world_size)]) for n, p in model.named_parameters()
     ]
-    return _ReplicaOptimizerState(optimizer, layout, {id(p) for p, _ in layout})
+    return _ReplicaOptimizerState(optimizer, layout, rank, world_size)

@@ -13,6 +13,10 @@ The outer optimizer is ``torch.optim.SGD`` over the global parameters (the pseud
 their ``.grad``, :mod:`.outer`). θ and the momentum are checkpointed
 (:meth:`DiLoCoSync.shared_state`). The pseudo-gradient travels in float32 or quantised
 (:mod:`.pending_average`); the buffers are averaged in their dtype.
+
+With ``late_policy="weighted"`` (:mod:`.late`) a round ends when the first replica has taken
+H inner steps; the pseudo-gradients (and buffers) are weighted by the inner steps each replica
+took, so a late replica's shorter walk counts for less and the others never wait long for it.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class DiLoCoSync(PeriodicSync):
         every: Inner steps per outer step (H, >= 1).
         outer: The outer optimizer and codec (:class:`.Outer`).
         bucket_bytes: Cap of each flat all-reduce bucket.
+        late_policy: "wait" or "weighted" (:class:`.PeriodicSync`).
     """
 
     def __init__(
@@ -55,8 +60,9 @@ class DiLoCoSync(PeriodicSync):
         every: int,
         outer: Outer,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        late_policy: str = "wait",
     ) -> None:
-        super().__init__(replica, group, every, bucket_bytes)
+        super().__init__(replica, group, every, bucket_bytes, late_policy)
         self.options = check_instance(
             "outer", outer, Outer, "a phalanx.local_sgd.Outer", where=type(self).__name__
         )
@@ -69,24 +75,29 @@ class DiLoCoSync(PeriodicSync):
         local = self.replica.param_tensors
         return [self.global_params[i] - local[i] for i in indices]
 
-    def launch(self, deltas: list[torch.Tensor]) -> PendingAverage:
-        """Start averaging ``deltas`` over the group in the outer codec (in place on wait)."""
+    def launch(
+        self, deltas: list[torch.Tensor], weights: list[float] | None = None
+    ) -> PendingAverage:
+        """Start averaging ``deltas`` over the group in the outer codec (in place on wait),
+        weighted by ``weights`` (one per rank) if given."""
         o = self.options
-        return PendingAverage(deltas, self.group, o.codec, o.block, self.bucket_bytes)
+        return PendingAverage(deltas, self.group, o.codec, o.block, self.bucket_bytes, weights)
 
-    def average_buffers(self) -> int:
+    def average_buffers(self, weights: list[float] | None = None) -> int:
         """Average the floating-point buffers (no outer step: they have no gradient)."""
         buffers = self.replica.buffer_tensors
+        if weights is not None:
+            return self.weighted_mean(buffers, weights) if buffers else 0
         sent = average_tensors(buffers, self.group, self.bucket_bytes)  # buckets; 0 alone
         return nbytes(buffers) if sent else 0
 
-    def sync(self) -> int:
+    def sync(self, weights: list[float] | None = None) -> int:
         every = range(len(self.global_params))
         deltas = self.pseudo_gradient(every)
-        pending = self.launch(deltas)
+        pending = self.launch(deltas, weights)
         pending.wait()
         self.outer_step(every, deltas)
-        return pending.sent_bytes + self.average_buffers()
+        return pending.sent_bytes + self.average_buffers(weights)
 
     def outer_step(self, indices: Sequence[int], averaged: list[torch.Tensor]) -> None:
         """Step θ at ``indices`` with the averaged pseudo-gradient (torch's SGD skips the

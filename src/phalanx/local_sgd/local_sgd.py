@@ -5,6 +5,8 @@ mini-batches, use local SGD" (2020). With H = 1 and plain SGD the average of the
 replicas is the step on the averaged gradient (SGD is linear in the gradient), i.e. DDP, up to
 floating-point rounding. The parameters and floating-point buffers go out in flat buckets of
 ``bucket_bytes`` (:func:`phalanx.mesh.replica_average.average_tensors`, DDP's bucket engine).
+With ``late_policy="weighted"`` and unequal step counts, each replica weighs by the steps it
+took this round (:mod:`.late`), summed in float32.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ __all__ = ["LocalSGDSync"]
 class LocalSGDSync(PeriodicSync):
     """Average the parameters and floating-point buffers over the group every H steps."""
 
-    def sync(self) -> int:
+    def sync(self, weights: list[float] | None = None) -> int:
         tensors = self.replica.param_tensors + self.replica.buffer_tensors
+        if weights is not None:
+            return self.weighted_mean(tensors, weights)
         sent = average_tensors(tensors, self.group, self.bucket_bytes)  # buckets; 0 alone
         return nbytes(tensors) if sent else 0

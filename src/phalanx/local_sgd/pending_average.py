@@ -11,6 +11,11 @@ before the first wait:
   wire (each rank's blocks have their own scales; int8 sums overflow), so every rank
   all-gathers every rank's encoded bytes and decodes and sums them itself, in rank order, in
   float32: the result is bitwise the same on every rank.
+
+With ``weights`` (one per rank, summing to 1: ``late_policy="weighted"``, :mod:`.late`) the
+result is ``sum_r weights[r] * tensors_r`` instead of the mean: in fp32 each rank scales its
+chunk by its own weight and the chunks are summed; decoded chunks are scaled by their rank's
+weight before the sum.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ class PendingAverage:
         codec: "fp32", "bf16", "int8" or "int4" (:data:`.quantise.CODECS`).
         block: Elements per quantisation scale.
         bucket_bytes: Float32 bytes per chunk.
+        weights: Each rank's weight (None: the mean).
     """
 
     def __init__(
@@ -64,10 +70,14 @@ class PendingAverage:
         codec: str,
         block: int,
         bucket_bytes: int,
+        weights: Sequence[float] | None = None,
     ) -> None:
         self.tensors = list(tensors)
         self.group, self.codec, self.block = group, codec, block
         self.world = dist.get_world_size(group)
+        if weights is not None and len(weights) != self.world:
+            raise ValueError(f"weights={list(weights)}: one per rank, world size {self.world}")
+        self.weights = None if weights is None else list(weights)
         self.flat = flatten(self.tensors, torch.float32) if self.tensors else torch.empty(0)
         self._chunks = [
             self._launch(s, e) for s, e in chunks(self.flat.numel(), block, bucket_bytes)
@@ -79,7 +89,11 @@ class PendingAverage:
     def _launch(self, start: int, end: int) -> _Chunk:
         piece = self.flat[start:end]
         if self.codec == "fp32":
-            work = C.all_reduce(piece, C.ReduceOp.AVG, group=self.group, async_op=True)
+            op = C.ReduceOp.AVG
+            if self.weights is not None:
+                piece.mul_(self.weights[dist.get_rank(self.group)])
+                op = C.ReduceOp.SUM
+            work = C.all_reduce(piece, op, group=self.group, async_op=True)
             return _Chunk(start, end, piece, piece, work)
         raw = encode(piece, self.codec, self.block)
         out = torch.empty(self.world * raw.numel(), dtype=torch.uint8, device=raw.device)
@@ -101,5 +115,6 @@ class PendingAverage:
         size, numel = c.sent.numel(), c.end - c.start
         total = torch.zeros(numel, dtype=torch.float32, device=self.flat.device)
         for r in range(self.world):
-            total += decode(c.out[r * size : (r + 1) * size], self.codec, numel, self.block)
-        return total / self.world
+            value = decode(c.out[r * size : (r + 1) * size], self.codec, numel, self.block)
+            total += value if self.weights is None else value * self.weights[r]
+        return total / self.world if self.weights is None else total

@@ -24,7 +24,11 @@ class SyncStats:
     ``phalanx.comm_stats()`` counts them)."""
     sync_seconds: float = 0.0
     """Seconds the training thread spent inside the synchronisations (flattening, the
-    all-reduces and the outer step): time not spent computing."""
+    all-reduces and the outer step): time not spent computing. With
+    ``late_policy="weighted"`` it includes the wait for the last replica to join a round."""
+    check_seconds: float = 0.0
+    """``late_policy="weighted"``: seconds spent checking whether a round was announced (one
+    store round trip per inner step)."""
 
     def add(self, sent: int, seconds: float, syncs: int = 1) -> None:
         """Count ``syncs`` synchronisations (streaming DiLoCo: fragments launched)."""

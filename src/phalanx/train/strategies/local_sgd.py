@@ -10,10 +10,21 @@ a resumed job trains on bit-identically at the same world size.
 
 What each rank sent and how long it spent synchronising: ``job.runner.sync.stats``
 (:class:`phalanx.local_sgd.SyncStats`); its wait on communication is in ``job.summary()``.
+
+A late replica: ``late_policy="wait"`` (the default: every replica syncs after exactly
+``sync_every`` steps, so results are reproducible bit for bit and resumes are exact at any
+step) or ``"weighted"`` (a round ends when the first replica has taken ``sync_every`` steps;
+each replica joins at its next step and counts by the steps it took, so the others wait at
+most one step of the late one per round; ``phalanx/local_sgd/late.py``). With "weighted" the
+ranks are not in step: ``job.log`` records each rank's own values, the straggler monitor
+compares none, the loop must run no collectives of its own between rounds, and
+``job.save()`` is allowed only right after a round (every rank at 0 steps since it; e.g.
+when ``job.runner.sync.late.round`` reaches a multiple of k).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar, cast
 
@@ -25,6 +36,7 @@ from phalanx._check import FLAG, check_choice, check_float, check_int, rule
 from phalanx.comm.group import World
 from phalanx.local_sgd import DiLoCoSync, LocalSGDSync, PeriodicSync, Replica
 from phalanx.local_sgd.checkpoint import ReplicaModelState, replica_optimizer_state
+from phalanx.local_sgd.late import LATE_POLICIES
 from phalanx.local_sgd.outer import Outer, check_momentum
 from phalanx.local_sgd.quantise import CODECS
 from phalanx.train.precision import Precision
@@ -52,6 +64,10 @@ class ReplicaStrategy(Strategy):
         """The algorithm that synchronises ``replica`` over ``group``."""
         raise NotImplementedError
 
+    def late(self) -> str:
+        """Its ``late_policy`` ("wait" unless the strategy has one)."""
+        return "wait"
+
     def start(self, world: World, job: JobOptions) -> Runner:
         """Refuse fp16 (each rank's loss scale would skip steps on its own); make the runner."""
         if job.precision == "fp16-mixed":
@@ -75,21 +91,30 @@ class LocalSGD(ReplicaStrategy):
     Args:
         sync_every: Optimizer steps between averages (H >= 1; 1 with plain SGD is DDP).
         bucket_cap_mb: Flat all-reduce buckets of at most this many MiB.
+        late_policy: "wait" (every replica averages after exactly ``sync_every`` steps) or
+            "weighted" (the first to get there ends the round; the average weighs the steps
+            each replica took).
     """
 
     name: ClassVar[str] = "localsgd"
     sync_every: int = 8
     bucket_cap_mb: float = 25.0
+    late_policy: str = "wait"
 
     def __post_init__(self) -> None:
         check_fields(
             self,
             sync_every=rule(check_int, min=1),
             bucket_cap_mb=rule(check_float, above=0),
+            late_policy=rule(check_choice, choices=LATE_POLICIES),
         )
 
     def make_sync(self, replica: Replica, group: dist.ProcessGroup | None) -> PeriodicSync:
-        return LocalSGDSync(replica, group, self.sync_every, bucket_bytes(self.bucket_cap_mb))
+        cap = bucket_bytes(self.bucket_cap_mb)
+        return LocalSGDSync(replica, group, self.sync_every, cap, self.late_policy)
+
+    def late(self) -> str:
+        return self.late_policy
 
 
 @dataclass(frozen=True)
@@ -106,6 +131,9 @@ class DiLoCo(ReplicaStrategy):
         quantise: How pseudo-gradients travel: "fp32", "bf16", "int8" or "int4" (the
             integers with one float32 scale per ``quantise_block`` elements).
         quantise_block: Elements per scale.
+        late_policy: "wait" (every replica takes exactly ``sync_every`` inner steps) or
+            "weighted" (the first to get there ends the round; the pseudo-gradients are
+            weighted by the inner steps each replica took).
     """
 
     name: ClassVar[str] = "diloco"
@@ -116,6 +144,7 @@ class DiLoCo(ReplicaStrategy):
     bucket_cap_mb: float = 25.0
     quantise: str = "fp32"
     quantise_block: int = 256
+    late_policy: str = "wait"
 
     def __post_init__(self) -> None:
         check_fields(
@@ -127,6 +156,7 @@ class DiLoCo(ReplicaStrategy):
             bucket_cap_mb=rule(check_float, above=0),
             quantise=rule(check_choice, choices=CODECS),
             quantise_block=rule(check_int, min=1),
+            late_policy=rule(check_choice, choices=LATE_POLICIES),
         )
 
     def outer(self) -> Outer:
@@ -137,7 +167,10 @@ class DiLoCo(ReplicaStrategy):
 
     def make_sync(self, replica: Replica, group: dist.ProcessGroup | None) -> PeriodicSync:
         cap = bucket_bytes(self.bucket_cap_mb)
-        return DiLoCoSync(replica, group, self.sync_every, self.outer(), cap)
+        return DiLoCoSync(replica, group, self.sync_every, self.outer(), cap, self.late_policy)
+
+    def late(self) -> str:
+        return self.late_policy
 
 
 class ReplicaRunner(Runner):
@@ -181,10 +214,32 @@ class ReplicaRunner(Runner):
         if self.sync is not None:
             self.sync.finish()
 
+    def weighted(self) -> bool:
+        """``late_policy="weighted"``: the ranks are not in step between rounds."""
+        return self.options.late() == "weighted"
+
+    def logs_in_step(self) -> bool:
+        return not self.weighted()
+
+    def peer_sets(self) -> Iterable[list[int]] | None:
+        # Weighted: the ranks are not in step; a collective among them would re-couple them.
+        return [] if self.weighted() else None
+
     def checkpointed(self, saving: bool) -> tuple[nn.Module | None, torch.optim.Optimizer | None]:
-        """Per-rank views of the replica and inner optimizer (``local_sgd/checkpoint.py``)."""
+        """Per-rank views of the replica and inner optimizer (``local_sgd/checkpoint.py``).
+
+        Raises:
+            ValueError: saving with ``late_policy="weighted"`` mid-round (the ranks may be
+                at different steps, and only the round boundary is common to all).
+        """
         if self.model is None or self.sync is None:
             return None, None
+        if saving and self.sync.late is not None and self.sync.steps:
+            raise ValueError(
+                f"job.save() with late_policy='weighted' {self.sync.steps} steps into round "
+                f"{self.sync.late.round}: save right after a round (0 steps since it), which "
+                f"every rank reaches together"
+            )
         rank, size = self.world.rank, self.world.world_size
         model = ReplicaModelState(self.model, self.sync, rank, size)
         opt = None

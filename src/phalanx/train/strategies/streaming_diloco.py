@@ -36,6 +36,9 @@ class StreamingDiLoCo(DiLoCo):
             at most the model's parameter count: checked at ``Job.setup``).
         offsets: Each fragment's step offset in 0..sync_every-1 (None: ``p·H // fragments``).
         overlap: Inner steps each outer average travels during (0 <= overlap < sync_every).
+
+    ``late_policy`` must be "wait": each fragment's beat is a fixed inner step, which a
+    round that ends when the first replica gets there would move.
     """
 
     name: ClassVar[str] = "streaming-diloco"
@@ -53,6 +56,12 @@ class StreamingDiLoCo(DiLoCo):
             offsets=optional(_offsets),
             overlap=rule(check_int, min=0, max=self.sync_every - 1),
         )
+        if self.late_policy != "wait":
+            raise ValueError(
+                f"{where}(late_policy={self.late_policy!r}): streaming DiLoCo supports only "
+                f"late_policy='wait' (its fragments sync on fixed step beats); use "
+                f"phalanx.DiLoCo(late_policy='weighted')"
+            )
         if self.offsets is None:
             return
         if len(self.offsets) != self.fragments:
