@@ -14,6 +14,7 @@ took (:mod:`.late`).
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 
 import torch
 import torch.distributed as dist
@@ -30,7 +31,7 @@ DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 """Flat all-reduce buckets of at most this many bytes (DDP's default)."""
 
 
-class PeriodicSync:
+class PeriodicSync(ABC):
     """Counts optimizer steps and synchronises the replicas every ``every`` of them.
 
     Args:
@@ -126,10 +127,10 @@ class PeriodicSync:
             sent = self.sync()
         self.stats.add(sent, time.perf_counter() - start)
 
+    @abstractmethod
     def sync(self, weights: list[float] | None = None) -> int:
         """Bring the replicas together, weighted by ``weights`` (one per rank, summing to 1;
         None: the plain mean); the bytes this rank handed to collectives."""
-        raise NotImplementedError
 
     def weighted_mean(self, tensors: list[torch.Tensor], weights: list[float]) -> int:
         """Replace ``tensors`` by ``sum_r weights[r] * tensors_r`` (float32 sums, in buckets);
@@ -148,5 +149,6 @@ class PeriodicSync:
         """State equal on every rank that a checkpoint keeps once (by name)."""
         return {}
 
-    def load_shared_state(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Restore what :meth:`shared_state` gave (from rank 0's checkpoint)."""
+    def load_shared_state(self, tensors: dict[str, torch.Tensor]) -> None:  # noqa: B027
+        """Restore what :meth:`shared_state` gave (from rank 0's checkpoint); LocalSGD keeps
+        nothing shared, so by default there is nothing to restore."""
