@@ -136,14 +136,18 @@ def _mixed_and_errors() -> dict[str, str]:
         ("gloo", lambda: shared_buffer(dist.new_group(backend="gloo"), 8)),
         ("numel", lambda: shared_buffer(None, 0)),
         ("dtype", lambda: shared_buffer(None, 8, torch.complex64)),
+        ("unlike", lambda: shared_buffer(None, 8 + rank)),
     ):
         try:
             call()
         except (ValueError, TypeError) as exc:
             out[name] = str(exc)
-    out["leftover"] = str(
-        [f for f in os.listdir("/dev/shm") if f.startswith(f"phalanx-shm-{os.getuid()}-")]
-    )
+    again = shared_buffer(None, 4)  # the group still allocates after a refusal
+    again.fill_(rank + 1)
+    dist.all_reduce(again)
+    out["again"] = str(again.tolist())
+    paths = dist.distributed_c10d._get_default_group()._regions.paths  # type: ignore[attr-defined]
+    out["unlinked"] = str(len(paths) == 2 and not any(map(os.path.exists, paths)))
     return out
 
 
@@ -151,7 +155,9 @@ def test_mixed_calls_and_bad_arguments_are_refused() -> None:
     res = run_distributed(_mixed_and_errors, world_size=2, backend="shm", timeout=60)
     for r in res:
         assert "in shared buffer #1" in r["mixed"], r
-        assert r["after"] == str([3.0] * 8)
+        assert r["after"] == str([3.0] * 8) and r["again"] == str([3.0] * 4)
         assert "backend 'gloo'" in r["gloo"] and "backend='shm'" in r["gloo"]
         assert "numel must be a positive int, got 0" in r["numel"]
         assert "complex64" in r["dtype"]
+        assert "rank 0 8 x float32, rank 1 9 x float32" in r["unlike"]
+        assert r["unlinked"] == "True"  # two buffers made, neither left in /dev/shm

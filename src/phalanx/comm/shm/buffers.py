@@ -41,6 +41,8 @@ class Region:
     """Address of this rank's part."""
     nbytes: int
     """Bytes of this rank's part that its tensor covers."""
+    path: str
+    """Where the segment was in /dev/shm (unlinked once every rank mapped it)."""
 
 
 class Regions:
@@ -50,6 +52,7 @@ class Regions:
         self._store, self._timeout = store, timeout
         self.rank, self.world_size = rank, world_size
         self._regions: list[Region] = []
+        self._calls = 0  # every allocate, failed ones too: each under store keys of its own
 
     def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A zero-filled 1-D tensor in this rank's part of a new region (collective)."""
@@ -60,14 +63,29 @@ class Regions:
         check_dtype(dtype, "shared_buffer")
         nbytes = numel * dtype.itemsize
         part = -(-nbytes // _PAGE) * _PAGE
-        store = dist.PrefixStore(f"{_KEY}{len(self._regions) + 1}/", self._store)
+        self._calls += 1
+        store = dist.PrefixStore(f"{_KEY}{self._calls}/", self._store)
         n = self.world_size
-        _, segment = open_segment(store, self.rank, n, n * part, self._timeout)
+        self._check_same(store, f"{numel} x {str(dtype).removeprefix('torch.')}")
+        path, segment = open_segment(store, self.rank, n, n * part, self._timeout)
         whole = torch.frombuffer(segment, dtype=torch.uint8)
         parts = [whole[q * part : (q + 1) * part] for q in range(n)]
         mine = parts[self.rank]
-        self._regions.append(Region(segment, parts, mine.data_ptr(), nbytes))
+        self._regions.append(Region(segment, parts, mine.data_ptr(), nbytes, path))
         return mine[:nbytes].view(dtype)
+
+    def _check_same(self, store: dist.Store, asked: str) -> None:
+        """Raise on every rank when the ranks asked for buffers of different sizes or dtypes
+        (their parts would not line up: a read past a peer's part)."""
+        store.set(f"asked/{self.rank}", asked)
+        keys = [f"asked/{r}" for r in range(self.world_size)]
+        store.wait(keys, self._timeout)
+        every = [store.get(k).decode() for k in keys]
+        if len(set(every)) > 1:
+            said = ", ".join(f"rank {r} {a}" for r, a in enumerate(every))
+            raise ValueError(
+                f"shared_buffer: every rank must ask for the same numel and dtype, but {said}"
+            )
 
     def locate(self, t: torch.Tensor) -> tuple[int, int]:
         """(region number, byte offset in it) of a tensor inside this rank's part; (0, 0) if
@@ -85,6 +103,11 @@ class Regions:
         """Rank ``rank``'s tensor shaped like ``like`` (flat) at ``offset`` in region ``number``."""
         nbytes = like.numel() * like.element_size()
         return self._regions[number - 1].parts[rank][offset : offset + nbytes].view(like.dtype)
+
+    @property
+    def paths(self) -> list[str]:
+        """Where each region's segment was in /dev/shm (all unlinked by now)."""
+        return [r.path for r in self._regions]
 
     def close(self) -> None:
         """Unmap every region (a mapping still viewed by a tensor goes with the process)."""
