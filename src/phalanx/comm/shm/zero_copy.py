@@ -5,15 +5,15 @@ Each rank's tensor lies in its part of one region (``buffers.py``); after the fi
 in place, with torch ops that release the GIL:
 
 - all_reduce: rank r reduces the r-th 1/n of every rank's tensor into the same range of its
-  own; barrier; it copies the other ranges from their owners' tensors. Up to
-  ``ONE_SHOT_BYTES`` (where barriers cost more than bytes) every rank reduces all of it into a
-  private tensor instead; barrier; it copies that into its own. Additions in rank order, as
+  own, then writes that range into every peer's tensor; barrier. Only rank r ever reads or
+  writes range r of any tensor during the call, so nothing races, and after the barrier
+  nobody reads a peer's tensor any more: two barriers in all. Additions in rank order, as
   ``collectives.all_reduce`` (bit for bit gloo's at two ranks).
 - reduce_scatter: rank r reduces block r of every rank's input straight into its output.
 - all_gather: rank r copies every rank's input into its output.
 
 Each ends with a barrier: a rank returns (and its caller may write its buffer again) only once
-no peer still reads it.
+no peer still reads it (or, for all_reduce, writes it).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 
 from phalanx.comm.shm.buffers import Regions
 from phalanx.comm.shm.channel import Channel
-from phalanx.comm.shm.collectives import ONE_SHOT_BYTES, share
+from phalanx.comm.shm.collectives import share
 from phalanx.comm.shm.ops import reduce_into
 
 __all__ = ["all_gather", "all_reduce", "reduce_scatter"]
@@ -60,20 +60,12 @@ def _reduce(out: torch.Tensor, inputs: Sequence[torch.Tensor], op: int) -> None:
 
 def all_reduce(ch: Channel, regions: Regions, flat: torch.Tensor, op: int) -> None:
     views = _peers(ch, regions, flat)
-    if flat.numel() * flat.element_size() <= ONE_SHOT_BYTES:
-        result = torch.empty_like(flat)
-        reduce_into(result, views, op)
-        ch.barrier()  # no peer reads this rank's tensor any more
-        flat.copy_(result)
-        return
-    n, m = ch.world_size, flat.numel()
-    shares = [share(m, n, q) for q in range(n)]
-    a, b = shares[ch.rank]
-    _reduce(flat[a:b], [v[a:b] for v in views], op)
-    ch.barrier()
-    for q, (lo, hi) in enumerate(shares):
-        if q != ch.rank and hi > lo:
-            flat[lo:hi].copy_(views[q][lo:hi])
+    a, b = share(flat.numel(), ch.world_size, ch.rank)
+    mine = flat[a:b]
+    _reduce(mine, [v[a:b] for v in views], op)
+    for q, view in enumerate(views):
+        if q != ch.rank:
+            view[a:b].copy_(mine)
     ch.barrier()
 
 
