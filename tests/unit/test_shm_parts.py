@@ -19,7 +19,7 @@ from torch._C._distributed_c10d import AllgatherOptions
 from phalanx.comm.errors import CollectiveMismatchError
 from phalanx.comm.shm import register
 from phalanx.comm.shm.backend import ShmProcessGroup
-from phalanx.comm.shm.collectives import _chunks, _share
+from phalanx.comm.shm.collectives import _chunks, share
 from phalanx.comm.shm.descriptor import Call, check_same
 from phalanx.comm.shm.futex import futex_wait, futex_wake
 from phalanx.comm.shm.layout import CONTROL_BLOCK, PAGE, Layout
@@ -73,7 +73,7 @@ def test_chunks_and_shares_cover_every_element_once() -> None:
     assert _chunks(0, 4) == [(0, 0)]
     assert _chunks(10, 4) == [(0, 4), (4, 8), (8, 10)]
     for n in (0, 1, 2, 7, 100):
-        parts = [_share(n, 3, r) for r in range(3)]
+        parts = [share(n, 3, r) for r in range(3)]
         assert parts[0][0] == 0 and parts[-1][1] == n
         assert all(a[1] == b[0] for a, b in itertools.pairwise(parts))
         assert max(b - a for a, b in parts) - min(b - a for a, b in parts) <= 1

@@ -11,6 +11,11 @@ all-reduce, ``(n - 1) / n`` for reduce-scatter and all-gather (bytes = the whole
 buffer) and 1 for broadcast, so busbw is comparable across world sizes. The last line is
 ``RESULT {json}``.
 
+``--shm`` compares gloo (``native``), the shared-memory backend with copy-in (``shm``) and with
+buffers already in shared memory (``shm-buffers``), and a ``copy_`` of the same bytes
+(``memcpy``) instead, in one interleaved run (``comm_shm.py``); rows then also carry
+``vs_memcpy``.
+
 Run it with ``python -m phalanx.bench.comm [flags]`` or ``phalanx bench comm [flags]``.
 """
 
@@ -23,15 +28,20 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from phalanx.bench.common import Output, add_output_flags
+
+if TYPE_CHECKING:
+    from phalanx.bench.comm_shm import ShmBench
 
 __all__ = ["BenchConfig", "Row", "busbw_factor", "main", "parse_args", "size_list", "summarize"]
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 SHARDED = ("reduce_scatter", "all_gather")
+MEMCPY = "memcpy"
+"""The ``--shm`` row of a ``copy_`` of the same bytes on each rank: busbw = algbw."""
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64")
 UNITS = {"": 1, "b": 1, "k": KiB, "kib": KiB, "m": MiB, "mib": MiB, "g": GiB, "gib": GiB}
 
@@ -60,6 +70,8 @@ class BenchConfig:
     """Also write the result to this file."""
     out: str | None = None
     """Directory for the results (None: a new one under ``runs/``)."""
+    shm: bool = False
+    """Compare gloo, shm (copy-in), shm with shared buffers and memcpy (``comm_shm.py``)."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +87,8 @@ class Row:
     busbw_gbps: float
     vs_native: float
     """busbw over the native implementation's (same op and size), at p50."""
+    vs_memcpy: float = float("nan")
+    """busbw over the memcpy bandwidth of the same bytes (``--shm`` runs only)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -126,6 +140,7 @@ def _build_parser() -> _Parser:
     add("--warmup", type=int, default=None, help="untimed iterations (default 3, 1 with --quick)")
     add("--quick", action="store_true", help="a few sizes up to 1MiB, few iterations (CI)")
     add("--dtype", default="float32", help=", ".join(DTYPES))
+    add("--shm", action="store_true", help="gloo vs shm (copy-in) vs shm-buffers vs memcpy")
     add_output_flags(p, "comm")
     return p
 
@@ -162,6 +177,7 @@ def parse_args(argv: Sequence[str]) -> BenchConfig:
         dtype=ns.dtype,
         json_path=ns.json,
         out=ns.out,
+        shm=ns.shm,
     )
 
 
@@ -190,13 +206,21 @@ def summarize(records: Sequence[dict[str, Any]], world: int) -> list[Row]:
     """Rows from the ranks' records ``{op, bytes, impl, times}`` (seconds), with ratios."""
     rows = [_row(rec, world) for rec in records]
     native = {(r.op, r.bytes): r.busbw_gbps for r in rows if r.impl == "native"}
-    return [replace(r, vs_native=_ratio(r.busbw_gbps, native.get((r.op, r.bytes)))) for r in rows]
+    memcpy = {(r.op, r.bytes): r.busbw_gbps for r in rows if r.impl == MEMCPY}
+    return [
+        replace(
+            r,
+            vs_native=_ratio(r.busbw_gbps, native.get((r.op, r.bytes))),
+            vs_memcpy=_ratio(r.busbw_gbps, memcpy.get((r.op, r.bytes))),
+        )
+        for r in rows
+    ]
 
 
 def _row(rec: dict[str, Any], world: int) -> Row:
     p50, p90 = percentile(rec["times"], 50), percentile(rec["times"], 90)
     algbw = rec["bytes"] / p50 / 1e9 if p50 > 0 else 0.0
-    busbw = algbw * busbw_factor(rec["op"], world)
+    busbw = algbw * (1.0 if rec["impl"] == MEMCPY else busbw_factor(rec["op"], world))
     return Row(rec["op"], rec["bytes"], rec["impl"], p50 * 1e6, p90 * 1e6, algbw, busbw, 1.0)
 
 
@@ -214,7 +238,10 @@ def format_bytes(n: int) -> str:
 
 def format_table(rows: Sequence[Row]) -> str:
     """The human table: one aligned line per row (text columns left, numbers right)."""
-    head = ("op", "size", "impl", "p50 us", "p90 us", "algbw GB/s", "busbw GB/s", "vs native")
+    head: tuple[str, ...] = ("op", "size", "impl", "p50 us", "p90 us", "algbw GB/s")
+    head += ("busbw GB/s", "vs native")
+    memcpy = any(r.impl == MEMCPY for r in rows)
+    head += ("vs memcpy",) if memcpy else ()
     body = [
         (
             r.op,
@@ -225,6 +252,7 @@ def format_table(rows: Sequence[Row]) -> str:
             f"{r.algbw_gbps:.3f}",
             f"{r.busbw_gbps:.3f}",
             f"{r.vs_native:.2f}x",
+            *((f"{r.vs_memcpy:.2f}x",) if memcpy else ()),
         )
         for r in rows
     ]
@@ -270,7 +298,9 @@ def _calls() -> dict[str, dict[str, Callable[[Any, Any], Any]]]:
     }
 
 
-def _impls(op: str, nbytes: int, world: int, dtype: Any) -> tuple[int, Impls]:
+def _impls(
+    op: str, nbytes: int, world: int, dtype: Any, shm: ShmBench | None = None
+) -> tuple[int, Impls]:
     """The byte count actually used and a zero-argument callable per implementation of ``op``."""
     import torch
 
@@ -281,6 +311,10 @@ def _impls(op: str, nbytes: int, world: int, dtype: Any) -> tuple[int, Impls]:
     # zeros: repeated sums neither overflow nor turn subnormal (which would time differently)
     big = torch.zeros(numel, dtype=dtype)
     small = torch.zeros(numel // world if op in SHARDED else 0, dtype=dtype)
+    if shm is not None:
+        from phalanx.bench.comm_shm import shm_impls
+
+        return numel * elem, shm_impls(op, big, small, shm)
     calls = _calls()[op]
     return numel * elem, {name: functools.partial(fn, big, small) for name, fn in calls.items()}
 
@@ -319,11 +353,17 @@ def rank_main(config: BenchConfig, output: Output | None = None) -> list[dict[st
     import torch
     import torch.distributed as dist
 
-    world = dist.get_world_size()
+    world, dtype = dist.get_world_size(), getattr(torch, config.dtype)
     records = []
+    elem = torch.empty((), dtype=dtype).element_size()
+    shm = None
+    if config.shm:
+        from phalanx.bench.comm_shm import ShmBench
+
+        shm = ShmBench(max(config.sizes) // elem + 1, dtype)
     for op in config.ops:
         for nbytes in config.sizes:
-            actual, impls = _impls(op, nbytes, world, getattr(torch, config.dtype))
+            actual, impls = _impls(op, nbytes, world, dtype, shm)
             times = torch.tensor(_measure(impls, config.iters, config.warmup), dtype=torch.float64)
             dist.all_reduce(times, dist.ReduceOp.MAX)  # an iteration lasts as its slowest rank
             size = [
@@ -351,13 +391,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         config,
         output,
         world_size=config.world_size,
+        backend="shm" if config.shm else "gloo",
         timeout=3600,
         collective_timeout=600,
     )
     rows = summarize(ranks[0], config.world_size)
     result = {"benchmark": "comm", "config": asdict(config), "rows": [asdict(r) for r in rows]}
+    what = "gloo vs shm" if config.shm else "gloo"
     print(
-        f"phalanx bench comm: gloo, world_size={config.world_size}, dtype={config.dtype}, "
+        f"phalanx bench comm: {what}, world_size={config.world_size}, dtype={config.dtype}, "
         f"p50/p90 over {config.iters} iterations of the slowest rank"
     )
     print(format_table(rows))

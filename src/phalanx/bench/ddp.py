@@ -5,6 +5,10 @@ step of each, alternating which goes first (ABBA), after a barrier. The slowest 
 counts. "Exposed communication" is the step time minus the compute-only time measured with
 ``no_sync`` (no gradient communication), per implementation. The bytes that each compression
 hook puts on the wire per step come from ``phalanx.comm_stats()``. Last line: ``RESULT {json}``.
+
+``--shm`` adds ``phalanx-shm``: phalanx DDP over a ``backend="shm"`` group of the same ranks
+(its buckets in the group's shared memory, so their all-reduces copy nothing), interleaved with
+the other two; its ``ratio_vs_torch`` is against torch DDP on gloo.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from phalanx.bench.common import Output, add_output_flags, timed
 __all__ = ["main"]
 
 CAPS_MB = (1.0, 4.0, 25.0)
+SHM = "phalanx-shm"
 
 
 def mlp() -> nn.Module:
@@ -56,12 +61,13 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
 }
 
 
-def _wrap(impl: str, model: nn.Module, cap: float) -> nn.Module:
+def _wrap(impl: str, model: nn.Module, cap: float, shm: Any = None) -> nn.Module:
     import phalanx
 
     if impl == "torch":
         return torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap)
-    return phalanx.DistributedDataParallel(model, bucket_cap_mb=cap)
+    group = shm if impl == SHM else None
+    return phalanx.DistributedDataParallel(model, bucket_cap_mb=cap, process_group=group)
 
 
 def _step(ddp: Any, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -70,21 +76,25 @@ def _step(ddp: Any, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
     opt.step()
 
 
-def _measure(model_name: str, cap: float, iters: int, warmup: int) -> dict[str, Any]:
-    """On every rank: interleaved step and compute-only times for torch and phalanx DDP."""
+def _measure(
+    model_name: str, cap: float, iters: int, warmup: int, shm: Any = None
+) -> dict[str, Any]:
+    """On every rank: interleaved step and compute-only times for torch and phalanx DDP (and
+    phalanx DDP on the shm group ``shm``, if given); the order rotates every step."""
     factory, shape = MODELS[model_name]
     torch.manual_seed(0)
     base = factory()
     runs: dict[str, tuple[Any, torch.optim.Optimizer]] = {}
-    for impl in ("torch", "phalanx"):
+    impls = ("torch", "phalanx", SHM) if shm is not None else ("torch", "phalanx")
+    for impl in impls:
         m = factory()
         m.load_state_dict(base.state_dict())
-        ddp = _wrap(impl, m, cap)
+        ddp = _wrap(impl, m, cap, shm)
         runs[impl] = (ddp, torch.optim.SGD(ddp.parameters(), lr=0.01))
     x, y = torch.randn(shape), torch.randint(0, 10, (shape[0],))
     times: dict[str, list[float]] = {f"{i}{k}": [] for i in runs for k in ("", "_compute")}
     for it in range(warmup + iters):
-        order = ("torch", "phalanx") if it % 2 == 0 else ("phalanx", "torch")
+        order = impls[it % len(impls) :] + impls[: it % len(impls)]
         for impl in order:
             ddp, opt = runs[impl]
 
@@ -132,11 +142,15 @@ def _hook_bytes(model_name: str) -> dict[str, float]:
 
 
 def _rank_job(cfg: dict[str, Any], output: Output) -> dict[str, Any]:
+    import torch.distributed as dist
+
     results: dict[str, Any] = {"steps": {}, "bytes": {}}
+    shm = dist.new_group(backend="shm") if cfg.get("shm") else None
     for model_name in cfg["models"]:
         for cap in cfg["caps"]:
             key = f"{model_name}/{cap:g}"
-            results["steps"][key] = _measure(model_name, cap, cfg["iters"], cfg["warmup"])
+            steps = _measure(model_name, cap, cfg["iters"], cfg["warmup"], shm)
+            results["steps"][key] = steps
             output.rows(summarize({key: results["steps"][key]}))
         if cfg["hooks"]:
             results["bytes"][model_name] = _hook_bytes(model_name)
@@ -154,7 +168,7 @@ def summarize(steps: dict[str, dict[str, list[float]]]) -> list[dict[str, Any]]:
     for key, t in steps.items():
         model_name, cap = key.split("/")
         torch_p50 = statistics.median(t["torch"])
-        for impl in ("torch", "phalanx"):
+        for impl in (k for k in t if not k.endswith("_compute")):
             p50 = statistics.median(t[impl])
             compute = statistics.median(t[f"{impl}_compute"])
             rows.append(
@@ -174,12 +188,12 @@ def summarize(steps: dict[str, dict[str, list[float]]]) -> list[dict[str, Any]]:
 
 def _print_table(rows: list[dict[str, Any]], hook_bytes: dict[str, dict[str, float]]) -> None:
     print(
-        f"{'model':<6}{'cap MB':>7}{'impl':>9}{'p50 ms':>9}{'p90 ms':>9}"
+        f"{'model':<6}{'cap MB':>7}{'impl':>12}{'p50 ms':>9}{'p90 ms':>9}"
         f"{'compute':>9}{'exposed':>9}{'vs torch':>9}"
     )
     for r in rows:
         print(
-            f"{r['model']:<6}{r['cap_mb']:>7g}{r['impl']:>9}{r['p50_ms']:>9.2f}"
+            f"{r['model']:<6}{r['cap_mb']:>7g}{r['impl']:>12}{r['p50_ms']:>9.2f}"
             f"{r['p90_ms']:>9.2f}{r['compute_ms']:>9.2f}{r['exposed_comm_ms']:>9.2f}"
             f"{r['ratio_vs_torch']:>9.3f}"
         )
@@ -200,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first")
     parser.add_argument("--models", default="mlp,cnn", help="comma list of: mlp, cnn")
     parser.add_argument("--no-hooks", action="store_true", help="skip the compression bytes")
+    parser.add_argument("--shm", action="store_true", help=f"add {SHM}: phalanx DDP on shm")
     add_output_flags(parser, "ddp")
     args = parser.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
@@ -214,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         "iters": args.iters,
         "warmup": args.warmup,
         "hooks": not args.no_hooks,
+        "shm": args.shm,
     }
     if args.quick:
         cfg.update(models=["mlp"], caps=(25.0,), iters=6, warmup=2)

@@ -14,10 +14,23 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx.comm import collectives as c
+from phalanx.comm.shm import gives_shared_buffers, shared_buffer
+from phalanx.comm.shm.ops import DTYPES
 from phalanx.data_parallel.buckets import BucketPlan
 from phalanx.data_parallel.grad_bucket import GradBucket
 
-__all__ = ["Bucket", "WaitFuture"]
+__all__ = ["Bucket", "WaitFuture", "bucket_storage"]
+
+
+def bucket_storage(
+    group: dist.ProcessGroup | None, numel: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A bucket's zero-filled flat buffer: in the group's shared memory where its backend gives
+    that (backend 'shm', CPU), so its all-reduce copies nothing; else ``torch.zeros``."""
+    shared = device.type == "cpu" and numel > 0 and dtype in DTYPES
+    if shared and gives_shared_buffers(group):
+        return shared_buffer(group, numel, dtype)
+    return torch.zeros(numel, dtype=dtype, device=device)
 
 
 class Bucket:
@@ -30,15 +43,14 @@ class Bucket:
         params: list[nn.Parameter],
         extra: int,
         dtype: torch.dtype,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         self.index = index
         self.plan = plan
         self.params = params
         self.sparse = plan.sparse
         device = params[0].device
-        self.buffer = torch.zeros(
-            0 if self.sparse else plan.numel + extra, dtype=dtype, device=device
-        )
+        self.buffer = bucket_storage(group, 0 if self.sparse else plan.numel + extra, dtype, device)
         self.views = (
             []
             if self.sparse

@@ -107,6 +107,7 @@ class Reducer:
                 [self.params[j] for j in plan.params],
                 int(self.options.join_flag and i == last),
                 self.options.bucket_dtype or self.params[plan.params[0]].dtype,
+                self.group,
             )
             for i, plan in enumerate(self.plans)
         ]

@@ -7,20 +7,21 @@ counters that spin briefly, then sleep on a futex (``sync.py``), and reductions 
 (``collectives.py``); calls run in issue order on a worker thread (``worker.py``). Point-to-point
 and the other calls go to a gloo group made underneath (``backend.py``).
 
-Where buffers that already live in shared memory (no copy-in) would plug in: a second segment per
-group for persistent buffers (``segment.open_segment`` under another store key), whose views a
-strategy allocates its buckets in; ``collectives.all_reduce`` would then skip the copy into the
-slot when ``flat`` lies in it and read the peers' buffers there. Descriptors, barriers, the
-ordered executor and the error paths stay as they are.
+Buffers that already live in shared memory: :func:`shared_buffer` gives a tensor in a segment
+of its own (``buffers.py``); all_reduce, reduce_scatter_tensor and all_gather_into_tensor of
+tensors that lie in such buffers on every rank read the peers' tensors in place, with no copy
+into slots and no chunks (``zero_copy.py``). phalanx's DDP keeps its buckets there on an shm
+group (:func:`gives_shared_buffers`).
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["BACKEND", "GLOO_P2P", "register"]
+__all__ = ["BACKEND", "GLOO_P2P", "gives_shared_buffers", "register", "shared_buffer"]
 
 BACKEND = "shm"
 GLOO_P2P = ("gloo", BACKEND)
@@ -37,3 +38,30 @@ def register() -> None:
     """Register ``"shm"`` with ``torch.distributed.Backend`` (once; later calls do nothing)."""
     if BACKEND not in dist.Backend.backend_list:
         dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])
+
+
+def _resolve(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    return dist.distributed_c10d._get_default_group() if group is None else group
+
+
+def gives_shared_buffers(group: dist.ProcessGroup | None) -> bool:
+    """Can ``group`` (None: the default group) give :func:`shared_buffer` s (backend 'shm')?"""
+    return dist.is_initialized() and hasattr(_resolve(group), "shared_buffer")
+
+
+def shared_buffer(
+    group: dist.ProcessGroup | None, numel: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """A zero-filled 1-D CPU tensor of ``numel`` elements in ``group``'s shared memory.
+
+    Collective: every rank of the group calls it with the same arguments in the same order.
+    all_reduce, reduce_scatter_tensor and all_gather_into_tensor of tensors (or slices) that lie
+    in such buffers on every rank copy nothing in or out. Freed with the group.
+    """
+    pg = _resolve(group)
+    if not gives_shared_buffers(pg):
+        raise ValueError(
+            f"shared_buffer: group={group!r} has backend {dist.get_backend(pg)!r}; shared "
+            "buffers need a group made with backend='shm'"
+        )
+    return pg.shared_buffer(numel, dtype)  # type: ignore[attr-defined]

@@ -7,6 +7,10 @@ all_gather_single, reduce_scatter(_single), all_to_all_single). Those run on sha
 Everything else (send/recv, gather, scatter, list all_to_all, coalesced calls) is not defined
 here, so it falls through to the C++ base class, which dispatches to the gloo backend that
 the group registers for the CPU device, made over the same store under its own prefix.
+
+all_reduce, reduce_scatter_tensor and all_gather_into_tensor of tensors that every rank keeps
+in one of the group's shared buffers (``shared_buffer``) take the zero-copy path
+(``zero_copy.py``); ``zero_copy_calls`` counts them.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx.comm.shm import collectives
+from phalanx.comm.shm import collectives, zero_copy
+from phalanx.comm.shm.buffers import Regions
 from phalanx.comm.shm.channel import Channel, guarded
 from phalanx.comm.shm.descriptor import Call
 from phalanx.comm.shm.futex import available
@@ -70,6 +75,9 @@ class ShmProcessGroup(dist.ProcessGroup):
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._gloo)
         self._executor = Executor(f"phalanx-shm-rank{rank}")
         self._named = False
+        self._regions = Regions(store, rank, world_size, timeout)
+        self.zero_copy_calls = 0
+        """Collectives that ran on shared buffers, reading the peers' tensors in place."""
 
     # -- identity -------------------------------------------------------------------------
     def getBackendName(self) -> str:  # torch's C++ name
@@ -85,10 +93,23 @@ class ShmProcessGroup(dist.ProcessGroup):
         """Finish the queued calls, unmap the segment, shut the gloo group underneath down."""
         self._executor.stop()
         self._channel.close()
+        self._regions.close()
         self._gloo.shutdown()
 
     def abort(self) -> None:
         self.shutdown()
+
+    def shared_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A zero-filled 1-D tensor in the group's shared memory (collective: every rank calls
+        it alike); collectives on tensors inside such buffers on every rank copy nothing."""
+        return self._regions.allocate(numel, dtype)
+
+    def _zero_copy(self, body: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            body()
+            self.zero_copy_calls += 1
+
+        return run
 
     # -- the collectives ------------------------------------------------------------------
     def _submit(self, call: Call, body: Callable[[], None], value: object, opts: Any) -> ShmWork:
@@ -114,9 +135,13 @@ class ShmProcessGroup(dist.ProcessGroup):
         flat = _flat(_one(tensors, "all_reduce"), "tensor", "all_reduce")
         code = op_code(opts.reduceOp)
         check_reduction(code, flat.dtype, "all_reduce")
-        call = Call("all_reduce", flat.dtype, flat.numel(), code)
-        ch = self._channel
-        return self._submit(call, lambda: collectives.all_reduce(ch, flat, code), tensors, opts)
+        region, offset = self._regions.locate(flat)
+        call = Call("all_reduce", flat.dtype, flat.numel(), code, region=region, offset=offset)
+        ch, regions = self._channel, self._regions
+        body = lambda: collectives.all_reduce(ch, flat, code)  # noqa: E731
+        if region:
+            body = self._zero_copy(lambda: zero_copy.all_reduce(ch, regions, flat, code))
+        return self._submit(call, body, tensors, opts)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> ShmWork:  # type: ignore[override]
         flat = _flat(_one(tensors, "reduce"), "tensor", "reduce")
@@ -154,9 +179,13 @@ class ShmProcessGroup(dist.ProcessGroup):
                     f"{flat.dtype} x {flat.numel()}; they must match"
                 )
         flats = [_flat(o, f"output {q}", "all_gather") for q, o in enumerate(outs)]
-        call = Call("all_gather", flat.dtype, flat.numel())
-        ch = self._channel
-        return self._submit(call, lambda: collectives.all_gather(ch, flats, flat), value, opts)
+        region, offset = self._regions.locate(flat)
+        call = Call("all_gather", flat.dtype, flat.numel(), region=region, offset=offset)
+        ch, regions = self._channel, self._regions
+        body = lambda: collectives.all_gather(ch, flats, flat)  # noqa: E731
+        if region:
+            body = self._zero_copy(lambda: zero_copy.all_gather(ch, regions, flats, flat))
+        return self._submit(call, body, value, opts)
 
     def allgather(  # type: ignore[override]
         self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any
@@ -186,9 +215,12 @@ class ShmProcessGroup(dist.ProcessGroup):
                 f"reduce_scatter_tensor: input is {flat.dtype} x {flat.numel()}, expected "
                 f"{out.dtype} x (world size {self._size} x output {out.numel()})"
             )
-        call = Call("reduce_scatter", flat.dtype, flat.numel(), code)
-        ch = self._channel
+        region, offset = self._regions.locate(flat)
+        call = Call("reduce_scatter", flat.dtype, flat.numel(), code, region=region, offset=offset)
+        ch, regions = self._channel, self._regions
         body = lambda: collectives.reduce_scatter(ch, out, flat, code)  # noqa: E731
+        if region:
+            body = self._zero_copy(lambda: zero_copy.reduce_scatter(ch, regions, out, flat, code))
         return self._submit(call, body, [output], opts)
 
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]

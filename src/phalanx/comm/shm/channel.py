@@ -8,6 +8,7 @@ descriptor and checks everyone's after its first barrier.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import mmap
 from collections.abc import Callable
 
@@ -90,7 +91,7 @@ class Channel:
                 f"({self.broken}); destroy it and start a new one"
             )
         self.calls += 1
-        self.current = Call(call.kind, call.dtype, call.numel, call.op, call.root, self.calls)
+        self.current = dataclasses.replace(call, number=self.calls)
         self._packed = self.current.pack()
         return self.current
 
@@ -108,6 +109,13 @@ class Channel:
         offsets = [self.layout.descriptor(r, parity) for r in range(self.world_size)]
         if any(self.segment[o : o + size] != self._packed for o in offsets):
             check_same([Call.read(self.segment, o) for o in offsets], self.what())
+
+    def offsets(self, parity: int) -> list[int]:
+        """Every rank's buffer offset in the current call (read after its first barrier)."""
+        return [
+            Call.read(self.segment, self.layout.descriptor(r, parity)).offset
+            for r in range(self.world_size)
+        ]
 
     def barrier(self) -> None:
         self.arrivals.barrier(self.what)

@@ -36,6 +36,7 @@ __all__ = [
     "barrier",
     "broadcast",
     "reduce_scatter",
+    "share",
 ]
 
 
@@ -44,7 +45,7 @@ def _chunks(numel: int, size: int) -> list[tuple[int, int]]:
     return [(lo, min(numel, lo + size)) for lo in range(0, numel, size)] or [(0, 0)]
 
 
-def _share(numel: int, world_size: int, rank: int) -> tuple[int, int]:
+def share(numel: int, world_size: int, rank: int) -> tuple[int, int]:
     """The [lo, hi) part of 0..numel that ``rank`` reduces: near-equal, in rank order."""
     base, extra = divmod(numel, world_size)
     lo = rank * base + min(rank, extra)
@@ -83,7 +84,7 @@ def all_reduce(ch: Channel, flat: torch.Tensor, op: int, root: int | None = None
 
 def _two_shot(ch: Channel, parity: int, part: torch.Tensor, op: int, root: int | None) -> None:
     m, dtype = part.numel(), part.dtype
-    a, b = _share(m, ch.world_size, ch.rank)
+    a, b = share(m, ch.world_size, ch.rank)
     slots = [ch.slot(parity, q, dtype)[a:b] for q in range(ch.world_size)]
     result = ch.result(parity, dtype, m)
     reduce_into(result[a:b], slots, op)

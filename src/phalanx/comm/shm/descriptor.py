@@ -1,17 +1,20 @@
 """The small record of a call that each rank publishes, so ranks that disagree are caught.
 
 Before its first arrival of a collective, a rank writes (operation, dtype, element count, reduce
-op, root, call number) into its control block. After the arrival every rank compares every
+op, root, call number, and where its tensor lies: a shared buffer's number and the byte offset
+in it, ``buffers.py``) into its control block. After the arrival every rank compares every
 rank's record with its own; all ranks see the same records, so all of them raise the same
 :class:`CollectiveMismatchError`, naming both sides, before any data is read. A mismatch of
-size can therefore never read past a buffer, and the group stays usable after it.
+size can therefore never read past a buffer, and the group stays usable after it. The offset is
+not compared (each rank's tensor may sit elsewhere in its part); the buffer number is, so either
+every rank's tensor is in the same shared buffer (the zero-copy path) or none is.
 """
 
 from __future__ import annotations
 
 import mmap
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,7 +37,7 @@ KINDS = (
 _REDUCING = {"all_reduce", "reduce_scatter", "reduce"}
 _ROOTED = {"broadcast", "reduce"}
 _FORMAT = struct.Struct(f"<{DESCRIPTOR_WORDS}q")
-_USED = 6
+_USED = 8
 
 
 @dataclass(frozen=True)
@@ -47,15 +50,19 @@ class Call:
     op: int = 0
     root: int = 0
     number: int = 0
+    region: int = 0
+    """The shared buffer (``buffers.Regions``, from 1) the tensor lies in; 0: none."""
+    offset: int = field(default=0, compare=False)
+    """Its byte offset in this rank's part of that buffer."""
 
     def words(self) -> tuple[int, ...]:
         dtype = -1 if self.dtype is None else DTYPES.index(self.dtype)
         head = (KINDS.index(self.kind), dtype, self.numel, self.op, self.root, self.number)
-        return head + (0,) * (DESCRIPTOR_WORDS - _USED)
+        return head + (self.region, self.offset) + (0,) * (DESCRIPTOR_WORDS - _USED)
 
     @classmethod
     def from_words(cls, words: tuple[int, ...]) -> Call:
-        kind, dtype, numel, op, root, number = words[:_USED]
+        kind, dtype, numel, op, root, number, region, offset = words[:_USED]
         return cls(
             kind=KINDS[kind] if 0 <= kind < len(KINDS) else f"unknown({kind})",
             dtype=DTYPES[dtype] if 0 <= dtype < len(DTYPES) else None,
@@ -63,6 +70,8 @@ class Call:
             op=op,
             root=root,
             number=number,
+            region=region,
+            offset=offset,
         )
 
     def pack(self) -> bytes:
@@ -80,6 +89,8 @@ class Call:
             parts.append(f"op={op_name(self.op)}")
         if self.kind in _ROOTED:
             parts.append(f"root={self.root}")
+        if self.region:
+            parts.append(f"in shared buffer #{self.region}")
         return f"{self.kind}({', '.join(parts)}) as call #{self.number}"
 
 
