@@ -15,6 +15,7 @@ import multiprocessing.connection
 import os
 import pickle
 import shutil
+import socket
 import tempfile
 import time
 import traceback
@@ -86,6 +87,12 @@ def _kill_all(procs: list[Any]) -> None:
         p.join(timeout=5)
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def run_distributed(
     fn: Callable[..., Any],
     *args: Any,
@@ -96,6 +103,7 @@ def run_distributed(
     validate: bool = False,
     env: Mapping[str, str] | None = None,
     may_die: Collection[int] = (),
+    tcp: bool = False,
 ) -> list[Any]:
     """Call ``fn(*args)`` on ``world_size`` ranks and return each rank's result, by rank.
 
@@ -110,6 +118,9 @@ def run_distributed(
         validate: Turn on phalanx's cross-rank collective validation.
         env: Extra environment variables for the ranks.
         may_die: Ranks a test kills on purpose: their result is None when they die without one.
+        tcp: Rendezvous over a TCPStore on a free loopback port, as ``phalanx run`` does,
+            instead of a FileStore in the job's temp dir (whose ``wait`` polls every 10 ms:
+            benchmarks of store-driven protocols want the TCP one).
 
     Raises:
         DistributedTestError: naming the first rank that raised (with its traceback), died, or
@@ -127,6 +138,8 @@ def run_distributed(
         "env": {"PHALANX_RANK_DIR": tmp, **(env or {})},
     }
     init_method = f"file://{os.path.join(tmp, 'store')}"
+    if tcp:
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
     procs, conns = [], []
     try:
         for rank in range(world_size):

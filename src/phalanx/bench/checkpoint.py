@@ -2,12 +2,12 @@
 
 A *case* is a state size (``--mb``, float32 parameters of a stack of linear layers, the same on
 every rank as under data parallelism) and a number of ranks (``--ranks``, gloo processes on this
-machine). In each case every implementation of ``checkpoint_ops`` saves and loads the state in
-interleaved rounds (``checkpoint_rounds``): phalanx's ``save`` / ``load``, torch DCP's, a raw
-``write`` + ``fsync`` / ``readinto`` (the floor), and the asynchronous saves of phalanx
-(``async_=True``) and DCP (``async_save``), whose ``block_s`` is how long the caller was held.
-Loads are timed with the page cache warm (the files just written) and, with ``--cold``, again
-after every file was evicted (``posix_fadvise``).
+machine, meeting at a TCPStore as under ``phalanx run``). In each case every implementation of
+``checkpoint_ops`` saves and loads the state in interleaved rounds (``checkpoint_rounds``):
+phalanx's ``save`` / ``load``, torch DCP's, a raw ``write`` + ``fsync`` / ``readinto`` (the
+floor), and the asynchronous saves of phalanx (``async_=True``) and DCP (``async_save``), whose
+``block_s`` is how long the caller was held. Loads are timed with the page cache warm (the files
+just written) and, with ``--cold``, again after every file was evicted (``posix_fadvise``).
 
 Per case: median seconds, MB/s (state MB / median), and phalanx's throughput over DCP's and the
 raw one's. The ``RESULT {json}`` line holds every case under ``cases``; its top-level keys are
@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                     world_size=ranks,
                     timeout=300 + 0.2 * mb * (args.rounds + 1),
                     collective_timeout=600,
+                    tcp=True,  # a TCPStore, as under phalanx run (a FileStore polls)
                 )[0]
             finally:
                 shutil.rmtree(workdir, ignore_errors=True)

@@ -30,7 +30,7 @@ from safetensors.torch import load_file
 from phalanx.checkpoint.checksum import Digest, TensorBytes
 from phalanx.checkpoint.errors import CheckpointError, ChecksumError
 from phalanx.checkpoint.limits import MAX_DIMS, open_regular, parse_json, shape_ok
-from phalanx.checkpoint.manifest import FileEntry, check_size, file_digest, mismatch
+from phalanx.checkpoint.manifest import FileEntry, check_size, mismatch, stream_digest
 
 __all__ = ["FormatError", "encode", "read_tensors"]
 
@@ -172,13 +172,6 @@ def _library_load(f: Any, path: Path) -> dict[str, torch.Tensor]:
         ) from None
 
 
-def _read_ahead(fd: int) -> None:
-    """Ask the kernel to read the whole file into the page cache now, in large sequential
-    reads, rather than a page fault at a time as the memory map is touched (a cold load)."""
-    if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-
-
 def _as_bytes_read(t: torch.Tensor) -> Any:
     return t.reshape(-1).view(torch.uint8).numpy()
 
@@ -197,16 +190,12 @@ def _corrupt_tensors(
     return bad
 
 
-def _verify(
-    path: Path, entry: FileEntry, raw: bytes, tensors: dict[str, torch.Tensor], order: list[str]
+def _raise_mismatch(
+    path: Path, entry: FileEntry, digest: str, tensors: dict[str, torch.Tensor], order: list[str]
 ) -> None:
-    """Check the checksum of the file's bytes: its header, then its tensors in file order."""
-    digest = Digest(entry.algo)
-    digest.update(raw)
-    for name in order:
-        if tensors[name].numel():
-            digest.update(_as_bytes_read(tensors[name]))
-    error = mismatch(path, entry, digest.hexdigest())
+    """Raise if ``digest`` (of the file as read) differs from ``entry``, naming the corrupt
+    tensors where the entry lists a crc32c per tensor."""
+    error = mismatch(path, entry, digest)
     if error is None:
         return
     if entry.tensors is not None:
@@ -219,8 +208,9 @@ def _verify(
 def read_tensors(path: Path, entry: FileEntry) -> dict[str, torch.Tensor]:
     """The tensors of the safetensors file ``path``, verified against its manifest ``entry``.
 
-    The tensors are copy-on-write views of a memory map of the file: writable, without ever
-    changing the file. Their bytes are checksummed as mapped, with the header, in one pass.
+    The file is checksummed as it is read, in large sequential reads (``stream_digest``, which
+    also brings a cold file into the page cache at disk speed), then mapped by the library: the
+    tensors are copy-on-write views of the map, writable without ever changing the file.
 
     Raises:
         ChecksumError: naming the file (and the corrupt tensors, when the entry lists crc32c
@@ -231,23 +221,17 @@ def read_tensors(path: Path, entry: FileEntry) -> dict[str, torch.Tensor]:
     with open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
         check_size(path, entry, size)
-        _read_ahead(f.fileno())
+        _, digest = stream_digest(f.fileno(), entry.algo)
         try:
-            raw, header = _header(f, size, str(path))
+            _, header = _header(f, size, str(path))
             tensors = _library_load(f, path)
         except FormatError:
-            _digest_or_raise(path, entry)
+            if (error := mismatch(path, entry, digest)) is not None:
+                raise error from None  # corrupt, rather than crafted
             raise
     if tensors.keys() != header.keys():  # the file changed under us
         raise FormatError(f"{path}: its tensors changed while it was read")
     order = sorted(header, key=lambda k: header[k]["data_offsets"][0])
-    _verify(path, entry, raw, tensors, order)
+    _raise_mismatch(path, entry, digest, tensors, order)
     return tensors
 
-
-def _digest_or_raise(path: Path, entry: FileEntry) -> None:
-    """Raise a ChecksumError when the unreadable ``path`` is corrupt rather than crafted."""
-    size, digest = file_digest(path, entry.algo)
-    check_size(path, entry, size)
-    if (error := mismatch(path, entry, digest)) is not None:
-        raise error

@@ -73,7 +73,8 @@ def parallel(calls: Sequence[Callable[[], T]]) -> list[T]:
     if len(calls) <= 1 or threading.current_thread().name.startswith(_THREAD_PREFIX):
         return [c() for c in calls]
     if _POOL is None:
-        _POOL = ThreadPoolExecutor(min(os.cpu_count() or 1, 8), thread_name_prefix=_THREAD_PREFIX)
+        workers = min(max(4, os.cpu_count() or 1), 8)  # I/O waits: more threads than cores
+        _POOL = ThreadPoolExecutor(workers, thread_name_prefix=_THREAD_PREFIX)
     return list(_POOL.map(lambda c: c(), calls))
 
 
