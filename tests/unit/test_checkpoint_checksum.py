@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from torch import nn
 
 from phalanx import checkpoint
 from phalanx.checkpoint import atomic
+from phalanx.checkpoint import format as format_module
 from phalanx.checkpoint.checksum import Digest, crc32c_combine, is_digest
 from phalanx.checkpoint.format import encode
 
@@ -79,8 +81,27 @@ def test_the_manifest_records_crc32c_of_every_file_and_tensor(tmp_path: Path) ->
     assert all(is_digest("crc32c", d) for d in weights.values())
 
 
+@pytest.fixture(params=["cached", "cold"])
+def read_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Files checked as mapped (in the page cache) or as streamed (cold): both must catch it."""
+    cached = request.param == "cached"
+    monkeypatch.setattr(format_module, "_cached", lambda fd, size: cached)
+    return str(request.param)
+
+
+def test_both_ways_of_reading_load_the_same_values(tmp_path: Path, read_path: str) -> None:
+    model, opt = _trained()
+    checkpoint.save(tmp_path, 1, model=model, optimizer=opt)
+    fresh, fresh_opt = _trained(1)
+    checkpoint.load(tmp_path, model=fresh, optimizer=fresh_opt)
+    for k, v in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v), (read_path, k)
+
+
 @pytest.mark.parametrize("tensor", ["0.weight", "2.bias"])
-def test_a_flipped_byte_in_a_tensor_is_named_with_its_file(tmp_path: Path, tensor: str) -> None:
+def test_a_flipped_byte_in_a_tensor_is_named_with_its_file(
+    tmp_path: Path, tensor: str, read_path: str
+) -> None:
     model, opt = _trained()
     step = checkpoint.save(tmp_path, 1, model=model, optimizer=opt)
     path = step / "model.safetensors"
@@ -91,7 +112,7 @@ def test_a_flipped_byte_in_a_tensor_is_named_with_its_file(tmp_path: Path, tenso
     assert str(path) in message and f"corrupt: tensor(s) {tensor})" in message, message
 
 
-def test_a_flipped_byte_in_a_header_is_a_checksum_error(tmp_path: Path) -> None:
+def test_a_flipped_byte_in_a_header_is_a_checksum_error(tmp_path: Path, read_path: str) -> None:
     model, _ = _trained()
     step = checkpoint.save(tmp_path, 1, model=model)
     path = step / "model.safetensors"
@@ -146,3 +167,17 @@ def test_large_tensors_are_checksummed_once_and_still_exactly(tmp_path: Path) ->
     assert entry.tensors is not None
     for name, t in tensors.items():
         assert entry.tensors[name] == f"{crc32c.crc32c(t.numpy().tobytes()):08x}", name
+
+
+def test_a_file_evicted_from_the_page_cache_is_seen_as_cold(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * (1 << 20))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert format_module._cached(fd, 1 << 20)  # just written
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if format_module._cached(fd, 1 << 20):
+            pytest.skip("this filesystem keeps the file cached (tmpfs?)")
+    finally:
+        os.close(fd)

@@ -205,12 +205,40 @@ def _raise_mismatch(
     raise error
 
 
+def _cached(fd: int, size: int) -> bool:
+    """Whether the file seems to be in the page cache (its first, middle and last bytes are:
+    a read with ``RWF_NOWAIT`` fails rather than wait for the disk). Where that flag does not
+    exist, True."""
+    nowait = getattr(os, "RWF_NOWAIT", None)
+    if nowait is None or size == 0:
+        return True
+    probe = bytearray(1)
+    try:
+        return all(os.preadv(fd, [probe], at, nowait) == 1 for at in (0, size // 2, size - 1))
+    except (BlockingIOError, OSError):
+        return False
+
+
+def _mapped_digest(
+    raw: bytes, tensors: dict[str, torch.Tensor], order: list[str], algo: str
+) -> str:
+    """The checksum of the file from its header and its mapped tensors, in file order."""
+    digest = Digest(algo)
+    digest.update(raw)
+    for name in order:
+        if tensors[name].numel():
+            digest.update(_as_bytes_read(tensors[name]))
+    return digest.hexdigest()
+
+
 def read_tensors(path: Path, entry: FileEntry) -> dict[str, torch.Tensor]:
     """The tensors of the safetensors file ``path``, verified against its manifest ``entry``.
 
-    The file is checksummed as it is read, in large sequential reads (``stream_digest``, which
-    also brings a cold file into the page cache at disk speed), then mapped by the library: the
-    tensors are copy-on-write views of the map, writable without ever changing the file.
+    The library maps the file: the tensors are copy-on-write views of the map, writable without
+    ever changing the file. The file is checksummed in one pass, where it is fastest: a file in
+    the page cache as mapped (no copy); a cold one as it is read, in large sequential reads
+    (``stream_digest``), which also bring it into the page cache at disk speed rather than a
+    page fault at a time (a cold 1 GB load 1.39 s -> 0.99 s on the README's box).
 
     Raises:
         ChecksumError: naming the file (and the corrupt tensors, when the entry lists crc32c
@@ -221,17 +249,22 @@ def read_tensors(path: Path, entry: FileEntry) -> dict[str, torch.Tensor]:
     with open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
         check_size(path, entry, size)
-        _, digest = stream_digest(f.fileno(), entry.algo)
+        streamed = None if _cached(f.fileno(), size) else stream_digest(f.fileno(), entry.algo)
         try:
-            _, header = _header(f, size, str(path))
+            raw, header = _header(f, size, str(path))
             tensors = _library_load(f, path)
         except FormatError:
+            _, digest = streamed or stream_digest(f.fileno(), entry.algo)
             if (error := mismatch(path, entry, digest)) is not None:
                 raise error from None  # corrupt, rather than crafted
             raise
     if tensors.keys() != header.keys():  # the file changed under us
         raise FormatError(f"{path}: its tensors changed while it was read")
     order = sorted(header, key=lambda k: header[k]["data_offsets"][0])
+    if streamed is not None:
+        digest = streamed[1]
+    else:
+        digest = _mapped_digest(raw, tensors, order, entry.algo)
     _raise_mismatch(path, entry, digest, tensors, order)
     return tensors
 
