@@ -267,4 +267,3 @@ def read_tensors(path: Path, entry: FileEntry) -> dict[str, torch.Tensor]:
         digest = _mapped_digest(raw, tensors, order, entry.algo)
     _raise_mismatch(path, entry, digest, tensors, order)
     return tensors
-
