@@ -28,20 +28,16 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
+from phalanx.bench.comm_shm import MEMCPY, ShmBench, shm_impls
 from phalanx.bench.common import Output, add_output_flags
-
-if TYPE_CHECKING:
-    from phalanx.bench.comm_shm import ShmBench
 
 __all__ = ["BenchConfig", "Row", "busbw_factor", "main", "parse_args", "size_list", "summarize"]
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 SHARDED = ("reduce_scatter", "all_gather")
-MEMCPY = "memcpy"
-"""The ``--shm`` row of a ``copy_`` of the same bytes on each rank: busbw = algbw."""
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64")
 UNITS = {"": 1, "b": 1, "k": KiB, "kib": KiB, "m": MiB, "mib": MiB, "g": GiB, "gib": GiB}
 
@@ -312,8 +308,6 @@ def _impls(
     big = torch.zeros(numel, dtype=dtype)
     small = torch.zeros(numel // world if op in SHARDED else 0, dtype=dtype)
     if shm is not None:
-        from phalanx.bench.comm_shm import shm_impls
-
         return numel * elem, shm_impls(op, big, small, shm)
     calls = _calls()[op]
     return numel * elem, {name: functools.partial(fn, big, small) for name, fn in calls.items()}
@@ -358,8 +352,6 @@ def rank_main(config: BenchConfig, output: Output | None = None) -> list[dict[st
     elem = torch.empty((), dtype=dtype).element_size()
     shm = None
     if config.shm:
-        from phalanx.bench.comm_shm import ShmBench
-
         shm = ShmBench(max(config.sizes) // elem + 1, dtype)
     for op in config.ops:
         for nbytes in config.sizes:

@@ -19,10 +19,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx.bench.comm import MEMCPY
 from phalanx.comm.shm import shared_buffer
 
-__all__ = ["ShmBench", "shm_impls"]
+__all__ = ["MEMCPY", "ShmBench", "shm_impls"]
+
+MEMCPY = "memcpy"
+"""The implementation name of the memcpy yardstick."""
 
 
 class ShmBench:
