@@ -24,6 +24,7 @@ when ``job.runner.sync.late.round`` reaches a multiple of k).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar, cast
@@ -57,12 +58,12 @@ _MIB = 1024 * 1024
 
 
 @dataclass(frozen=True)
-class ReplicaStrategy(Strategy):
+class ReplicaStrategy(Strategy, ABC):
     """Replicas that train alone between synchronisations (the base of LocalSGD, DiLoCo)."""
 
+    @abstractmethod
     def make_sync(self, replica: Replica, group: dist.ProcessGroup | None) -> PeriodicSync:
         """The algorithm that synchronises ``replica`` over ``group``."""
-        raise NotImplementedError
 
     def late(self) -> str:
         """Its ``late_policy`` ("wait" unless the strategy has one)."""
