@@ -1,19 +1,22 @@
-"""``save``: every rank writes its own small file, rank 0 writes the replicated state and commits.
+"""``save``: every rank writes its own small file and a share of the replicated state; rank 0
+commits.
 
 Sequence (see ``atomic.py`` for what makes each step crash-safe):
 
-1. one short broadcast agrees on a token; rank 0 creates ``.tmp-step-NNNNNN-<token>`` and
-   tells the others through the store;
-2. every rank writes ``rank-NNNNN.{json,safetensors}`` (RNG, sampler) and publishes the files'
-   checksums in the rendezvous store;
-3. rank 0 writes model / optimizer / scheduler, collects the other ranks' digests from the
-   store, writes ``manifest.json``, renames the directory, updates ``latest``, prunes;
+1. each rank takes its state dicts and hashes the replicated tensors' layout; one short
+   collective agrees on a token and compares the hashes (``spread.py``); rank 0 creates
+   ``.tmp-step-NNNNNN-<token>`` and tells the others through the store;
+2. every rank writes ``rank-NNNNN.{json,safetensors}`` (RNG, sampler) and its share of the
+   replicated files (model / optimizer / scheduler / objects; all of them on rank 0 when the
+   layouts differ), and publishes the files' checksums in the rendezvous store;
+3. rank 0 writes the replicated sections' JSON files, collects the other ranks' digests from
+   the store, writes ``manifest.json``, renames the directory, updates ``latest``, prunes;
 4. rank 0 publishes the result; the others wait for it on the store (long timeout, no
    collective: a slow write cannot make them hit the collective timeout).
 
-Each rank takes its state dicts and encodes its files' headers right after the broadcast, on the
-caller's thread, so a value that cannot be stored fails there. With ``async_=True`` the tensors
-are first copied to host staging buffers (``staging.py``), and everything after the broadcast
+Each rank encodes its files' headers right after the collective, on the caller's thread, so a
+value that cannot be stored fails there. With ``async_=True`` the tensors this rank writes are
+first copied to host staging buffers (``staging.py``), and everything after the collective
 that touches the disk or the store runs on a background thread (``background.py``): it needs
 no collective, so it never interleaves with the training thread's.
 """
@@ -33,16 +36,17 @@ import torch
 from torch import nn
 
 from phalanx._check import check_bool, check_instance, check_int
-from phalanx.checkpoint import atomic, background, catalog, rng, structure
+from phalanx.checkpoint import atomic, background, catalog, rng, spread, structure
 from phalanx.checkpoint.args import check_targets
 from phalanx.checkpoint.atomic import Buffer
+from phalanx.checkpoint.format import encode
 from phalanx.checkpoint.limits import MAX_DEPTH, MAX_JSON_ENV, deeper_than, max_json_bytes
 from phalanx.checkpoint.manifest import MANIFEST, CheckpointError, FileEntry, Manifest
 from phalanx.checkpoint.sections import Section, parallel, unwrap
 from phalanx.checkpoint.sharded import as_sharded, shard_section
 from phalanx.checkpoint.staging import Staged, stage
 from phalanx.checkpoint.stateful import check_objects, object_state
-from phalanx.checkpoint.sync import Session, open_session
+from phalanx.checkpoint.sync import Session, group_rank, open_session
 
 __all__ = ["OBJECTS", "rank_section_name", "save"]
 
@@ -86,12 +90,12 @@ class _State:
 
 @dataclass(frozen=True)
 class _Files:
-    """This rank's files as buffers to write: its own, and on rank 0 the replicated ones."""
+    """This rank's files as buffers to write: its own, and its share of the replicated ones."""
 
     own: list[tuple[str, Sequence[Buffer]]]
     replicated: list[tuple[str, Sequence[Buffer]]]
     sections: list[str]
-    """The replicated sections' names (for the manifest)."""
+    """The replicated sections' names (for the manifest; on rank 0)."""
     staged: Staged | None = None
 
 
@@ -146,20 +150,46 @@ def _own_sections(rank: int, state: _State) -> list[Section]:
     return sections + [shard_section(what, rank, obj) for what, obj in sharded if obj]
 
 
-def _prepare(rank: int, state: _State, snapshot: bool) -> _Files | Exception:
-    """The files this rank writes (the exception instead, to be reported to the others).
+def _plan(rank: int, state: _State, replicas_equal: bool) -> tuple[list[Section] | Exception, str]:
+    """The replicated sections this rank may write a share of, and its fingerprint of them
+    (``spread.py``), which the ranks compare when the save opens."""
+    if not replicas_equal and rank != 0:
+        return [], f"rank 0 writes alone (rank {rank})"
+    try:
+        sections = _replicated(state)
+    except Exception as exc:
+        return exc, f"failed on rank {rank}"
+    return sections, spread.fingerprint(sections) if replicas_equal else "rank 0 writes alone"
+
+
+def _prepare(
+    rank: int,
+    state: _State,
+    replicated: list[Section] | Exception,
+    writers: int,
+    snapshot: bool,
+) -> _Files | Exception:
+    """The files this rank writes (the exception instead, to be reported to the others):
+    its own, and its share of the replicated ones when ``writers`` ranks share them.
 
     With ``snapshot`` every tensor is first copied to a host staging buffer (``staging.py``),
     so that training may change the originals while the files are written.
     """
     try:
+        if isinstance(replicated, Exception):
+            raise replicated
         own = _own_sections(rank, state)
-        replicated = _replicated(state) if rank == 0 else []
-        staged = stage(own + replicated) if snapshot else None
+        part = spread.share(replicated, rank, writers) if rank < writers else spread.Share()
+        sections = own + [section for _, section in part.tensor_files]
+        staged = stage(sections) if snapshot else None
         if staged is not None:
-            own, replicated = staged.sections[: len(own)], staged.sections[len(own) :]
-        names = [s.name for s in replicated]
-        return _Files(_file_list(own), _file_list(replicated), names, staged)
+            sections = staged.sections
+        files: list[tuple[str, Sequence[Buffer]]] = [
+            (name, encode(section.tensors))
+            for (name, _), section in zip(part.tensor_files, sections[len(own) :])
+        ]
+        files += [(name, [raw]) for name, raw in part.indexes]
+        return _Files(_file_list(sections[: len(own)]), files, part.sections, staged)
     except Exception as exc:
         return exc
 
@@ -236,8 +266,8 @@ def _temp_dir(root: Path, step: int, token: str) -> str:
 
 
 def _own_files(tmp: Path, rank: int, files: _Files | Exception) -> Any:
-    """Write this rank's files (on rank 0 the replicated ones too, all at once, so the small
-    files' fsyncs overlap the large writes); return their entries or the exception."""
+    """Write this rank's files, its own and its share of the replicated ones, all at once (so
+    the small files' fsyncs overlap the large writes); return their entries or the exception."""
     if not tmp.is_dir():
         return CheckpointError(
             f"rank {rank} does not see {tmp}, which rank 0 created: the checkpoint directory "
@@ -288,6 +318,7 @@ def save(
     rng_state: dict[str, Any] | None = None,
     objects: dict[str, Any] | None = None,
     async_: bool = False,
+    replicas_equal: bool = True,
 ) -> Path:
     """Write a checkpoint of ``step`` into ``directory``; collective over ``group``.
 
@@ -318,6 +349,11 @@ def save(
             written. The next ``save``, :func:`wait`, ``load`` and ``Job.close`` wait for that
             write and raise its error. A crash during it leaves the previous checkpoint in
             force, as with a synchronous save.
+        replicas_equal: The replicated state (model, optimizer, scheduler, objects; not ZeRO
+            pieces) is equal on every rank, as under data parallelism, so every rank writes a
+            share of its files (``spread.py``). Ranks whose state differs in names, shapes or
+            dtypes are detected and rank 0 writes alone; pass False where the *values* may
+            differ, so that rank 0 writes its own copy of all of it.
 
     Returns:
         The committed checkpoint directory (with ``async_``: the directory it will be
@@ -340,12 +376,15 @@ def save(
     objects = check_objects("save", objects)
     req = _Request(step, _check(step, keep_last, extra), keep_last)
     async_ = check_bool("async_", async_, where="save")
+    replicas_equal = check_bool("replicas_equal", replicas_equal, where="save")
     background.wait()  # the previous asynchronous save, raising its error
     rng_state = rng.capture() if rng_state is None else rng_state
     state = _State(model, optimizer, scheduler, sampler, objects or {}, rng_state)
     root = Path(directory)
-    session = open_session(group)
-    files = _prepare(session.rank, state, snapshot=async_)
+    replicated, fingerprint = _plan(group_rank(group)[0], state, replicas_equal)
+    session = open_session(group, fingerprint)
+    writers = session.size if session.agreed else 1
+    files = _prepare(session.rank, state, replicated, writers, snapshot=async_)
     if not async_ or isinstance(files, Exception):  # a failure is reported at once
         return _write_and_close(session, root, req, files)
     work = partial(_write_and_close, session.for_thread(), root, req, files)

@@ -44,6 +44,8 @@ T = TypeVar("T")
 _THREAD_PREFIX = "phalanx-ckpt-io"
 SHARD_BYTES = 64 * 1024 * 1024
 """Tensor files are split into parts of about this size, written and read in parallel."""
+MIN_PART_BYTES = 4 * 1024 * 1024
+"""Sections are not split below parts of this size to give more ranks a share."""
 
 
 class StateMismatchError(CheckpointError, ValueError):
@@ -112,23 +114,35 @@ class Section:
             )
         return cls(name, tree, tensors)
 
-    def files(self) -> dict[str, list[bytes | TensorBytes]]:
-        """File name -> buffers to write: tensor shards (``name.safetensors``,
-        ``name-00001.safetensors``, ...) of at most ~SHARD_BYTES, then ``name.json``."""
-        out: dict[str, list[bytes | TensorBytes]] = {}
-        if self.tensors:
-            for i, shard in enumerate(_shards(self.tensors, SHARD_BYTES)):
-                out[f"{self.name}-{i:05d}.safetensors" if i else f"{self.name}.safetensors"] = (
-                    encode(shard)
-                )
-        doc = {"tensor_files": list(out), "state": self.structure}
+    def tensor_files(self, parts: int = 1) -> dict[str, dict[str, torch.Tensor]]:
+        """File name -> its tensors: ``name.safetensors``, ``name-00001.safetensors``, ... of at
+        most ~SHARD_BYTES each, and at least ``parts`` files where the tensors allow it (and
+        the parts stay over MIN_PART_BYTES)."""
+        if not self.tensors:
+            return {}
+        total = sum(t.numel() * t.element_size() for t in self.tensors.values())
+        limit = min(SHARD_BYTES, max(MIN_PART_BYTES, math.ceil(total / parts)))
+        return {
+            f"{self.name}-{i:05d}.safetensors" if i else f"{self.name}.safetensors": shard
+            for i, shard in enumerate(_shards(self.tensors, limit))
+        }
+
+    def index(self, tensor_files: Sequence[str]) -> bytes:
+        """The ``name.json`` file: the structure and the list of tensor files."""
+        doc = {"tensor_files": list(tensor_files), "state": self.structure}
         raw = json.dumps(doc, separators=(",", ":")).encode()
         if len(raw) > max_json_bytes():  # load would refuse it
             raise ValueError(
                 f"{self.name}.json would be {len(raw)} bytes, over the {max_json_bytes()}-byte "
                 f"limit of a checkpoint JSON file; set {MAX_JSON_ENV} to raise it"
             )
-        out[f"{self.name}.json"] = [raw]
+        return raw
+
+    def files(self) -> dict[str, list[bytes | TensorBytes]]:
+        """File name -> buffers to write: the tensor files, then ``name.json``."""
+        parts = self.tensor_files()
+        out = {name: encode(tensors) for name, tensors in parts.items()}
+        out[f"{self.name}.json"] = [self.index(list(parts))]
         return out
 
 

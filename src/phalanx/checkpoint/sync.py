@@ -26,7 +26,7 @@ import torch.distributed as dist
 from phalanx.checkpoint.manifest import CheckpointError
 from phalanx.comm.signed import SignedStore
 
-__all__ = ["Session", "open_session"]
+__all__ = ["Session", "group_rank", "open_session"]
 
 TIMEOUT_ENV = "PHALANX_CHECKPOINT_TIMEOUT"
 _SHARED = ("committed", "tmpdir", "chosen")
@@ -49,6 +49,8 @@ class Session:
     size: int
     token: str
     store: SignedStore | None = None
+    agreed: bool = True
+    """Whether every rank opened the session with the same fingerprint (see ``open_session``)."""
 
     def for_thread(self) -> Session:
         """This session over a connection of its own to the store, for a background thread.
@@ -145,24 +147,39 @@ def _answer(parse: Callable[[dict[str, Any]], Any]) -> Callable[[Any], dict[str,
     return check
 
 
-def open_session(group: dist.ProcessGroup | None) -> Session:
-    """Start a save/load on every rank of ``group`` (one short broadcast of a random token).
+def group_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """This process's rank in ``group`` and the group's size ((0, 1) without torch.distributed)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def open_session(group: dist.ProcessGroup | None, fingerprint: str | None = None) -> Session:
+    """Start a save/load on every rank of ``group`` (one short collective: a random token).
 
     Args:
         group: The process group (None: the default group, or a single process when
             torch.distributed is not initialised).
+        fingerprint: A string every rank gives; the ranks then gather them instead of only
+            broadcasting the token, and ``Session.agreed`` says whether they were all equal.
     """
     token = secrets.token_hex(6)
-    distributed = dist.is_available() and dist.is_initialized()
-    rank = dist.get_rank(group) if distributed else 0
-    size = dist.get_world_size(group) if distributed else 1
+    rank, size = group_rank(group)
     if size == 1:
         return Session(rank, 1, token)
-    from phalanx.comm.objects import broadcast_object_list
+    from phalanx.comm.objects import all_gather_object, broadcast_object_list
 
-    agreed = [token]
-    root = 0 if group is None else dist.get_global_rank(group, 0)
-    broadcast_object_list(agreed, src=root, group=group)
+    agreed = True
+    if fingerprint is None:
+        chosen = [token]
+        root = 0 if group is None else dist.get_global_rank(group, 0)
+        broadcast_object_list(chosen, src=root, group=group)
+        token = chosen[0]
+    else:
+        gathered: list[Any] = [None] * size
+        all_gather_object(gathered, [token, fingerprint], group=group)
+        token = gathered[0][0]
+        agreed = all(g[1] == gathered[0][1] for g in gathered)
     from phalanx.comm.group import signed_store
 
-    return Session(rank, size, str(agreed[0]), signed_store())
+    return Session(rank, size, str(token), signed_store(), agreed)
