@@ -140,10 +140,12 @@ def test_flush_leaves_every_replica_with_one_model(runs: list[dict[str, Any]]) -
     for name in ("localsgd-flushed", "diloco-flushed", "streaming2-int8-flushed"):
         for a, b in zip(runs[0][name]["params"], runs[1][name]["params"]):
             assert torch.equal(a, b), name
-    # LocalSGD's flush is the average of where the replicas were (the runs are the same).
-    ends = [r["localsgd"]["params"] for r in runs]
-    for a, b0, b1 in zip(runs[0]["localsgd-flushed"]["params"], *ends):
-        assert torch.equal(a, (b0 + b1) / 2)
+    # The flush is the average of where the replicas were (the runs are the same); DiLoCo's
+    # takes no outer step (final_sync).
+    for name in ("localsgd", "diloco"):
+        ends = [r[name]["params"] for r in runs]
+        for a, b0, b1 in zip(runs[0][f"{name}-flushed"]["params"], *ends):
+            assert torch.equal(a, (b0 + b1) / 2), name
     assert runs[0]["localsgd-flushed"]["stats"][0] == 3  # steps 3, 6, and the flush
     # Streaming: the 5 launches, then one outer step of the whole model.
     assert runs[0]["streaming2-int8-flushed"]["stats"][0] == 6

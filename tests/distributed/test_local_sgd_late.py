@@ -138,14 +138,15 @@ def simulate_rounds(
     rounds: list[tuple[int, ...]], outer: bool, codec: str = "fp32"
 ) -> list[list[torch.Tensor]]:
     """Both replicas in one process, rank r taking ``counts[r]`` steps in each round, then
-    the average weighted by the counts (plain when equal); ``outer``: DiLoCo, else LocalSGD."""
+    the average weighted by the counts (plain when equal); ``outer``: DiLoCo (an outer step,
+    but the average in the last round), else LocalSGD."""
     replicas = [make_model() for _ in range(2)]
     opts = [adamw(m) for m in replicas]
     theta = [p.detach().clone() for p in replicas[0].parameters()]
     outer_opt = torch.optim.SGD(theta, lr=0.7, momentum=0.9, nesterov=True)
     local = [[p.detach() for p in m.parameters()] for m in replicas]
     taken = [0, 0]
-    for counts in rounds:
+    for index, counts in enumerate(rounds):
         for rank, (m, o) in enumerate(zip(replicas, opts)):
             for _ in range(counts[rank]):
                 x, y = batch(rank, taken[rank])
@@ -157,7 +158,8 @@ def simulate_rounds(
             continue
         w = weights_of(list(counts))
         with torch.no_grad():
-            if not outer:
+            # LocalSGD, and DiLoCo's last round (the flush's final_sync): the average.
+            if not outer or index == len(rounds) - 1:
                 for a, b in zip(*local):
                     mixed = (a + b) / 2 if w is None else a * w[0] + b * w[1]
                     a.copy_(mixed)

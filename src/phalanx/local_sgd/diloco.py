@@ -99,6 +99,20 @@ class DiLoCoSync(PeriodicSync):
         self.outer_step(every, deltas)
         return pending.sent_bytes + self.average_buffers(weights)
 
+    def final_sync(self, weights: list[float] | None = None) -> int:
+        """The end of training (:meth:`flush`): θ becomes the replicas' average, with no
+        outer step. The outer momentum is that of full H-step rounds; stepped once more on a
+        partial round's pseudo-gradient it overshoots (streaming DiLoCo's fragments always end
+        part-way: its final loss on ``phalanx bench low_bandwidth`` was 2.1% over DDP's)."""
+        local = self.replica.param_tensors
+        if weights is not None:
+            sent = self.weighted_mean(local, weights)
+        else:
+            sent = nbytes(local) if average_tensors(local, self.group, self.bucket_bytes) else 0
+        for theta, averaged in zip(self.global_params, local):
+            theta.copy_(averaged)
+        return sent + self.average_buffers(weights)
+
     def outer_step(self, indices: Sequence[int], averaged: list[torch.Tensor]) -> None:
         """Step θ at ``indices`` with the averaged pseudo-gradient (torch's SGD skips the
         parameters without one); those local parameters restart from θ."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -87,14 +88,14 @@ class PeriodicSync(ABC):
     def flush(self) -> None:
         """Synchronise now, off the schedule, if any step was taken since the last time: the
         end of training, so that every replica holds the same model to evaluate and export
-        (LocalSGD's average, DiLoCo's θ after an outer step). Collective.
+        (:meth:`final_sync`: the replicas' average). Collective.
 
         Weighted: join the others' rounds (weight 0 once this replica's steps are in) until
         every replica has flushed; the last round averages what is left. Once only."""
         if self.late is not None:
             self._drain(self.late)
         elif self.steps:
-            self._timed_sync()
+            self._timed(self.final_sync)
             self.steps = 0
 
     def _drain(self, late: LateRounds) -> None:
@@ -115,17 +116,25 @@ class PeriodicSync(ABC):
         counts, all_done = self.late.exchange(self.steps, done)
         sent, syncs = 0, 0
         if sum(counts):
+            sync = self.final_sync if all_done else self.sync
             with torch.no_grad():
-                sent, syncs = self.sync(weights_of(counts)), 1
+                sent, syncs = sync(weights_of(counts)), 1
         self.steps = 0
         self.stats.add(sent, time.perf_counter() - start, syncs)
         return all_done
 
     def _timed_sync(self) -> None:
+        self._timed(self.sync)
+
+    def _timed(self, sync: Callable[[], int]) -> None:
         start = time.perf_counter()
         with torch.no_grad():
-            sent = self.sync()
+            sent = sync()
         self.stats.add(sent, time.perf_counter() - start)
+
+    def final_sync(self, weights: list[float] | None = None) -> int:
+        """The synchronisation of :meth:`flush` (default: :meth:`sync`); the bytes sent."""
+        return self.sync(weights)
 
     @abstractmethod
     def sync(self, weights: list[float] | None = None) -> int:

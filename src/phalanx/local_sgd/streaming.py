@@ -118,12 +118,12 @@ class StreamingDiLoCoSync(DiLoCoSync):
         self.outer_step(self.plan[p], self.flights.pop(p).averaged())
 
     def flush(self) -> None:
-        """Apply the averages in flight, then one outer step of every fragment at once (the
-        end of training: every replica then holds θ). Collective; :attr:`steps` goes on."""
+        """Apply the averages in flight, then average the replicas (:meth:`final_sync`: the end
+        of training; every replica then holds θ). Collective; :attr:`steps` goes on."""
         with torch.no_grad():
             for p in sorted(self.flights):
                 self._apply(p)
-        self._timed_sync()
+        self._timed(self.final_sync)
 
     def finish(self) -> None:
         """Wait for the averages in flight; they stay due at their step (a checkpoint taken
