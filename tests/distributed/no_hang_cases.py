@@ -27,6 +27,8 @@ from phalanx.data_parallel.hooks import (
     powerSGD_hook,
     topk_hook,
 )
+from phalanx.local_sgd import DiLoCoSync, LocalSGDSync, Outer, PeriodicSync, Replica
+from phalanx.local_sgd.streaming import StreamingDiLoCoSync
 from phalanx.models import GPT, GPTConfig
 from phalanx.parameter_server import ParameterServer
 from phalanx.pipeline import Pipeline
@@ -224,6 +226,38 @@ def horovod_cases() -> dict[str, Step]:
         "allreduce_async": handles,
         "join": _hvd_join(),
     }
+
+
+def replica_sync(kind: str, compute_s: float = 0.0, overlap: int = 1) -> tuple[Step, PeriodicSync]:
+    """A step of an MLP's own AdamW, then LocalSGD's, DiLoCo's (int8) or streaming DiLoCo's
+    (2 fragments, each average in flight during the next ``overlap`` steps) schedule, H = 2;
+    each step also computes for ``compute_s`` seconds (a sleep). Returns the step and the
+    synchronisation (whose ``finish()`` waits for an average still in flight)."""
+    model = _mlp()
+    replica = Replica.of(model)
+    sync: LocalSGDSync | DiLoCoSync
+    if kind == "localsgd":
+        sync = LocalSGDSync(replica, None, 2)
+    elif kind == "diloco":
+        sync = DiLoCoSync(replica, None, 2, Outer(codec="int8"))
+    else:
+        sync = StreamingDiLoCoSync(
+            replica, None, 2, Outer(codec="int8"), fragments=2, overlap=overlap
+        )
+    train = _trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+    def step(i: int) -> None:
+        time.sleep(compute_s)
+        train(i)
+        sync.after_step()
+
+    return step, sync
+
+
+def replica_cases() -> dict[str, Step]:
+    """Training over slow links (issue 20): collectives only every H steps (streaming without
+    overlap: the matrix stops at any step, with nothing in flight; see the overlap test)."""
+    return {kind: replica_sync(kind, overlap=0)[0] for kind in ("localsgd", "diloco", "streaming")}
 
 
 def parameter_server(mode: str, seconds: float, extra: float = 0.0) -> tuple[float, int]:

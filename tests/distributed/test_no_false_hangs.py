@@ -42,6 +42,7 @@ FAMILIES: dict[str, Callable[[], dict[str, cases.Step]]] = {
     "pipeline": cases.pipeline_cases,
     "tensor": cases.tensor_cases,
     "horovod": cases.horovod_cases,
+    "local_sgd": cases.replica_cases,
 }
 """The 2-rank families, stepped in turn in one job (starting ranks costs more than a case)."""
 
@@ -134,7 +135,7 @@ def test_no_false_hang_report_in_any_two_rank_strategy() -> None:
     results = run_distributed(_verdict, _two_rank_families, world_size=2, env=ENV)
     for res in results:  # every family's cases ran (each has 1 to 11)
         assert {case.split(".")[0] for case in res["spans"]} == set(FAMILIES), sorted(res["spans"])
-        assert len(res["spans"]) == 22, sorted(res["spans"])
+        assert len(res["spans"]) == 25, sorted(res["spans"])
     _check(results, server=None)
 
 
@@ -165,3 +166,41 @@ def test_a_late_pipeline_stage_is_reported_by_the_same_checks() -> None:
         assert "rank 0: last completed operation with rank 1: send" in text, text
         assert "time.sleep(THRESHOLD + 2.0)" in text  # rank 0's stack: where it is late
         assert res["in_flight"] is None  # the record closed once the activations came
+
+
+def _streaming_long_overlap() -> dict[str, Any]:
+    """Streaming DiLoCo whose averages stay in flight (launched, not yet waited for) during a
+    step of THRESHOLD + 1 s of compute: the ranks wait for nothing, so nothing is reported."""
+    step, sync = cases.replica_sync("streaming", compute_s=THRESHOLD + 1.0)
+    for i in range(3):  # fragment 1 launches after step 1, fragment 0 after step 2, ...
+        step(i)  # ... each applied after the next step
+    sync.finish()  # the end of training waits for the average still in flight
+    return {}
+
+
+def test_a_streaming_average_in_flight_during_long_compute_is_no_hang() -> None:
+    results = run_distributed(_verdict, _streaming_long_overlap, world_size=2, env=ENV)
+    for rank, res in enumerate(results):
+        assert res["reports"] == [] and res["stderr_reports"] == 0, (rank, res["reports"])
+        assert res["in_flight"] is None, (rank, res["in_flight"])
+
+
+def _late_round() -> dict[str, Any]:
+    """DiLoCo's round after step 2: rank 1 reaches it THRESHOLD + 2 s late."""
+    step, _ = cases.replica_sync("diloco")
+    step(0)
+    if dist.get_rank() == 1:
+        time.sleep(THRESHOLD + 2.0)
+    step(1)
+    return {}
+
+
+def test_a_rank_late_for_a_diloco_round_is_reported() -> None:
+    results = run_distributed(_verdict, _late_round, world_size=2, env=ENV)
+    for res in results:
+        assert len(res["reports"]) == 1 and res["stderr_reports"] == 1, res["reports"]
+        text = res["reports"][0]
+        assert "rank 0 has waited" in text and "Rank(s) [1] never reached it." in text, text
+        assert "local_sgd/pending_average.py" in text, text  # where rank 0 waits
+        assert "time.sleep(THRESHOLD + 2.0)" in text  # rank 1's stack: where it is late
+        assert res["in_flight"] is None
