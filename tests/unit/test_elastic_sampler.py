@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import pickle
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -153,6 +154,8 @@ def test_drop_last_leaves_out_the_partial_batch_of_each_epoch() -> None:
 
 
 def test_last_partial_batch_split_over_ranks_with_empty_shares() -> None:
+    collate = pickle.loads(pickle.dumps(CollateOrNone()))  # DataLoader workers receive it
+    assert collate([]) is None and collate([(1,), (2,)])[0].tolist() == [1, 2]
     s = ElasticSampler(range(10), 4, 3, 0, shuffle=False)
     for _ in range(2):
         s.commit()

@@ -130,5 +130,9 @@ def test_bad_input_is_named() -> None:
     data = ledger.to_dict()
     with pytest.raises(ValueError, match=r"malformed ledger .*runs \[4\] are not pairs"):
         SampleLedger.from_dict({**data, "steps": [[0, 0, [[0, 4]]]]})
+    with pytest.raises(ValueError, match=r"step 0 rank 1: runs \[8, 3\] reach past .*=10"):
+        SampleLedger.from_dict({**data, "steps": [[0, 0, [[1, 8, 3]]]]})
+    with pytest.raises(TypeError, match=r"record\(ids=\[1, 'a'\]\): ids\[1\] must be an int"):
+        ledger.record(0, 0, 0, [1, "a"])  # type: ignore[list-item]
     with pytest.raises(ValueError, match=r"malformed ledger \('seed'\)"):
         SampleLedger.from_dict({k: v for k, v in data.items() if k != "seed"})

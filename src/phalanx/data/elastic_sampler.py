@@ -39,6 +39,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sized
 from typing import Any
 
+import torch
 from torch.utils.data import Sampler, default_collate
 
 from phalanx._check import FLAG, check_dataset, check_int, checked, rule
@@ -100,7 +101,7 @@ class ElasticSampler(Sampler[list[int]]):
         """Steps committed so far, over all epochs."""
         self.num_replicas, self.rank = 0, 0
         self._version = 0  # bumped by membership changes and rewinds: open iterators are stale
-        self._order: tuple[int, list[int]] | None = None
+        self._order: tuple[int, torch.Tensor] | None = None  # 8 bytes a sample
         self.set_membership(num_replicas, rank, where="ElasticSampler")
 
     # ---- events of the training loop -------------------------------------------------------
@@ -175,16 +176,16 @@ class ElasticSampler(Sampler[list[int]]):
         where = "ElasticSampler.indices"
         rank = self.rank if rank is None else check_int("rank", rank, min=0, where=where)
         span = plan.positions(rank)
-        return self._epoch_order(plan.epoch)[span.start : span.stop]
+        return self._epoch_order(plan.epoch)[span.start : span.stop].tolist()
 
-    def _epoch_order(self, epoch: int) -> list[int]:
+    def _epoch_order(self, epoch: int) -> torch.Tensor:
         if len(self.dataset) != self._n:
             raise RuntimeError(
                 f"ElasticSampler: the dataset changed size from {self._n} to "
                 f"{len(self.dataset)} after the sampler was built; build a new sampler"
             )
         if self._order is None or self._order[0] != epoch:
-            self._order = (epoch, epoch_order(self._n, self.seed, epoch, self.shuffle).tolist())
+            self._order = (epoch, epoch_order(self._n, self.seed, epoch, self.shuffle))
         return self._order[1]
 
     def __iter__(self) -> Iterator[list[int]]:
