@@ -137,6 +137,24 @@ def test_shrink_and_grow_every_sample_once(n: int, g: int, shuffle: bool) -> Non
     assert job.steps == _reference(n, g, 2, shuffle=shuffle, seed=3)
 
 
+def test_failures_around_an_epoch_boundary() -> None:
+    n, g = 45, 8  # 6 steps an epoch, the last one 5 samples
+    job = _Job(n, g, 4, seed=6)
+    for _ in range(5):
+        job.step()
+    failed = job.step(fail=True)  # the epoch's last (partial) step fails at 4 ranks
+    job.regroup(lost=[1])
+    assert job.step() == failed and len(failed) == 5  # redone at 3 ranks: 2 + 2 + 1
+    assert [p.sampler.state_dict()["epoch"] for p in job.procs] == [1] * 3  # rolled over
+    failed = job.step(fail=True)  # epoch 1's first step fails; two replacements join
+    job.regroup(lost=[2], joiners=3)
+    assert job.step() == failed and len(job.procs) == 5
+    while job.procs[0].sampler.epoch < 2:
+        job.step()
+    assert job.ledger().problems() == []
+    assert job.steps == _reference(n, g, 2, seed=6)
+
+
 def test_drop_last_leaves_out_the_partial_batch_of_each_epoch() -> None:
     n, g = 50, 8  # 6 full global batches, 2 samples left out per epoch (other ones each epoch)
     job = _Job(n, g, 4, drop_last=True, seed=1)
