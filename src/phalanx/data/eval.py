@@ -15,10 +15,10 @@ from __future__ import annotations
 from collections.abc import Iterator, Sized
 from typing import Any
 
-import torch
 from torch.utils.data import DataLoader, Sampler
 
 from phalanx._check import FLAG, check_dataset, check_int, checked, rule
+from phalanx.data.elastic_plan import epoch_order
 
 __all__ = ["EvalLoader", "EvalSampler"]
 
@@ -71,12 +71,10 @@ class EvalSampler(Sampler[int]):
         self.epoch = check_int("epoch", epoch, min=0, where="EvalSampler.set_epoch")
 
     def __iter__(self) -> Iterator[int]:
-        block = torch.arange(self.start, self.start + self.num_samples)
-        if self.shuffle:
-            g = torch.Generator()
-            g.manual_seed(self.seed + self.epoch)
-            block = torch.randperm(len(self.dataset), generator=g)[block]
-        return iter(block.tolist())
+        if not self.shuffle:  # the dataset's order, without building it whole
+            return iter(range(self.start, self.start + self.num_samples))
+        order = epoch_order(len(self.dataset), self.seed, self.epoch, shuffle=True)
+        return iter(order[self.start : self.start + self.num_samples].tolist())
 
 
 class EvalLoader(DataLoader[Any]):

@@ -54,6 +54,7 @@ import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from phalanx._check import FLAG, check_dataset, check_int, checked, optional, rule
+from phalanx.data.elastic_plan import epoch_order
 
 __all__ = ["DistributedSampler"]
 
@@ -218,12 +219,8 @@ class DistributedSampler(Sampler[int]):
         # Global position p holds permutation[p % N]: torch's cyclic padding (or its cut).
         first = min(self.rank + start * self.num_replicas, self.total_size)
         positions = torch.arange(first, self.total_size, self.num_replicas)
-        if self.shuffle:
-            g = torch.Generator()
-            g.manual_seed(self.seed + self.epoch)
-            perm = torch.randperm(self._n, generator=g)
-            return iter(perm[positions % self._n].tolist())
-        return iter((positions % self._n).tolist())
+        order = epoch_order(self._n, self.seed, self.epoch, self.shuffle)
+        return iter(order[positions % self._n].tolist())
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-able position: epoch, consumed indices, seed, and the layout they refer to."""
