@@ -1,7 +1,8 @@
 """Process-group initialisation: backend from device, env/tcp/file rendezvous, device binding.
 
 ``init_process_group()`` with no arguments reads the launcher's environment (see ``env.py``),
-picks NCCL when this local rank has a CUDA device and gloo otherwise, binds the device, and
+picks NCCL when this local rank has a CUDA device, the shared-memory backend when the launcher
+put every (CPU) rank on this machine, and gloo otherwise, binds the device, and
 returns a frozen :class:`World`. The store it rendezvouses through is created here (not by torch)
 so that the listener binds only the master address, and so that phalanx can keep a handle on it
 for collective validation and progress tracking (``tracking.py``).
@@ -10,6 +11,7 @@ for collective validation and progress tracking (``tracking.py``).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,6 +30,8 @@ from phalanx.comm.flags import tracking_flags
 from phalanx.comm.init_method import InitMethod, parse_init_method
 from phalanx.comm.signed import SignedStore
 from phalanx.comm.store import connect_store, host_store
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "World",
@@ -92,8 +96,9 @@ class _Opened:
     where: str
 
 
-def resolve_backend(backend: str | None, local_rank: int) -> str:
-    """Map ``None``/"auto" to nccl when ``cuda:local_rank`` exists, else gloo; validate names."""
+def resolve_backend(backend: str | None, local_rank: int, one_machine: bool = False) -> str:
+    """Map ``None``/"auto" to nccl when ``cuda:local_rank`` exists, else to shm when
+    ``one_machine`` (CPU ranks that all share this machine), else gloo; validate names."""
     from_env = os.environ.get("PHALANX_BACKEND") if backend is None else None
     if from_env:
         name = from_env.lower()
@@ -111,7 +116,17 @@ def resolve_backend(backend: str | None, local_rank: int) -> str:
         return name
     if torch.cuda.is_available() and local_rank < torch.cuda.device_count():
         return "nccl"
-    return "gloo"
+    return "shm" if one_machine else "gloo"
+
+
+def shares_one_machine(env: LaunchEnv, world_size: int) -> bool:
+    """Did a launcher say that every rank of this job runs on this machine?
+
+    Only a launcher's ``LOCAL_WORLD_SIZE`` (``phalanx run``, torchrun) counts: ranks started by
+    hand with RANK / WORLD_SIZE alone may be anywhere.
+    """
+    said = "LOCAL_WORLD_SIZE" in os.environ and env.source in ("phalanx", "torchrun")
+    return said and world_size > 1 and env.local_world_size == world_size
 
 
 def _tcp_store(
@@ -199,8 +214,10 @@ def init_process_group(
 
     Args:
         backend: "gloo", "nccl", "mpi", "shm" (shared memory, CPU ranks on one machine: see
-            ``phalanx.comm.shm``), or None/"auto" (NCCL when this local rank has a CUDA device,
-            else gloo). ``PHALANX_BACKEND`` overrides None.
+            ``phalanx.comm.shm``), or None/"auto": NCCL when this local rank has a CUDA device;
+            else shm when a launcher (``phalanx run``, torchrun) put every rank on this
+            machine (``LOCAL_WORLD_SIZE`` = ``WORLD_SIZE`` > 1); else gloo.
+            ``PHALANX_BACKEND`` (``phalanx run --backend``) overrides None.
         init_method: "env://" (default when MASTER_ADDR is set), "tcp://HOST:PORT" or
             "file:///path". Rank 0 hosts the store for env:// and tcp://, bound only to HOST.
         rank: This process's rank; default from the environment.
@@ -227,7 +244,9 @@ def init_process_group(
     flags = tracking_flags()  # a malformed PHALANX_* flag is refused before rendezvous
     env = discover_env()
     rank, world_size = _rank_and_size(method, env, rank, world_size)
-    name = resolve_backend(backend, env.local_rank)
+    name = resolve_backend(backend, env.local_rank, shares_one_machine(env, world_size))
+    if name == "shm" and backend is None and not os.environ.get("PHALANX_BACKEND") and rank == 0:
+        log.info("backend shm: CPU ranks on one machine (backend='gloo' opts out)")
     device = torch.device("cpu")
     if name == "nccl":
         device = torch.device("cuda", env.local_rank)

@@ -20,6 +20,7 @@ from typing import Any
 
 from phalanx.comm.auth import SECRET_ENV, new_secret
 from phalanx.launch.attempt import worker_specs
+from phalanx.launch.backend_note import backend_note
 from phalanx.launch.config import LaunchConfig
 from phalanx.launch.events import Events
 from phalanx.launch.logs import RunLogs
@@ -139,7 +140,7 @@ class Agent:
         self.log(
             f"starting ranks {first}..{last} of {rdzv.world_size} on node {self.node} "
             f"(generation {rdzv.generation}, worker store {self.cfg.master_addr}:"
-            f"{rdzv.worker_port})"
+            f"{rdzv.worker_port}{backend_note(self.cfg.backend, rdzv.world_size, self.nproc)})"
         )
         self.check_stop()
         try:
