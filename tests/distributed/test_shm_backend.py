@@ -289,3 +289,49 @@ def test_phalanx_blames_a_stuck_peer_on_shm_as_on_gloo() -> None:
     )[0]
     assert message.startswith("CollectiveTimeoutError"), message
     assert "rank(s) [1] never reached it" in message and "collective #1" in message
+
+
+def _zero(backend_of_group: str, stage: int) -> list[torch.Tensor]:
+    from phalanx.sharding import ZeroRedundancyOptimizer
+
+    group = None if backend_of_group == "shm" else dist.new_group(backend="gloo")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = ZeroRedundancyOptimizer(
+        model.parameters(),
+        torch.optim.AdamW,
+        stage=stage,
+        process_group=group,
+        bucket_cap_mb=0.0005,
+        lr=0.01,
+    )
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(3):
+        x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _zero_on_both() -> list[tuple[bool, int]]:
+    """ZeRO-1 and ZeRO-2 on shm and on gloo: same parameters; the zero-copy calls on shm."""
+    pg = dist.distributed_c10d._get_default_group()
+    out = []
+    for stage in (1, 2):
+        before = pg.zero_copy_calls  # type: ignore[attr-defined]
+        ours = _zero("shm", stage)
+        calls = pg.zero_copy_calls - before  # type: ignore[attr-defined]
+        theirs = _zero("gloo", stage)
+        out.append((all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True)), calls))
+    return out
+
+
+def test_zero_1_and_2_stage_in_shared_memory_and_train_as_on_gloo() -> None:
+    # ZeRO-1/2's staging buffers live in shared memory on an shm group: every bucket's
+    # reduce-scatter and the parameters' all-gather after each step take the zero-copy path.
+    for (same1, calls1), (same2, calls2) in run_distributed(
+        _zero_on_both, world_size=2, backend="shm", timeout=60
+    ):
+        assert same1 and same2
+        assert calls1 >= 2 * 3 and calls2 >= 2 * 3, (calls1, calls2)

@@ -8,14 +8,17 @@ slowest rank's time counts. Pairs:
 - ``zero1`` (phalanx ZeroRedundancyOptimizer, stage 1) vs ``torch-zero1`` (torch DDP +
   ``torch.distributed.optim.ZeroRedundancyOptimizer``), and phalanx ``zero2`` beside them;
 - ``zero3`` (phalanx FullyShardedDataParallel, one unit per block) vs ``torch-fsdp``
-  (``fully_shard`` on each block and the root).
+  (``fully_shard`` on each block and the root);
+- with ``--shm``, ``zero1-shm`` / ``zero2-shm`` / ``zero3-shm``: the same phalanx stages over a
+  ``backend="shm"`` group of the same ranks, each against its gloo twin (ZeRO-1/2 stage their
+  collectives in the group's shared memory: no copy in or out).
 
-Per implementation it reports p50/p90 step time, the ratio to its torch baseline, model-state
-bytes per rank (parameters, gradients, optimizer state actually held after a step), bytes the
-rank handed to collectives per step (phalanx only: counted by ``phalanx.comm_stats()``) and
-peak memory: CUDA's allocator peak, or on CPU the growth of the resident set's high-water mark
-over a few steps (Linux ``clear_refs``; allocator caching makes it approximate). Last line:
-``RESULT {json}``.
+Per implementation it reports p50/p90 step time, the ratio to its baseline (torch's; the gloo
+twin for ``-shm``), model-state bytes per rank (parameters, gradients, optimizer state actually
+held after a step), bytes the rank handed to collectives per step (phalanx only: counted by
+``phalanx.comm_stats()``) and peak memory: CUDA's allocator peak, or on CPU the growth of the
+resident set's high-water mark over a few steps (Linux ``clear_refs``; allocator caching makes
+it approximate). Last line: ``RESULT {json}``.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from phalanx.bench.common import Output, add_output_flags, timed
@@ -36,6 +40,10 @@ __all__ = ["main"]
 
 BASELINE = {"zero1": "torch-zero1", "zero2": "torch-zero1", "zero3": "torch-fsdp"}
 IMPLS = ("torch-zero1", "zero1", "zero2", "torch-fsdp", "zero3")
+SHM_IMPLS = ("zero1-shm", "zero2-shm", "zero3-shm")
+"""``--shm``: phalanx's ZeRO over a ``backend="shm"`` group of the same ranks; each row's
+ratio is to the same stage on gloo."""
+BASELINE.update({impl: impl.removesuffix("-shm") for impl in SHM_IMPLS})
 
 
 def _model() -> nn.Module:
@@ -46,16 +54,22 @@ def _model() -> nn.Module:
     return GPT(GPTConfig(char_corpus("shakespeare").vocab_size, 64, 4, 4, 128))
 
 
-def _build(impl: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _build(impl: str, shm: Any = None) -> tuple[nn.Module, torch.optim.Optimizer]:
     from phalanx.sharding import ZeroRedundancyOptimizer
     from phalanx.sharding.zero3 import FullyShardedDataParallel
 
     model = _model()
     kw: dict[str, Any] = {"lr": 3e-3, "weight_decay": 0.1}
+    group = shm if impl.endswith("-shm") else None
+    impl = impl.removesuffix("-shm")
     if impl in ("zero1", "zero2"):
-        stage = int(impl[-1])
         return model, ZeroRedundancyOptimizer(
-            model.parameters(), torch.optim.AdamW, parameters_as_bucket_view=True, stage=stage, **kw
+            model.parameters(),
+            torch.optim.AdamW,
+            parameters_as_bucket_view=True,
+            stage=int(impl[-1]),
+            process_group=group,
+            **kw,
         )
     if impl == "torch-zero1":
         from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
@@ -64,7 +78,7 @@ def _build(impl: str) -> tuple[nn.Module, torch.optim.Optimizer]:
         return ddp, TorchZero(ddp.parameters(), optimizer_class=torch.optim.AdamW, **kw)
     if impl == "zero3":
         blocks = set(getattr(model, "blocks"))  # noqa: B009
-        fsdp = FullyShardedDataParallel(model, wrap=lambda m: m in blocks)
+        fsdp = FullyShardedDataParallel(model, wrap=lambda m: m in blocks, process_group=group)
         return fsdp, torch.optim.AdamW(fsdp.parameters(), **kw)
     from torch.distributed.fsdp import fully_shard
 
@@ -133,7 +147,8 @@ def _rank_job(cfg: dict[str, Any]) -> dict[str, Any]:
 
     rank = phalanx.world().rank
     x, y = _batch(rank, cfg["batch"])
-    runs = {impl: _build(impl) for impl in cfg["impls"]}
+    shm = dist.new_group(backend="shm") if set(cfg["impls"]) & set(SHM_IMPLS) else None
+    runs = {impl: _build(impl, shm) for impl in cfg["impls"]}
     out: dict[str, Any] = {i: {"times": []} for i in runs}
     for impl, (model, opt) in runs.items():  # memory and bytes first, one at a time
         out[impl]["peak_bytes"] = _peak_growth(partial(_step, model, opt, x, y), 2)
@@ -178,7 +193,7 @@ def summarize(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _print(rows: list[dict[str, Any]]) -> None:
     print(
-        f"{'impl':<12}{'p50 ms':>9}{'p90 ms':>9}{'vs torch':>10}{'states MB':>11}"
+        f"{'impl':<12}{'p50 ms':>9}{'p90 ms':>9}{'vs base':>10}{'states MB':>11}"
         f"{'optim MB':>10}{'comm MB':>9}{'peak+ MB':>10}"
     )
     for r in rows:
@@ -202,12 +217,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first")
     parser.add_argument("--batch", type=int, default=16, help="windows per rank per step")
     parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma list of {IMPLS}")
+    parser.add_argument(
+        "--shm", action="store_true", help=f"also {', '.join(SHM_IMPLS)} (ZeRO on backend shm)"
+    )
     add_output_flags(parser, "zero")
     args = parser.parse_args(argv)
     impls = [i for i in args.impls.split(",") if i]
-    bad = [i for i in impls if i not in IMPLS]
+    bad = [i for i in impls if i not in IMPLS + SHM_IMPLS]
     if bad:
-        parser.error(f"--impls has unknown {bad}; choose from {', '.join(IMPLS)}")
+        parser.error(f"--impls has unknown {bad}; choose from {', '.join(IMPLS + SHM_IMPLS)}")
+    if args.shm:
+        impls += [i for i in SHM_IMPLS if i.removesuffix("-shm") in impls and i not in impls]
     for flag in ("iters", "batch"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.comm import collectives as c
+from phalanx.data_parallel.bucket_state import bucket_storage
 from phalanx.sharding.layout import BucketLayout, CopyRun, ShardLayout
 
 __all__ = ["MAX_IN_FLIGHT", "ParamGatherer", "StagingPool"]
@@ -27,12 +28,23 @@ MAX_IN_FLIGHT = 2
 
 
 class StagingPool:
-    """:data:`MAX_IN_FLIGHT` buffers as large as the largest bucket's staging buffer."""
+    """:data:`MAX_IN_FLIGHT` buffers as large as the largest bucket's staging buffer, in the
+    group's shared memory where its backend gives that (``bucket_storage``: backend 'shm'), so
+    that the reduce-scatter and all-gather through them copy nothing in or out. Collective."""
 
-    def __init__(self, layout: ShardLayout, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        layout: ShardLayout,
+        dtype: torch.dtype,
+        device: torch.device,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
         biggest = max((b.chunk * layout.world for b in layout.buckets), default=0)
         self.buffers = [
-            torch.empty(biggest, dtype=dtype, device=device) for _ in range(MAX_IN_FLIGHT)
+            bucket_storage(group, biggest, dtype, device)
+            if layout.world > 1
+            else torch.zeros(biggest, dtype=dtype, device=device)
+            for _ in range(MAX_IN_FLIGHT)
         ]
 
 

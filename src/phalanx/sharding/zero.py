@@ -163,7 +163,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, JoinableZero):
     def _wire(self) -> None:
         """(Re)build the staging pool, the all-gather and (stages 1/2) the reduce-scatter."""
         p0 = self.params[0]
-        pool = StagingPool(self.layout, p0.dtype, p0.device)
+        pool = StagingPool(self.layout, p0.dtype, p0.device, self.process_group)
         self._gatherer = ParamGatherer(
             self.params, self.layout, self.buffers, pool, self.process_group, self.rank
         )
