@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import phalanx
+from phalanx import checkpoint
 from phalanx.testing import DistributedTestError, run_distributed
 
 
@@ -108,6 +111,32 @@ def test_hogwild_job_shares_one_model() -> None:
     assert r[0]["sum"] == pytest.approx(start + 5 * (1 + 2), abs=1e-5)
     for k, v in r[0]["state"].items():  # one storage: both ranks see every update
         assert torch.equal(v, r[1]["state"][k]), k
+
+
+def _hogwild_save(directory: str) -> list[torch.Tensor]:
+    job = phalanx.Job(phalanx.Hogwild(), seed=0, checkpoint_dir=directory)
+    model = nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    model, opt = job.setup(model, opt, loss_fn=nn.functional.cross_entropy)
+    x, y = _data()[job.world.rank * 8 : job.world.rank * 8 + 8]
+    job.forward_backward(x, y)  # each rank its own batch: its own AdamW moments
+    job.step()
+    dist.barrier()
+    job.save(async_=False)
+    moments = [s["exp_avg"].clone() for s in opt.state.values()]
+    job.close()
+    return moments
+
+
+def test_a_hogwild_checkpoint_holds_rank_0s_optimizer_state(tmp_path: Path) -> None:
+    """Each Hogwild rank steps its own optimizer: the ranks must not share the writing of
+    the "replicated" state (``Strategy.replicas_equal``), or the file would mix them."""
+    ours, theirs = run_distributed(_hogwild_save, str(tmp_path), world_size=2, timeout=60)
+    assert not all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    model = nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 3))
+    opt = torch.optim.AdamW(model.parameters())
+    checkpoint.load(tmp_path, model=model, optimizer=opt)
+    assert all(torch.equal(s["exp_avg"], a) for s, a in zip(opt.state.values(), ours))
 
 
 def _bad(strategy: str | phalanx.train.Strategy, kwargs: dict) -> None:

@@ -105,6 +105,7 @@ def save(job: Job, async_: bool = True, **extra: object) -> Path:
         rng_state=point.rng,
         objects=job.tracked,
         async_=async_,
+        replicas_equal=job.runner.strategy.replicas_equal,
     )
 
 

@@ -107,6 +107,11 @@ class Strategy:
     comm_measured: ClassVar[bool] = True
     """False where this strategy's communication wait cannot be timed (said once, not 0)."""
 
+    replicas_equal: ClassVar[bool] = True
+    """Whether the model and optimizer state a checkpoint sees as replicated (not sharded
+    views) is equal on every rank, so that every rank may write a share of it
+    (``checkpoint.save(replicas_equal=...)``); False where each rank's differs (Hogwild)."""
+
     def start(self, world: World, job: JobOptions) -> Runner:
         """Check the options against the world and the job; make this job's runner.
 

@@ -22,6 +22,7 @@ class Hogwild(Strategy):
     """Lock-free training on parameters shared by every rank of one machine."""
 
     name: ClassVar[str] = "hogwild"
+    replicas_equal: ClassVar[bool] = False  # each rank steps its own optimizer
 
     def wrap(self, model: nn.Module, world: World) -> nn.Module:
         from phalanx.hogwild.shared import share_parameters
