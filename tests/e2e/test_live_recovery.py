@@ -8,8 +8,12 @@ others started, and the others wait for its death marker in the worker store bef
 from __future__ import annotations
 
 import json
+import os
 import signal
+import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +37,34 @@ def _record(folder: Path, member: str, incarnation: int, phase: str) -> dict[str
     return dict(json.loads((folder / f"{member}.{incarnation}.{phase}.json").read_text()))
 
 
+def _events(text: str) -> list[tuple[str, int | None]]:
+    """(state, worker pid) of each torchrun event line (``--event-log-handler console``)."""
+    found = []
+    for line in text.splitlines():
+        if line.startswith('{"name": "torchelastic.worker.status.'):
+            event = json.loads(line)
+            pid = json.loads(event["metadata"]["metadata"]).get("worker_pid", [None])[0]
+            found.append((event["metadata"]["state"], pid))
+    return found
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def test_a_dead_worker_alone_is_replaced_and_the_others_keep_their_pids(tmp_path: Path) -> None:
-    flags = ["--standalone", "--nproc-per-node", "3", "--recovery", "live", "--max-restarts", "1"]
+    flags = ["--standalone", "--nproc-per-node", "3", "--recovery", "live", "--max-restarts", "1",
+             "--event-log-handler", "console"]  # fmt: skip
     code, text = _run(tmp_path, *flags)
     assert code == 0, text
     for member in ("0.0", "0.2"):  # one process each, start to end: never restarted
@@ -52,6 +82,9 @@ def test_a_dead_worker_alone_is_replaced_and_the_others_keep_their_pids(tmp_path
     line = f"rank 1 (member 0.1, incarnation 0, pid {dead['pid']}): signal SIGKILL (exit code 137)"
     assert f"{line}: replaced by pid {new['pid']} (incarnation 1; replacement 1 of 1" in text
     assert "job failed" not in text and "lost" not in text, text
+    events = _events(text)
+    assert ("FAILED", dead["pid"]) in events and ("START", new["pid"]) in events, text
+    assert ("SUCCEEDED", new["pid"]) in events and ("SUCCEEDED", None) in events, text
 
 
 def test_with_no_replacement_left_the_survivors_finish_and_the_lost_is_named(
@@ -77,7 +110,9 @@ def test_two_agents_each_replace_their_own_workers(tmp_path: Path) -> None:
               "--master-port", str(port), "--recovery", "live", "--max-restarts", "1"]  # fmt: skip
     env = launcher_env(PHALANX_JOB_SECRET="ab" * 32)
     procs = [
-        start([*PHALANX_RUN, *common, "--node-rank", str(n), SCRIPT, str(tmp_path), "1.0", "1"], env)
+        start(
+            [*PHALANX_RUN, *common, "--node-rank", str(n), SCRIPT, str(tmp_path), "1.0", "1"], env
+        )
         for n in (0, 1)
     ]
     outputs = [finish(p) for p in procs]
@@ -91,17 +126,9 @@ def test_two_agents_each_replace_their_own_workers(tmp_path: Path) -> None:
     assert "replaced by pid" in outputs[1][1] and "replaced by pid" not in outputs[0][1]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_bad_recovery_value_names_the_flag_and_the_value() -> None:
     proc = start([*PHALANX_RUN, "--recovery", "sometimes", SCRIPT], launcher_env())
-    out, err = finish(proc)
+    _, err = finish(proc)
     assert proc.returncode == 2, err
     assert "--recovery 'sometimes' is not one of restart, live" in err
 
@@ -111,16 +138,18 @@ def test_sigterm_still_stops_every_live_worker(tmp_path: Path) -> None:
     flags = ["--standalone", "--nproc-per-node", "2", "--recovery", "live"]
     proc = start([*PHALANX_RUN, *flags, SCRIPT, str(tmp_path), "9.9", "0"], launcher_env())
     _wait_started(proc, tmp_path, 2)
+    pids = [_record(tmp_path, m, 0, "start")["pid"] for m in ("0.0", "0.1")]
     proc.send_signal(signal.SIGTERM)
-    out, err = finish(proc)
+    _, err = finish(proc)
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "received SIGTERM; stopping the workers" in err
+    assert not any(_alive(pid) for pid in pids), err
 
 
-def _wait_started(proc: Any, folder: Path, count: int) -> None:
-    import time
-
+def _wait_started(proc: subprocess.Popen[str], folder: Path, count: int) -> None:
     deadline = time.monotonic() + 90
     while len(list(folder.glob("*.start.json"))) < count:
-        assert proc.poll() is None and time.monotonic() < deadline, "workers did not start"
+        if proc.poll() is not None or time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"the workers did not start: {proc.communicate(timeout=10)}")
         time.sleep(0.05)

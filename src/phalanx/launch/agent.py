@@ -234,7 +234,7 @@ class Agent:
         if failure is None:
             assert self.workers is not None
             board = JobBoard(self.store.signed, rdzv.max_restarts)
-            dead = self._worker_store_of(rdzv).signed
+            dead = self._worker_store_of(rdzv).live
             live = LiveNode(self.workers, self.node, board, dead, self.log, self.events)
             ended = self._monitor_live(live)
             if not isinstance(ended, Failure):

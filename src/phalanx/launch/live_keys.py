@@ -17,13 +17,14 @@ live job. When an agent sees a worker die (non-zero exit or a signal) it writes,
 - key ``phalanx/live/dead/<member_id>`` (no prefix), e.g. ``phalanx/live/dead/0.1``;
 - value: a :class:`~phalanx.comm.signed.SignedStore` frame whose JSON is the incarnation that
   died, a bare integer: ``phx1 <hmac hex> 0`` (``phx1 - 0`` in a job without a secret);
-- signed under scope ``<join nonce>/0`` (:func:`live_signer`): the nonce of the store's join
-  record (:func:`phalanx.comm.join.join_job` returns it; the live job's restart count is 0), so
-  this is also the signer of a worker's first phalanx process group
-  (``phalanx.comm.group.signed_store()`` right after ``phalanx.init_process_group``).
+- signed under scope ``<join nonce>/live`` (:func:`live_signer`), where the nonce is the one
+  of the store's join record (:func:`phalanx.comm.join.join_job` returns it; a live job's
+  restart count is always 0). The HMAC covers the full key name, so a signer with prefix
+  ``phalanx/live/`` and key ``dead/<member_id>`` produces the same frame.
 
-A slot that dies again overwrites its key with the larger incarnation. Read it with
-:func:`dead_incarnation`; a forged or malformed value reads as None (logged once).
+Records only grow: a slot that dies again overwrites its key with the larger incarnation, and a
+smaller one is never written over a larger (a survivor may have declared it dead first). Read
+it with :func:`dead_incarnation`; a forged or malformed value reads as None (logged once).
 """
 
 from __future__ import annotations
@@ -88,12 +89,14 @@ def dead_key(member: str) -> str:
 
 def live_signer(store: dist.Store, secret: bytes | None, nonce: str) -> SignedStore:
     """The signer of the live keys in the worker store whose join record has ``nonce``."""
-    return SignedStore(store, secret, f"{nonce}/0")
+    return SignedStore(store, secret, f"{nonce}/live")
 
 
 def mark_dead(signer: SignedStore, member: str, incarnation: int) -> None:
-    """Say that process ``incarnation`` of slot ``member`` died."""
-    signer.put(dead_key(member), incarnation)
+    """Say that process ``incarnation`` of slot ``member`` died (unless a later one is known)."""
+    known = dead_incarnation(signer, member)
+    if known is None or known < incarnation:
+        signer.put(dead_key(member), incarnation)
 
 
 def _incarnation(value: Any) -> int:

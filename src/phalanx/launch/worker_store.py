@@ -33,6 +33,8 @@ class WorkerStore:
     port: int
     signed: SignedStore
     """Signer of the workers' first process group (scope: the join nonce, generation 0)."""
+    live: SignedStore
+    """Signer of the ``--recovery live`` keys (:mod:`phalanx.launch.live_keys`)."""
     pending: set[int] = field(default_factory=set)
     """Ranks whose valid proof has not been seen yet."""
     next_check: float = 0.0
@@ -44,7 +46,7 @@ class WorkerStore:
         """Host a fresh worker store on ``addr`` (OS-chosen port) and publish its join record."""
         store, port = host_store(addr, 0, timeout)
         nonce = join.host_job(store, secret, run_id, generation, f"{addr}:{port}")
-        return cls(store, port, live_signer(store, secret, nonce))
+        return cls.of(store, port, secret, nonce)
 
     @classmethod
     def connect(
@@ -57,7 +59,13 @@ class WorkerStore:
         """
         store = connect_store(addr, port, timeout)
         nonce = join.join_job(store, secret, rank, run_id, 0, f"{addr}:{port}", timeout)
-        return cls(store, port, live_signer(store, secret, nonce))
+        return cls.of(store, port, secret, nonce)
+
+    @classmethod
+    def of(cls, store: dist.Store, port: int, secret: bytes | None, nonce: str) -> WorkerStore:
+        """The signers of the store whose join record has ``nonce``."""
+        signed = SignedStore(store, secret, f"{nonce}/0")
+        return cls(store, port, signed, live_signer(store, secret, nonce))
 
     def expect(self, world_size: int) -> None:
         """The workers of ranks ``0..world_size-1`` are about to start."""

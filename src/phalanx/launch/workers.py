@@ -227,12 +227,15 @@ class WorkerGroup:
     def replace(self, index: int, spec: WorkerSpec) -> Worker:
         """Start ``spec`` in place of the exited ``workers[index]``, appending to its log files.
 
-        Children the exited worker left in its process group are killed first.
+        Children the exited worker left in its process group are killed first, and its output
+        is flushed (for at most a second) before the new worker's starts.
         """
         assert threading.current_thread() is threading.main_thread(), "see PR_SET_PDEATHSIG"
         old = self.workers[index]
         assert old.returncode is not None, f"local rank {index} (pid {old.pid}) is still running"
         _killpg(old.pid, signal.SIGKILL)
+        for thread in old.threads[:2]:  # its output pumps
+            thread.join(0.5)
         worker = _start(spec, self.filtered, append=True)
         self.replaced.append(old)
         self.workers[index] = worker
