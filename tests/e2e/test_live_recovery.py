@@ -153,3 +153,42 @@ def _wait_started(proc: subprocess.Popen[str], folder: Path, count: int) -> None
             os.killpg(proc.pid, signal.SIGKILL)
             pytest.fail(f"the workers did not start: {proc.communicate(timeout=10)}")
         time.sleep(0.05)
+
+
+def _two_agents(folder: Path) -> list[subprocess.Popen[str]]:
+    """Nodes 0 and 1 (one worker each, over loopback) whose workers wait until stopped."""
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+              "--master-port", str(_free_port()), "--recovery", "live"]  # fmt: skip
+    env = launcher_env(PHALANX_JOB_SECRET="cd" * 32)
+    return [
+        start([*PHALANX_RUN, *common, "--node-rank", str(n), SCRIPT, str(folder), "9.9", "0"], env)
+        for n in (0, 1)
+    ]
+
+
+@pytest.mark.parametrize("lost", [0, 1])
+def test_a_lost_node_ends_the_live_job_with_a_clear_message(tmp_path: Path, lost: int) -> None:
+    # Live recovery replaces workers, not nodes: the other agent ends the job, within the
+    # heartbeat window (30 s) when node 1 goes, at its next store call when node 0 goes.
+    procs = _two_agents(tmp_path)
+    try:
+        _wait_started(procs[0], tmp_path, 2)
+        survivor = procs[1 - lost]
+        pid = _record(tmp_path, f"{1 - lost}.0", 0, "start")["pid"]
+        os.killpg(procs[lost].pid, signal.SIGKILL)
+        killed = time.monotonic()
+        _, err = finish(survivor, deadline=60)
+        took = time.monotonic() - killed
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=10)
+    assert survivor.returncode == 1, err
+    if lost == 1:
+        assert "node 1: no heartbeat from its agent for 30 s" in err
+        assert "--recovery live replaces dead workers only: this failure ends the whole job" in err
+    else:
+        assert "lost the rendezvous store" in err and "node 0's agent has probably exited" in err
+    assert took < 45, f"took {took:.0f} s"
+    assert not _alive(pid), err  # its worker was stopped

@@ -241,6 +241,8 @@ class Agent:
                 return self._end_live(ended, rdzv.max_restarts)
             failure = ended
         self.log("--recovery live replaces dead workers only: this failure ends the whole job")
+        if failure.reason == NODE_SILENT:  # it will not say goodbye: do not wait for it
+            self.store.members = [n for n in self.store.members if n != failure.node_rank]
         return self._fail(0, failure, rdzv.max_restarts)
 
     def _worker_store_of(self, rdzv: Rendezvous) -> WorkerStore:
