@@ -17,7 +17,7 @@ import torch.distributed as dist
 from phalanx.comm.signed import SignedStore
 from phalanx.launch import live_keys
 from phalanx.launch.args import ArgsError, parse_args
-from phalanx.launch.live import JobBoard
+from phalanx.launch.live import JobBoard, LiveNode
 from phalanx.launch.live_outcome import Death, NodeOutcome, node_outcome, to_json, verdict
 from phalanx.launch.logs import StreamLogs, WorkerLogs
 from phalanx.launch.options import build_parser
@@ -159,3 +159,52 @@ def _wait_exit(group: WorkerGroup) -> None:
     while group.running():
         assert time.monotonic() < deadline, "the worker did not exit"
         time.sleep(0.02)
+
+
+def _slot(local: int, code: str) -> WorkerSpec:
+    env = {**live_keys.live_env(0, local), "PATH": "/usr/bin:/bin"}
+    return WorkerSpec(local, local, [sys.executable, "-c", code], env, logs=_quiet())
+
+
+def _quiet() -> WorkerLogs:
+    return WorkerLogs(StreamLogs(None, console=False), StreamLogs(None, console=False))
+
+
+def _live_node(specs: list[WorkerSpec], max_replacements: int) -> tuple[LiveNode, list[str]]:
+    store, lines = dist.HashStore(), list[str]()
+    board = JobBoard(SignedStore(store, SECRET, "agent/n"), max_replacements)
+    dead = live_keys.live_signer(store, SECRET, "n")
+    return LiveNode(WorkerGroup(specs), 0, board, dead, lines.append), lines
+
+
+def _until_all_exited(node: LiveNode) -> NodeOutcome:
+    deadline = time.monotonic() + 30
+    while not node.all_exited():
+        assert time.monotonic() < deadline, "the slots did not end"
+        node.poll()
+        time.sleep(0.02)
+    node.workers.join_threads(timeout=5.0)
+    return node.outcome()
+
+
+def test_a_slot_that_dies_twice_is_replaced_once_then_lost_and_the_job_succeeds() -> None:
+    specs = [_slot(0, "import time; time.sleep(1.5)"), _slot(1, "raise SystemExit(3)")]
+    node, lines = _live_node(specs, max_replacements=1)
+    outcome = _until_all_exited(node)
+    assert [(d.member, d.incarnation, d.replaced) for d in outcome.deaths] == [
+        ("0.1", 0, True), ("0.1", 1, False)
+    ]  # fmt: skip
+    assert node.workers.workers[1].spec.env["PHALANX_INCARNATION"] == "1"
+    assert live_keys.dead_incarnation(node.dead, "0.1") == 1
+    assert "replaced by pid" in lines[0] and "no replacement left (1 of 1 used" in lines[1]
+    end = verdict([outcome], 1)
+    assert end.exit_code == 0 and "job finished: 1 of 2 workers ran to the end" in end.lines[0]
+
+
+def test_a_death_after_a_finish_is_not_replaced_and_fails_the_job() -> None:
+    specs = [_slot(0, "pass"), _slot(1, "import time; time.sleep(1.5); raise SystemExit(3)")]
+    node, lines = _live_node(specs, max_replacements=5)
+    outcome = _until_all_exited(node)
+    assert outcome.finished == ["0.0"] and [d.late for d in outcome.deaths] == [True]
+    assert "not replaced, since a worker of the job already finished" in lines[0]
+    assert verdict([outcome], 5).exit_code == 3

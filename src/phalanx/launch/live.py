@@ -47,6 +47,8 @@ class JobBoard:
     def __init__(self, signed: SignedStore, max_replacements: int) -> None:
         self.signed = signed
         self.max_replacements = max_replacements
+        self._next = 1
+        """No replacement below this number is free."""
         self._finished = False
 
     def _call(self, fn: Callable[..., T], *args: Any) -> T:
@@ -60,9 +62,9 @@ class JobBoard:
     def claim_replacement(self, member: str) -> int | None:
         """Take the next free replacement of the job's budget: its number, or None if none."""
         mine = {"member": member, "token": secrets.token_hex(8)}
-        for n in range(1, self.max_replacements + 1):
-            first = self._call(self.signed.first, f"{KEYS}replacement/{n}", mine)
-            if first == mine:
+        while self._next <= self.max_replacements:  # claims are never given back
+            n, self._next = self._next, self._next + 1
+            if self._call(self.signed.first, f"{KEYS}replacement/{n}", mine) == mine:
                 return n
         return None
 
@@ -108,7 +110,7 @@ class LiveNode:
         self.first = [w.spec for w in workers.workers]
         """Each slot's first spec: a replacement's differs only in PHALANX_INCARNATION."""
         self.handled: set[int] = set()
-        """pids whose exit was handled."""
+        """``id()`` of the workers whose exit was handled (the group keeps every one alive)."""
         self.finished: list[str] = []
         self.deaths: list[Death] = []
         self.ended: set[int] = set()
@@ -118,8 +120,8 @@ class LiveNode:
         """Handle every exit since the last poll, in the order the processes exited."""
         exited = [w for w in self.workers.workers if w.returncode is not None]
         for worker in sorted(exited, key=lambda w: w.exited_at or 0.0):
-            if worker.pid not in self.handled:
-                self.handled.add(worker.pid)
+            if id(worker) not in self.handled:
+                self.handled.add(id(worker))
                 self._on_exit(worker)
 
     def all_exited(self) -> bool:
@@ -131,20 +133,22 @@ class LiveNode:
         return NodeOutcome(self.node, sorted(self.finished), list(self.deaths))
 
     def _on_exit(self, worker: Worker) -> None:
-        local = worker.spec.local_rank
         member = worker.spec.env[MEMBER_ENV]
-        if worker.returncode == 0:
-            self.finished.append(member)
-            self.ended.add(local)
-            self.board.note_finished(member)
+        if worker.returncode != 0:
+            self._on_death(worker, member)
             return
-        for thread in worker.threads[:2]:  # let the pumps drain so the traceback is in the tail
-            thread.join(0.5)
-        incarnation = int(worker.spec.env[INCARNATION_ENV])
+        self.finished.append(member)
+        self.ended.add(worker.spec.local_rank)
+        self.board.note_finished(member)
+
+    def _on_death(self, worker: Worker, member: str) -> None:
+        local, incarnation = worker.spec.local_rank, int(worker.spec.env[INCARNATION_ENV])
         # Decide before the marker is out: a survivor that reads it may finish at once.
         late = self.board.someone_finished()
         n = None if late else self.board.claim_replacement(member)
         self._mark_dead(member, incarnation)
+        for thread in worker.threads[:2]:  # let the pumps drain so the traceback is in the tail
+            thread.join(0.5)
         failure = failure_of(worker, self.node)
         death = Death(member, incarnation, time.time(), failure, n is not None, late)
         self.deaths.append(death)

@@ -122,8 +122,8 @@ def build_parser(environ: Mapping[str, str]) -> _Parser:
         "worker is replaced (PHALANX_MEMBER_ID, PHALANX_INCARNATION) and the others keep "
         "running; the worker store lives for the whole job. live needs workers that regroup "
         "in-process, so restart stays the default until phalanx.Job does so. The exit code is "
-        "0 when the workers still running at the end exit 0; a worker lost earlier is named "
-        "in the summary. A lost node ends the job",
+        "0 when some workers run to the end with exit 0 and none dies after the first of them "
+        "finished; a worker lost before that is named in the summary. A lost node ends the job",
     )
     w.value(
         "--monitor-interval",
