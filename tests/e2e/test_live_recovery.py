@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.launching import SCRIPTS, finish, launcher_env, start
+from tests.e2e.launching import SCRIPTS, alive, finish, free_port, launcher_env, start
 
 PHALANX_RUN = [sys.executable, "-m", "phalanx", "run"]
 SCRIPT = str(SCRIPTS / "live_slot.py")
@@ -46,20 +45,6 @@ def _events(text: str) -> list[tuple[str, int | None]]:
             pid = json.loads(event["metadata"]["metadata"]).get("worker_pid", [None])[0]
             found.append((event["metadata"]["state"], pid))
     return found
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_a_dead_worker_alone_is_replaced_and_the_others_keep_their_pids(tmp_path: Path) -> None:
@@ -105,7 +90,7 @@ def test_with_no_replacement_left_the_survivors_finish_and_the_lost_is_named(
 def test_two_agents_each_replace_their_own_workers(tmp_path: Path) -> None:
     # Two agents on one machine (nodes 0 and 1 over loopback): node 1's worker dies, node 1's
     # agent replaces it and writes the death marker through node 0's worker store.
-    port = _free_port()
+    port = free_port()
     common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
               "--master-port", str(port), "--recovery", "live", "--max-restarts", "1"]  # fmt: skip
     env = launcher_env(PHALANX_JOB_SECRET="ab" * 32)
@@ -143,7 +128,7 @@ def test_sigterm_still_stops_every_live_worker(tmp_path: Path) -> None:
     _, err = finish(proc)
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "received SIGTERM; stopping the workers" in err
-    assert not any(_alive(pid) for pid in pids), err
+    assert not any(alive(pid) for pid in pids), err
 
 
 def _wait_started(proc: subprocess.Popen[str], folder: Path, count: int) -> None:
@@ -158,7 +143,7 @@ def _wait_started(proc: subprocess.Popen[str], folder: Path, count: int) -> None
 def _two_agents(folder: Path) -> list[subprocess.Popen[str]]:
     """Nodes 0 and 1 (one worker each, over loopback) whose workers wait until stopped."""
     common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
-              "--master-port", str(_free_port()), "--recovery", "live"]  # fmt: skip
+              "--master-port", str(free_port()), "--recovery", "live"]  # fmt: skip
     env = launcher_env(PHALANX_JOB_SECRET="cd" * 32)
     return [
         start([*PHALANX_RUN, *common, "--node-rank", str(n), SCRIPT, str(folder), "9.9", "0"], env)
@@ -191,4 +176,4 @@ def test_a_lost_node_ends_the_live_job_with_a_clear_message(tmp_path: Path, lost
     else:
         assert "lost the rendezvous store" in err and "node 0's agent has probably exited" in err
     assert took < 45, f"took {took:.0f} s"
-    assert not _alive(pid), err  # its worker was stopped
+    assert not alive(pid), err  # its worker was stopped

@@ -25,19 +25,17 @@ import dataclasses
 import secrets
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
 
 from phalanx.comm.signed import SignedStore
 from phalanx.launch.events import Events
 from phalanx.launch.live_keys import INCARNATION_ENV, MEMBER_ENV, mark_dead, replacement_env
 from phalanx.launch.live_outcome import Death, NodeOutcome, node_outcome, to_json
-from phalanx.launch.rendezvous import StoreLost
+from phalanx.launch.rendezvous import store_call
 from phalanx.launch.summary import failure_of
 from phalanx.launch.workers import Worker, WorkerGroup, WorkerSpec
 
 __all__ = ["JobBoard", "LiveNode"]
 
-T = TypeVar("T")
 KEYS = "phalanx/live/"
 
 
@@ -51,40 +49,32 @@ class JobBoard:
         """No replacement below this number is free."""
         self._finished = False
 
-    def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        try:
-            return fn(*args)
-        except (RuntimeError, OSError) as exc:
-            raise StoreLost(
-                f"lost the rendezvous store ({exc}); node 0's agent has probably exited"
-            ) from None
-
     def claim_replacement(self, member: str) -> int | None:
         """Take the next free replacement of the job's budget: its number, or None if none."""
         mine = {"member": member, "token": secrets.token_hex(8)}
         while self._next <= self.max_replacements:  # claims are never given back
             n, self._next = self._next, self._next + 1
-            if self._call(self.signed.first, f"{KEYS}replacement/{n}", mine) == mine:
+            if store_call(self.signed.first, f"{KEYS}replacement/{n}", mine) == mine:
                 return n
         return None
 
     def note_finished(self, member: str) -> None:
         """Say (once) that a worker of the job finished: later deaths are not replaced."""
         if not self._finished:
-            self._call(self.signed.first, f"{KEYS}finished", {"member": member})
+            store_call(self.signed.first, f"{KEYS}finished", {"member": member})
             self._finished = True
 
     def someone_finished(self) -> bool:
         """True when some worker of the job, on any node, has finished."""
-        return self._finished or self._call(self.signed.get, f"{KEYS}finished") is not None
+        return self._finished or store_call(self.signed.get, f"{KEYS}finished") is not None
 
     def publish(self, outcome: NodeOutcome) -> None:
         """Publish this node's outcome (all of its workers have exited)."""
-        self._call(self.signed.put, f"{KEYS}outcome/{outcome.node}", to_json(outcome))
+        store_call(self.signed.put, f"{KEYS}outcome/{outcome.node}", to_json(outcome))
 
     def outcomes(self, nodes: list[int]) -> list[NodeOutcome] | None:
         """Every node's outcome, or None while some node's workers still run."""
-        found = [self._call(self.signed.get, f"{KEYS}outcome/{n}", node_outcome) for n in nodes]
+        found = [store_call(self.signed.get, f"{KEYS}outcome/{n}", node_outcome) for n in nodes]
         return None if any(o is None for o in found) else [o for o in found if o is not None]
 
 
