@@ -230,11 +230,11 @@ class Agent:
     def _run_live(self) -> int:
         """One generation and one worker store; a dead worker is replaced alone."""
         rdzv = self._rendezvous(0)
-        failure = self._start_workers(rdzv)
+        failure = self._join_worker_store(rdzv) or self._start_workers(rdzv)
         if failure is None:
-            assert self.workers is not None
+            assert self.workers is not None and self.worker_store is not None
             board = JobBoard(self.store.signed, rdzv.max_restarts)
-            dead = self._worker_store_of(rdzv).live
+            dead = self.worker_store.live
             live = LiveNode(self.workers, self.node, board, dead, self.log, self.events)
             ended = self._monitor_live(live)
             if not isinstance(ended, Failure):
@@ -245,20 +245,22 @@ class Agent:
             self.store.members = [n for n in self.store.members if n != failure.node_rank]
         return self._fail(0, failure, rdzv.max_restarts)
 
-    def _worker_store_of(self, rdzv: Rendezvous) -> WorkerStore:
-        """Node 0 hosts the worker store; the other nodes connect to it (for death markers)."""
-        if self.worker_store is None:
-            timeout = timedelta(seconds=self.cfg.rdzv_timeout)
-            secret = self.store.signed.secret
-            where = (self.cfg.master_addr, rdzv.worker_port)
-            try:
-                self.worker_store = WorkerStore.connect(
-                    *where, timeout, secret, rdzv.run_id, rdzv.rank_offset
-                )
-            except (ConnectionError, TimeoutError, JobSecretError) as exc:
-                why = f"node {self.node} cannot join the worker store: {exc}"
-                raise RendezvousError(why) from None
-        return self.worker_store
+    def _join_worker_store(self, rdzv: Rendezvous) -> Failure | None:
+        """Nodes other than 0 connect to its worker store (to write their workers' deaths);
+        a Failure (already published) if they cannot."""
+        if self.worker_store is not None:  # node 0 hosts it
+            return None
+        timeout = timedelta(seconds=self.cfg.rdzv_timeout)
+        where = (self.cfg.master_addr, rdzv.worker_port)
+        try:
+            self.worker_store = WorkerStore.connect(
+                *where, timeout, self.store.signed.secret, rdzv.run_id, rdzv.rank_offset
+            )
+        except (ConnectionError, TimeoutError, JobSecretError) as exc:
+            reason = f"cannot join the worker store at {where[0]}:{where[1]}: {exc}"
+            failure = Failure(-1, -1, self.node, os.getpid(), 1, reason=reason)
+            return self.store.publish_failure(0, failure)
+        return None
 
     def _monitor_live(self, live: LiveNode) -> list[NodeOutcome] | Failure:
         """Replace dead workers until every node's workers have exited (every node's outcome),
