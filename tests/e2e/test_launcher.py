@@ -93,6 +93,8 @@ def test_restart_after_sigkill_gets_a_fresh_store() -> None:
     assert "[rank 0] attempt 1: rank 0 all_reduce ok" in proc.stdout
     assert "[rank 1] attempt 1: rank 1 all_reduce ok" in proc.stdout
     assert "restarting all workers (restart 1 of 1" in proc.stderr
+    assert "(generation 1, worker store 127.0.0.1:" in proc.stderr  # a fresh store per generation
+    assert ", --recovery restart)" in proc.stderr  # the default, said in the start-up line
 
 
 def test_sigkill_without_restarts_fails_naming_the_signal() -> None:

@@ -63,7 +63,8 @@ def test_a_dead_worker_alone_is_replaced_and_the_others_keep_their_pids(tmp_path
     assert new["env"]["PHALANX_INCARNATION"] == "1" and new["env"]["PHALANX_MEMBER_ID"] == "0.1"
     assert new["env"]["PHALANX_RECOVERY"] == "live"
     assert _record(tmp_path, "0.1", 1, "end")["dead"] == 0, text
-    assert "--recovery live" in text  # the start-up line says the mode
+    assert "starting ranks 0..2 of 3 on node 0 (generation 0, worker store" in text
+    assert text.count(", --recovery live)") == 1  # said at start; one store, no new generation
     line = f"rank 1 (member 0.1, incarnation 0, pid {dead['pid']}): signal SIGKILL (exit code 137)"
     assert f"{line}: replaced by pid {new['pid']} (incarnation 1; replacement 1 of 1" in text
     assert "job failed" not in text and "lost" not in text, text

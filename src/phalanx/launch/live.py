@@ -2,12 +2,14 @@
 
 When a worker of this node exits non-zero or by a signal, the agent
 
-1. writes the death marker in the worker store (:mod:`.live_keys`), so that the survivors
-   need not wait for a heartbeat to time out;
-2. claims one replacement from the job's budget (``--max-restarts``, counted over every slot
-   of every node, in the agent store) and starts it in the same slot: the slot's first
-   environment with the next ``PHALANX_INCARNATION``, its output appended to the slot's files;
-3. logs one line naming the rank, member id, pid, how it ended and what was done.
+1. claims one replacement from the job's budget (``--max-restarts``, counted over every slot
+   of every node, in the agent store);
+2. writes the death marker in the worker store (:mod:`.live_keys`), so that the survivors
+   need not wait for a heartbeat to time out (after the claim: a survivor that reads the
+   marker may finish at once, and a death after a finish is judged differently, see below);
+3. starts the replacement in the same slot: the slot's first environment with the next
+   ``PHALANX_INCARNATION``, its output appended to the slot's log files;
+4. logs one line naming the rank, member id, incarnation, pid, how it ended and what was done.
 
 With no replacement left the slot is *lost* and the others go on at a smaller world. A worker
 that dies after some worker of the job finished is not replaced: the job was ending, so that
