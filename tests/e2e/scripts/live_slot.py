@@ -7,7 +7,8 @@ variables) when it starts. The first process of slot VICTIM waits until every ot
 started, then SIGKILLs itself. Every other process waits (at most 60 s) until the death marker of
 VICTIM is in the worker store, read through the live contract (``phalanx.launch.live_keys``)
 and, with WAIT_FOR_REPLACEMENT 1, until VICTIM's replacement has started; then it writes
-``DIR/<member>.<incarnation>.end.json`` (its pid and the marker it read) and exits 0. No process
+``DIR/<member>.<incarnation>.end.json`` (its pid, the marker it read and when) and exits 0;
+the victim writes the time of its SIGKILL in ``DIR/<member>.0.kill.json``. No process
 group is ever made: the test is about the launcher.
 """
 
@@ -61,13 +62,15 @@ def main() -> None:
     if me == victim and incarnation == 0:
         others = [folder / f"{m}.0.start.json" for m in members if m != victim]
         _wait_for("the other slots' start", lambda: all(p.exists() for p in others))
+        (folder / f"{me}.{incarnation}.kill.json").write_text(json.dumps({"at": time.time()}))
         os.kill(os.getpid(), signal.SIGKILL)
     signer = _signer()
     _wait_for("the death marker", lambda: live_keys.dead_incarnation(signer, victim) is not None)
+    seen = time.time()
     if wait_replacement:
         _wait_for("the replacement", (folder / f"{victim}.1.start.json").exists)
     dead = live_keys.dead_incarnation(signer, victim)
-    end = {"pid": os.getpid(), "dead": dead}
+    end = {"pid": os.getpid(), "dead": dead, "seen_at": seen}
     (folder / f"{me}.{incarnation}.end.json").write_text(json.dumps(end))
 
 
