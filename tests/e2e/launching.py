@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 from pathlib import Path
 
@@ -82,3 +83,19 @@ def worker_envs(stdout: str) -> dict[str, dict[str, str]]:
     for part in stdout.split("ENV {")[1:]:
         found.append(decoder.raw_decode("{" + part)[0])
     return {env["RANK"]: env for env in found}
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def alive(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False

@@ -33,7 +33,7 @@ def test_cpu_ranks_on_one_machine_default_to_shm_and_gloo_opts_out() -> None:
         assert f"[rank {rank}] BACKEND shm SUM 2" in auto.stdout, auto.stdout
         assert f"[rank {rank}] BACKEND gloo SUM 2" in gloo.stdout, gloo.stdout
     assert "default backend shm (CPU ranks on one machine; --backend gloo opts out)" in auto.stderr
-    assert ", backend gloo)" in gloo.stderr
+    assert ", backend gloo, --recovery restart)" in gloo.stderr
 
 
 def test_only_a_launchers_word_puts_ranks_on_one_machine(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from phalanx.launch import SpawnError, interface_for, main, spawn
+from tests.e2e.launching import alive, free_port
 from tests.e2e.scripts import spawn_fns
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,21 +41,6 @@ def _launch(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]
     return subprocess.run(
         [*LAUNCH, *args], capture_output=True, text=True, timeout=timeout, env=_env()
     )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _alive(pid: int) -> bool:
-    """True if ``pid`` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
 
 
 def _worker_env(stdout: str, rank: int) -> dict[str, str | None]:
@@ -107,6 +93,8 @@ def test_restart_after_sigkill_gets_a_fresh_store() -> None:
     assert "[rank 0] attempt 1: rank 0 all_reduce ok" in proc.stdout
     assert "[rank 1] attempt 1: rank 1 all_reduce ok" in proc.stdout
     assert "restarting all workers (restart 1 of 1" in proc.stderr
+    assert "(generation 1, worker store 127.0.0.1:" in proc.stderr  # a fresh store per generation
+    assert ", --recovery restart)" in proc.stderr  # the default, said in the start-up line
 
 
 def test_sigkill_without_restarts_fails_naming_the_signal() -> None:
@@ -174,7 +162,7 @@ def test_missing_script_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.fixture
 def sleeping_job(tmp_path: Path) -> Iterator[SleepingJob]:
     """A launcher with 2 sleeping workers (each with a child); yields it, their pids, its port."""
-    port = _free_port()
+    port = free_port()
     cmd = [*LAUNCH, "--nproc-per-node", "2", "--master-port", str(port),
            str(SCRIPTS / "sleeper.py"), str(tmp_path)]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -225,15 +213,15 @@ def test_stores_listen_on_loopback_only_and_sigterm_stops_every_worker_and_their
     for port in (agent_port, worker_port):
         assert _listeners(port) == ["0100007F"], f"port {port}"
     pids = [w[k] for w in workers for k in ("pid", "child")]
-    assert all(_alive(pid) for pid in pids)
+    assert all(alive(pid) for pid in pids)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=10)
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "received SIGTERM" in err
     deadline = time.monotonic() + 5
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert [pid for pid in pids if _alive(pid)] == []
+    assert [pid for pid in pids if alive(pid)] == []
 
 
 def test_spawn_all_reduce(tmp_path: Path) -> None:
@@ -261,4 +249,4 @@ def test_spawn_without_join_and_deadline() -> None:
     assert ctx.join(timeout=0.01) is False
     with pytest.raises(SpawnError, match=r"timed out after 1\.0 s"):
         ctx.join()
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(alive(pid) for pid in pids)

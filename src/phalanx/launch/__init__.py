@@ -6,7 +6,9 @@ agents' protocol over node 0's store), ``agent`` (generations, restarts), ``atte
 worker's command, environment and logs), ``worker_env`` (the environment contract), ``workers``
 (processes, stopping), ``output`` / ``prefix`` (live console output with ``[rank N]``), ``logs``
 (torchrun's log files), ``events`` (torchrun's event log), ``summary`` (failure report),
-``netif`` (interface routing to the master), ``spawn``.
+``netif`` (interface routing to the master), ``spawn``; ``--recovery live``: ``live`` (replace a
+dead worker alone), ``live_keys`` (the contract with the workers: variables, death marker),
+``live_outcome`` (the job's exit code), ``worker_store`` (the store the workers meet in).
 """
 
 from __future__ import annotations

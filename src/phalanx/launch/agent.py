@@ -4,6 +4,11 @@ One agent runs per node. Generation ``g`` goes: rendezvous (agree on ranks and o
 worker store) -> start the local workers -> monitor until every node is done, or some worker
 fails. A failure stops the workers on every node; with restarts left all agents meet again at
 ``g + 1``, otherwise every agent exits non-zero with the first failure's summary.
+
+With ``--recovery live`` there is one generation and one worker store for the whole job: a
+dead worker is replaced alone (:mod:`.live`) and the job ends when every worker has exited.
+Only what ends a node ends the job: a signal, a lost node (no heartbeat for 30 s) or the lost
+store of node 0.
 """
 
 from __future__ import annotations
@@ -19,20 +24,18 @@ from types import FrameType
 from typing import Any
 
 from phalanx.comm.auth import SECRET_ENV, new_secret
+from phalanx.comm.signed import JobSecretError
 from phalanx.launch.attempt import worker_specs
 from phalanx.launch.backend_note import backend_note
 from phalanx.launch.config import LaunchConfig
 from phalanx.launch.events import Events
+from phalanx.launch.live import JobBoard, LiveNode
+from phalanx.launch.live_outcome import NodeOutcome, verdict
 from phalanx.launch.logs import RunLogs
 from phalanx.launch.rendezvous import AgentStore, Rendezvous, RendezvousError, StoreLost
-from phalanx.launch.summary import (
-    Failure,
-    describe_failure,
-    format_summary,
-    last_exception_line,
-)
+from phalanx.launch.summary import Failure, describe_failure, failure_of, format_summary
 from phalanx.launch.worker_store import WorkerStore
-from phalanx.launch.workers import Worker, WorkerGroup
+from phalanx.launch.workers import WorkerGroup
 
 __all__ = ["Agent", "AgentStopped"]
 
@@ -100,6 +103,8 @@ class Agent:
         if self.node == 0:
             run_id = self.cfg.rdzv_id or uuid.uuid4().hex[:12]
             self.store.publish_config(run_id, self.cfg.max_restarts)
+        if self.cfg.recovery == "live":
+            return self._run_live()
         g = 0
         while True:
             self.generation = g
@@ -140,7 +145,8 @@ class Agent:
         self.log(
             f"starting ranks {first}..{last} of {rdzv.world_size} on node {self.node} "
             f"(generation {rdzv.generation}, worker store {self.cfg.master_addr}:"
-            f"{rdzv.worker_port}{backend_note(self.cfg.backend, rdzv.world_size, self.nproc)})"
+            f"{rdzv.worker_port}{backend_note(self.cfg.backend, rdzv.world_size, self.nproc)}"
+            f", --recovery {self.cfg.recovery})"
         )
         self.check_stop()
         try:
@@ -152,19 +158,6 @@ class Agent:
             failure = Failure(-1, -1, self.node, os.getpid(), 1, reason=reason)
             return self.store.publish_failure(rdzv.generation, failure)
         return None
-
-    def _failure_of(self, worker: Worker) -> Failure:
-        tail = list(worker.stderr_tail)
-        last = next((line.strip() for line in reversed(tail) if line.strip()), None)
-        return Failure(
-            rank=worker.spec.rank,
-            local_rank=worker.spec.local_rank,
-            node_rank=self.node,
-            pid=worker.pid,
-            returncode=worker.returncode or 0,
-            exception=last_exception_line(tail),
-            last_line=last,
-        )
 
     def _monitor(self, g: int) -> Failure | None:
         """Watch until every node is done (None) or some worker anywhere failed (its Failure)."""
@@ -178,7 +171,7 @@ class Agent:
                 # Let the pumps drain so the traceback is in the tail.
                 for thread in local.threads:
                     thread.join(0.5)
-                return self.store.publish_failure(g, self._failure_of(local))
+                return self.store.publish_failure(g, failure_of(local, self.node))
             remote = self.store.failure(g)
             if remote is not None:
                 return remote
@@ -235,6 +228,77 @@ class Agent:
         for line in format_summary(failure, g, max_restarts):
             self.log(line)
         return failure.exit_code
+
+    def _run_live(self) -> int:
+        """One generation and one worker store; a dead worker is replaced alone."""
+        rdzv = self._rendezvous(0)
+        failure = self._join_worker_store(rdzv) or self._start_workers(rdzv)
+        if failure is None:
+            assert self.workers is not None and self.worker_store is not None
+            board = JobBoard(self.store.signed, rdzv.max_restarts)
+            dead = self.worker_store.live
+            live = LiveNode(self.workers, self.node, board, dead, self.log, self.events)
+            ended = self._monitor_live(live)
+            if not isinstance(ended, Failure):
+                return self._end_live(ended, rdzv.max_restarts)
+            failure = ended
+        self.log("--recovery live replaces dead workers only: this failure ends the whole job")
+        if failure.reason == NODE_SILENT:  # it will not say goodbye: do not wait for it
+            self.store.members = [n for n in self.store.members if n != failure.node_rank]
+        return self._fail(0, failure, rdzv.max_restarts)
+
+    def _join_worker_store(self, rdzv: Rendezvous) -> Failure | None:
+        """Nodes other than 0 connect to its worker store (to write their workers' deaths);
+        a Failure (already published) if they cannot."""
+        if self.worker_store is not None:  # node 0 hosts it
+            return None
+        timeout = timedelta(seconds=self.cfg.rdzv_timeout)
+        where = (self.cfg.master_addr, rdzv.worker_port)
+        try:
+            self.worker_store = WorkerStore.connect(
+                *where, timeout, self.store.signed.secret, rdzv.run_id, rdzv.rank_offset
+            )
+        except (ConnectionError, TimeoutError, JobSecretError) as exc:
+            reason = f"cannot join the worker store at {where[0]}:{where[1]}: {exc}"
+            failure = Failure(-1, -1, self.node, os.getpid(), 1, reason=reason)
+            return self.store.publish_failure(0, failure)
+        return None
+
+    def _monitor_live(self, live: LiveNode) -> list[NodeOutcome] | Failure:
+        """Replace dead workers until every node's workers have exited (every node's outcome),
+        or until something ends the job (the first Failure)."""
+        self.store.forget_heartbeats()
+        published = False
+        while True:
+            self.check_stop()
+            remote = self.store.failure(0)
+            if remote is not None:
+                return remote
+            try:
+                live.poll()
+            except OSError as exc:
+                reason = f"cannot start a replacement worker: {exc}"
+                failure = Failure(-1, -1, self.node, os.getpid(), 1, reason=reason)
+                return self.store.publish_failure(0, failure)
+            if not published and live.all_exited():
+                live.board.publish(live.outcome())
+                published = True
+            if published and (outcomes := live.board.outcomes(self.store.members)) is not None:
+                return outcomes
+            if self.worker_store is not None:
+                self.worker_store.check_proofs()
+            self._watch_peers(0)
+            time.sleep(self.cfg.monitor_interval)
+
+    def _end_live(self, outcomes: list[NodeOutcome], max_restarts: int) -> int:
+        end = verdict(outcomes, max_restarts)
+        self._leave(0)
+        if self.workers is not None:
+            self.workers.join_threads(timeout=2.0)
+        self.events.ended(end.failure)
+        for line in end.lines:
+            self.log(line)
+        return end.exit_code
 
     def _stopped_by_signal(self, signum: int) -> int:
         name = signal.Signals(signum).name

@@ -20,6 +20,7 @@ from phalanx.launch.config import (
     DEFAULT_MASTER_PORT,
     DEFAULT_RDZV_TIMEOUT_S,
     DEFAULT_SHUTDOWN_S,
+    RECOVERY_MODES,
     ArgsError,
     LaunchConfig,
     LogOptions,
@@ -60,6 +61,12 @@ def _check_choices(ns: argparse.Namespace) -> None:
         " (torchrun's registered handlers)",
     )
     _one_of("--numa-binding", ns.numa_binding, NUMA_MODES)
+    _one_of("--recovery", ns.recovery, RECOVERY_MODES)
+    if ns.recovery == "live" and _min_nodes(ns.nnodes):
+        raise ArgsError(
+            f"--recovery live with --nnodes {ns.nnodes}: live recovery replaces workers, not "
+            f"nodes, and a lost node ends a live job; pass a fixed --nnodes or --recovery restart"
+        )
     if ns.module and ns.no_python:
         raise ArgsError("-m/--module and --no-python cannot be combined; pass only one")
     if ns.module and ns.run_path:
@@ -195,6 +202,7 @@ def parse_args(
         rdzv_id=None if ns.rdzv_id in ("", "none") else ns.rdzv_id,
         rdzv_timeout=_rdzv_timeout(ns, node_rank),
         max_restarts=checks.integer("--max-restarts", ns.max_restarts, minimum=0),
+        recovery=ns.recovery,
         monitor_interval=checks.seconds("--monitor-interval", ns.monitor_interval),
         shutdown_timeout=_shutdown_timeout(ns, environ),
         signals_to_handle=checks.signals(ns.signals_to_handle),

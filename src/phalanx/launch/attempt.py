@@ -41,6 +41,7 @@ def _job(cfg: LaunchConfig, rdzv: Rendezvous, secret: str | None) -> JobContext:
         role=cfg.role,
         signals=cfg.signals_text,
         virtual_local_rank=cfg.virtual_local_rank,
+        recovery=cfg.recovery,
     )
 
 

@@ -17,6 +17,7 @@ __all__ = [
     "DEFAULT_RDZV_TIMEOUT_S",
     "DEFAULT_SHUTDOWN_S",
     "DEFAULT_SIGNALS",
+    "RECOVERY_MODES",
     "ArgsError",
     "LaunchConfig",
     "LogOptions",
@@ -28,6 +29,8 @@ DEFAULT_MASTER_PORT = 29500
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 """torchrun's ``--signals-to-handle`` default."""
 DEFAULT_RDZV_TIMEOUT_S = 300.0
+RECOVERY_MODES = ("restart", "live")
+"""``--recovery``: the first is the default (see the option's help for why)."""
 DEFAULT_SHUTDOWN_S = 3.0
 """phalanx's grace before SIGKILL (torchrun's is 30 s); --shutdown-timeout changes it."""
 
@@ -107,7 +110,11 @@ class LaunchConfig:
     rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT_S
     """Seconds to wait for the other nodes at each rendezvous."""
     max_restarts: int = 0
-    """How many times all workers are restarted after a failure."""
+    """Restart mode: how many times all workers are restarted after a failure. Live mode: how
+    many single workers are replaced, counted over the whole job (every slot, every node)."""
+    recovery: str = "restart"
+    """``restart``: a failure stops and restarts every worker. ``live``: only the dead worker
+    is replaced, the others keep running (:mod:`phalanx.launch.live`)."""
     monitor_interval: float = 0.1
     """Seconds between two checks of the workers' health."""
     shutdown_timeout: float = DEFAULT_SHUTDOWN_S

@@ -39,10 +39,15 @@ class Events:
         for worker in workers:
             self._record("START", "WORKER", worker)
 
+    def replaced(self, dead: Worker, new: Worker) -> None:
+        """``--recovery live``: ``dead`` failed and ``new`` started in its slot."""
+        self._record("FAILED", "WORKER", dead)
+        self._record("START", "WORKER", new)
+
     def ended(self, failure: Failure | None) -> None:
         """The job ended here: succeeded (``failure`` None) or failed for good."""
         for worker in self._workers:
-            state = "SUCCEEDED"
+            state = "SUCCEEDED" if worker.returncode in (None, 0) else "FAILED"  # live: lost
             if failure is not None:
                 state = "FAILED" if worker.spec.rank == failure.rank else "TERMINATED"
             self._record(state, "WORKER", worker)

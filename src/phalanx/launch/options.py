@@ -19,6 +19,7 @@ METAVARS = {
     "nnodes": "N|MIN:MAX",
     "nproc_per_node": "N|cpu|gpu|auto",
     "max_restarts": "N",
+    "recovery": "restart|live",
     "monitor_interval": "SECONDS",
     "start_method": "METHOD",
     "signals_to_handle": "SIGNALS",
@@ -104,7 +105,26 @@ def build_parser(environ: Mapping[str, str]) -> _Parser:
         "else CPUs), as torchrun decides",
     )
     w.value("--role", default="default", help="ROLE_NAME of the workers")
-    w.value("--max-restarts", "--max_restarts", default="0", help="restarts after a failure")
+    w.value(
+        "--max-restarts",
+        "--max_restarts",
+        default="0",
+        help="--recovery restart: how many times every worker is restarted after a failure. "
+        "--recovery live: how many dead workers are replaced, counted over the whole job (all "
+        "slots, all nodes); once none is left, the survivors go on without the dead",
+    )
+    w.value(
+        "--recovery",
+        default="restart",
+        pet=False,
+        help="restart (default): a failed worker stops every worker; with --max-restarts left "
+        "all restart and meet again (a script resumes from its checkpoint). live: only the dead "
+        "worker is replaced (PHALANX_MEMBER_ID, PHALANX_INCARNATION) and the others keep "
+        "running; the worker store lives for the whole job. live needs workers that regroup "
+        "in-process, so restart stays the default until phalanx.Job does so. The exit code is "
+        "0 when some workers run to the end with exit 0 and none dies after the first of them "
+        "finished; a worker lost before that is named in the summary. A lost node ends the job",
+    )
     w.value(
         "--monitor-interval",
         "--monitor_interval",

@@ -215,8 +215,9 @@ def reading_stdin(pid: int) -> bool:
 class FileSink:
     """A log file receiving the stream as it arrives (unbuffered, so ``tail -f`` follows it)."""
 
-    def __init__(self, path: str) -> None:
-        self._file = open(path, "wb", buffering=0)  # noqa: SIM115
+    def __init__(self, path: str, append: bool = False) -> None:
+        # A replaced worker's process (``--recovery live``) appends to its slot's files.
+        self._file = open(path, "ab" if append else "wb", buffering=0)  # noqa: SIM115
 
     def write(self, data: bytes) -> None:
         with contextlib.suppress(OSError, ValueError):

@@ -30,7 +30,7 @@ from phalanx.comm.signed import Rejected, SignedStore, claimed
 from phalanx.launch import agent_values as values
 from phalanx.launch.summary import Failure, describe_failure
 
-__all__ = ["AgentStore", "Rendezvous", "RendezvousError", "StoreLost"]
+__all__ = ["AgentStore", "Rendezvous", "RendezvousError", "StoreLost", "store_call"]
 
 T = TypeVar("T")
 CONFIG_KEY = "phalanx/config"
@@ -47,6 +47,18 @@ class StoreLost(RuntimeError):
 
 class RendezvousError(RuntimeError):
     """A rendezvous cannot complete: a node is missing, duplicated, or the job already failed."""
+
+
+def store_call(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, a call on the agent store; its failure raises :class:`StoreLost`."""
+    try:
+        return fn(*args)
+    except (RuntimeError, OSError) as exc:
+        raise StoreLost(
+            f"lost the rendezvous store ({getattr(fn, '__name__', fn)} failed: "
+            f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
+            f"node 0's agent has probably exited"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -101,14 +113,7 @@ class AgentStore:
         self._beats: dict[int, tuple[int, float]] = {}
 
     def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        try:
-            return fn(*args)
-        except (RuntimeError, OSError) as exc:
-            raise StoreLost(
-                f"lost the rendezvous store ({getattr(fn, '__name__', fn)} failed: "
-                f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
-                f"node 0's agent has probably exited"
-            ) from None
+        return store_call(fn, *args)
 
     def _key(self, g: int, *parts: object) -> str:
         return "/".join(["phalanx", f"g{g}", *map(str, parts)])

@@ -7,11 +7,16 @@ import re
 import signal
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from phalanx.launch.workers import Worker
 
 __all__ = [
     "Failure",
     "describe_failure",
     "exit_code_of",
+    "failure_of",
     "format_summary",
     "last_exception_line",
     "signal_name",
@@ -92,6 +97,21 @@ class Failure:
     def from_json(cls, text: str | bytes) -> Failure:
         """Inverse of :meth:`to_json`."""
         return cls(**json.loads(text))
+
+
+def failure_of(worker: Worker, node_rank: int) -> Failure:
+    """The Failure of ``worker`` (exited) on node ``node_rank``, from its stderr tail."""
+    tail = list(worker.stderr_tail)
+    last = next((line.strip() for line in reversed(tail) if line.strip()), None)
+    return Failure(
+        rank=worker.spec.rank,
+        local_rank=worker.spec.local_rank,
+        node_rank=node_rank,
+        pid=worker.pid,
+        returncode=worker.returncode or 0,
+        exception=last_exception_line(tail),
+        last_line=last,
+    )
 
 
 def describe_failure(failure: Failure) -> list[str]:

@@ -4,6 +4,8 @@ Workers read it with :mod:`phalanx.comm.env` or with torch's own ``env://`` init
 holds every variable torchrun's agent sets (``LocalElasticAgent._start_workers`` and the
 launcher's own ``OMP_NUM_THREADS`` / ``TORCHELASTIC_SIGNALS_TO_HANDLE``), compared variable by
 variable with a real torchrun in the tests; the log planner adds ``TORCHELASTIC_ERROR_FILE``.
+Under ``--recovery live`` each worker also gets its slot's variables (:mod:`.live_keys`); they
+are never inherited from the launcher's own environment.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 
 from phalanx.comm.auth import SECRET_ENV
 from phalanx.launch.config import DEFAULT_SIGNALS
+from phalanx.launch.live_keys import LIVE_ENV, live_env
 
 __all__ = ["JobContext", "Placement", "worker_env"]
 
@@ -61,6 +64,8 @@ class JobContext:
     """TORCHELASTIC_SIGNALS_TO_HANDLE (``--signals-to-handle`` as given)."""
     virtual_local_rank: bool = False
     """``--virtual-local-rank``: LOCAL_RANK=0 and only the worker's own GPU visible."""
+    recovery: str = "restart"
+    """``--recovery``: ``live`` adds PHALANX_RECOVERY, PHALANX_MEMBER_ID, PHALANX_INCARNATION=0."""
 
 
 def _local_rank_env(base: Mapping[str, str], local_rank: int, virtual: bool) -> dict[str, str]:
@@ -80,7 +85,8 @@ def worker_env(base: Mapping[str, str], place: Placement, job: JobContext) -> di
     As in torchrun, OMP_NUM_THREADS is 1 when several workers share the node and the user did
     not set it (one OpenMP thread per core per worker would oversubscribe the cores).
     """
-    env = dict(base)
+    # A launcher started by a live worker must not pass the live contract on in restart mode.
+    env = {k: v for k, v in base.items() if k not in LIVE_ENV}
     env.update(
         RANK=str(place.rank),
         WORLD_SIZE=str(place.world_size),
@@ -103,6 +109,8 @@ def worker_env(base: Mapping[str, str], place: Placement, job: JobContext) -> di
         PYTHONUNBUFFERED="1",
     )
     env.update(_local_rank_env(base, place.local_rank, job.virtual_local_rank))
+    if job.recovery == "live":
+        env.update(live_env(place.node_rank, place.local_rank))
     if job.backend is not None:
         env["PHALANX_BACKEND"] = job.backend
     if job.secret is not None:

@@ -3,7 +3,8 @@
 The agent hosts a fresh store per generation, bound to the master address, publishes the join
 record in it (:mod:`phalanx.comm.join`) before any worker starts, and checks the workers'
 proofs of the job secret while they run: a proof that does not verify (a process without the
-secret wrote it) is logged once, naming its key, and never counted.
+secret wrote it) is logged once, naming its key, and never counted. Under ``--recovery live``
+the other nodes' agents connect to it too, to write their workers' death markers.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import torch.distributed as dist
 
 from phalanx.comm import join
 from phalanx.comm.signed import SignedStore
-from phalanx.comm.store import host_store
+from phalanx.comm.store import connect_store, host_store
+from phalanx.launch.live_keys import live_signer
 
 __all__ = ["WorkerStore"]
 
@@ -31,6 +33,8 @@ class WorkerStore:
     port: int
     signed: SignedStore
     """Signer of the workers' first process group (scope: the join nonce, generation 0)."""
+    live: SignedStore
+    """Signer of the ``--recovery live`` keys (:mod:`phalanx.launch.live_keys`)."""
     pending: set[int] = field(default_factory=set)
     """Ranks whose valid proof has not been seen yet."""
     next_check: float = 0.0
@@ -42,7 +46,26 @@ class WorkerStore:
         """Host a fresh worker store on ``addr`` (OS-chosen port) and publish its join record."""
         store, port = host_store(addr, 0, timeout)
         nonce = join.host_job(store, secret, run_id, generation, f"{addr}:{port}")
-        return cls(store, port, SignedStore(store, secret, f"{nonce}/0"))
+        return cls.of(store, port, secret, nonce)
+
+    @classmethod
+    def connect(
+        cls, addr: str, port: int, timeout: timedelta, secret: bytes | None, run_id: str, rank: int
+    ) -> WorkerStore:
+        """Join the store at ``addr:port`` as a client (generation 0), as worker ``rank`` would.
+
+        Raises:
+            ConnectionError, TimeoutError, JobSecretError: as :func:`phalanx.comm.join.join_job`.
+        """
+        store = connect_store(addr, port, timeout)
+        nonce = join.join_job(store, secret, rank, run_id, 0, f"{addr}:{port}", timeout)
+        return cls.of(store, port, secret, nonce)
+
+    @classmethod
+    def of(cls, store: dist.Store, port: int, secret: bytes | None, nonce: str) -> WorkerStore:
+        """The signers of the store whose join record has ``nonce``."""
+        signed = SignedStore(store, secret, f"{nonce}/0")
+        return cls(store, port, signed, live_signer(store, secret, nonce))
 
     def expect(self, world_size: int) -> None:
         """The workers of ranks ``0..world_size-1`` are about to start."""

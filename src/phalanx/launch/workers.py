@@ -146,13 +146,13 @@ class Worker:
 
 
 def _sinks(
-    name: str, where: StreamLogs, spec: WorkerSpec, filtered: FilteredLogs | None
+    name: str, where: StreamLogs, spec: WorkerSpec, filtered: FilteredLogs | None, append: bool
 ) -> list[Sink]:
     """The console, log file and filtered-lines copies of one stream of a worker."""
     prefix = spec.prefix or line_prefix(None, "", spec.rank, spec.local_rank)
     sinks: list[Sink] = []
     if where.file is not None:
-        sinks.append(FileSink(where.file))
+        sinks.append(FileSink(where.file, append))
     if where.console:
         # torch's excepthook and c10d's log lines start with "[rank0]:" once init_process_group
         # ran: that is our prefix again, so it is dropped.
@@ -172,10 +172,10 @@ def _prompt_watch(spec: WorkerSpec, sinks: list[Sink], pid: int) -> Callable[[],
     return lambda: shown[0].idle(pid)
 
 
-def _start(spec: WorkerSpec, filtered: FilteredLogs | None) -> Worker:
+def _start(spec: WorkerSpec, filtered: FilteredLogs | None, append: bool = False) -> Worker:
     tail: deque[str] = deque(maxlen=STDERR_TAIL_LINES)
-    out = _sinks("stdout", spec.logs.stdout, spec, filtered)
-    err = [*_sinks("stderr", spec.logs.stderr, spec, filtered), TailSink(tail)]
+    out = _sinks("stdout", spec.logs.stdout, spec, filtered, append)
+    err = [*_sinks("stderr", spec.logs.stderr, spec, filtered, append), TailSink(tail)]
     try:
         proc = subprocess.Popen(
             spec.command,
@@ -209,11 +209,13 @@ def _killpg(pid: int, signum: int) -> None:
 
 
 class WorkerGroup:
-    """The workers of this node for one generation."""
+    """The workers of this node for one generation (``workers[i]``: local rank i's newest)."""
 
     def __init__(self, specs: Sequence[WorkerSpec], logs: AttemptLogs | None = None) -> None:
         assert threading.current_thread() is threading.main_thread(), "see PR_SET_PDEATHSIG"
         self.workers: list[Worker] = []
+        self.replaced: list[Worker] = []
+        """Workers that exited and were replaced (``--recovery live``), oldest first."""
         self.filtered = FilteredLogs(logs) if logs is not None else None
         try:
             for spec in specs:
@@ -221,6 +223,23 @@ class WorkerGroup:
         except BaseException:
             self.stop(grace=0.0)
             raise
+
+    def replace(self, index: int, spec: WorkerSpec) -> Worker:
+        """Start ``spec`` in place of the exited ``workers[index]``, appending to its log files.
+
+        Children the exited worker left in its process group are killed first, and its output
+        is flushed (for at most a second) before the new worker's starts.
+        """
+        assert threading.current_thread() is threading.main_thread(), "see PR_SET_PDEATHSIG"
+        old = self.workers[index]
+        assert old.returncode is not None, f"local rank {index} (pid {old.pid}) is still running"
+        _killpg(old.pid, signal.SIGKILL)
+        for thread in old.threads[:2]:  # its output pumps
+            thread.join(0.5)
+        worker = _start(spec, self.filtered, append=True)
+        self.replaced.append(old)
+        self.workers[index] = worker
+        return worker
 
     def first_failure(self) -> Worker | None:
         """The worker that exited non-zero (or by a signal) first, if any."""
@@ -261,7 +280,7 @@ class WorkerGroup:
     def join_threads(self, timeout: float) -> None:
         """Wait for the exit watchers and output pumps to finish (all output is flushed)."""
         deadline = time.monotonic() + timeout
-        for worker in self.workers:
+        for worker in [*self.replaced, *self.workers]:
             for thread in worker.threads:
                 thread.join(max(0.0, deadline - time.monotonic()))
         if self.filtered is not None:

@@ -1,0 +1,173 @@
+"""``--recovery live`` on one node: a dead worker is replaced alone, the others run on.
+
+When a worker of this node exits non-zero or by a signal, the agent
+
+1. claims one replacement from the job's budget (``--max-restarts``, counted over every slot
+   of every node, in the agent store);
+2. writes the death marker in the worker store (:mod:`.live_keys`), so that the survivors
+   need not wait for a heartbeat to time out (after the claim: a survivor that reads the
+   marker may finish at once, and a death after a finish is judged differently, see below);
+3. starts the replacement in the same slot: the slot's first environment with the next
+   ``PHALANX_INCARNATION``, its output appended to the slot's log files;
+4. logs one line naming the rank, member id, incarnation, pid, how it ended and what was done.
+
+With no replacement left the slot is *lost* and the others go on at a smaller world. A worker
+that dies after some worker of the job finished is not replaced: the job was ending, so that
+death fails it (:mod:`.live_outcome`). Once every worker here has exited, the agent publishes
+the node's outcome; the job's exit code follows from every node's.
+
+Agent-store keys (signed under the job's nonce, as the rest of the agents' protocol):
+``phalanx/live/replacement/<n>`` (who took the n-th replacement; the first valid claim wins),
+``phalanx/live/finished`` (the first worker that finished) and ``phalanx/live/outcome/<node>``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import time
+from collections.abc import Callable
+
+from phalanx.comm.signed import SignedStore
+from phalanx.launch.events import Events
+from phalanx.launch.live_keys import INCARNATION_ENV, MEMBER_ENV, mark_dead, replacement_env
+from phalanx.launch.live_outcome import Death, NodeOutcome, node_outcome, to_json
+from phalanx.launch.rendezvous import store_call
+from phalanx.launch.summary import failure_of
+from phalanx.launch.workers import Worker, WorkerGroup, WorkerSpec
+
+__all__ = ["JobBoard", "LiveNode"]
+
+KEYS = "phalanx/live/"
+
+
+class JobBoard:
+    """The live job's shared facts in the agent store (``signed``: the agents' job signer)."""
+
+    def __init__(self, signed: SignedStore, max_replacements: int) -> None:
+        self.signed = signed
+        self.max_replacements = max_replacements
+        self._next = 1
+        """No replacement below this number is free."""
+        self._finished = False
+
+    def claim_replacement(self, member: str) -> int | None:
+        """Take the next free replacement of the job's budget: its number, or None if none."""
+        mine = {"member": member, "token": secrets.token_hex(8)}
+        while self._next <= self.max_replacements:  # claims are never given back
+            n, self._next = self._next, self._next + 1
+            if store_call(self.signed.first, f"{KEYS}replacement/{n}", mine) == mine:
+                return n
+        return None
+
+    def note_finished(self, member: str) -> None:
+        """Say (once) that a worker of the job finished: later deaths are not replaced."""
+        if not self._finished:
+            store_call(self.signed.first, f"{KEYS}finished", {"member": member})
+            self._finished = True
+
+    def someone_finished(self) -> bool:
+        """True when some worker of the job, on any node, has finished."""
+        return self._finished or store_call(self.signed.get, f"{KEYS}finished") is not None
+
+    def publish(self, outcome: NodeOutcome) -> None:
+        """Publish this node's outcome (all of its workers have exited)."""
+        store_call(self.signed.put, f"{KEYS}outcome/{outcome.node}", to_json(outcome))
+
+    def outcomes(self, nodes: list[int]) -> list[NodeOutcome] | None:
+        """Every node's outcome, or None while some node's workers still run."""
+        found = [store_call(self.signed.get, f"{KEYS}outcome/{n}", node_outcome) for n in nodes]
+        return None if any(o is None for o in found) else [o for o in found if o is not None]
+
+
+class LiveNode:
+    """This node's workers under live recovery: replace the dead, record how each slot ended."""
+
+    def __init__(
+        self,
+        workers: WorkerGroup,
+        node: int,
+        board: JobBoard,
+        dead: SignedStore,
+        log: Callable[[str], None],
+        events: Events | None = None,
+    ) -> None:
+        self.workers = workers
+        self.node = node
+        self.board = board
+        self.dead = dead
+        """Signer of the death markers in the worker store."""
+        self.log = log
+        self.events = events
+        self.first = [w.spec for w in workers.workers]
+        """Each slot's first spec: a replacement's differs only in PHALANX_INCARNATION."""
+        self.handled: set[int] = set()
+        """``id()`` of the workers whose exit was handled (the group keeps every one alive)."""
+        self.finished: list[str] = []
+        self.deaths: list[Death] = []
+        self.ended: set[int] = set()
+        """Local ranks whose slot ended (finished or lost)."""
+
+    def poll(self) -> None:
+        """Handle every exit since the last poll, in the order the processes exited."""
+        exited = [w for w in self.workers.workers if w.returncode is not None]
+        for worker in sorted(exited, key=lambda w: w.exited_at or 0.0):
+            if id(worker) not in self.handled:
+                self.handled.add(id(worker))
+                self._on_exit(worker)
+
+    def all_exited(self) -> bool:
+        """True when every slot of this node has ended."""
+        return len(self.ended) == len(self.first)
+
+    def outcome(self) -> NodeOutcome:
+        """What this node reports once :meth:`all_exited`."""
+        return NodeOutcome(self.node, sorted(self.finished), list(self.deaths))
+
+    def _on_exit(self, worker: Worker) -> None:
+        member = worker.spec.env[MEMBER_ENV]
+        if worker.returncode != 0:
+            self._on_death(worker, member)
+            return
+        self.finished.append(member)
+        self.ended.add(worker.spec.local_rank)
+        self.board.note_finished(member)
+
+    def _on_death(self, worker: Worker, member: str) -> None:
+        local, incarnation = worker.spec.local_rank, int(worker.spec.env[INCARNATION_ENV])
+        # Decide before the marker is out: a survivor that reads it may finish at once.
+        late = self.board.someone_finished()
+        n = None if late else self.board.claim_replacement(member)
+        self._mark_dead(member, incarnation)
+        for thread in worker.threads[:2]:  # let the pumps drain so the traceback is in the tail
+            thread.join(0.5)
+        failure = failure_of(worker, self.node)
+        death = Death(member, incarnation, time.time(), failure, n is not None, late)
+        self.deaths.append(death)
+        if n is None:
+            self.ended.add(local)
+            self.log(f"{death.describe()}: {self._why_not(late)}")
+            return
+        new = self.workers.replace(local, self._spec(local, incarnation + 1))
+        if self.events is not None:
+            self.events.replaced(worker, new)
+        self.log(
+            f"{death.describe()}: replaced by pid {new.pid} (incarnation {incarnation + 1}; "
+            f"replacement {n} of {self.board.max_replacements}, --max-restarts)"
+        )
+
+    def _why_not(self, late: bool) -> str:
+        if late:
+            return "not replaced, since a worker of the job already finished; the job will fail"
+        used = self.board.max_replacements
+        return f"no replacement left ({used} of {used} used, --max-restarts); the others go on"
+
+    def _spec(self, local: int, incarnation: int) -> WorkerSpec:
+        first = self.first[local]
+        return dataclasses.replace(first, env=replacement_env(first.env, incarnation))
+
+    def _mark_dead(self, member: str, incarnation: int) -> None:
+        try:
+            mark_dead(self.dead, member, incarnation)
+        except (RuntimeError, OSError) as exc:
+            self.log(f"cannot write the death of member {member} to the worker store: {exc}")
