@@ -143,7 +143,7 @@ def test_futex_times_out_returns_on_change_and_wakes_a_sleeper() -> None:
 def test_one_host_check_names_every_rank_and_host() -> None:
     store = dist.HashStore()
     store.set("phalanx_shm/host/1", "123 456 elsewhere")
-    with pytest.raises(ValueError, match="rank 1 on elsewhere; use backend='gloo'"):
+    with pytest.raises(ValueError, match="rank 1 on elsewhere; set PHALANX_SHM_HOST alike"):
         check_one_host(store, 0, 2, timedelta(seconds=2))
 
 

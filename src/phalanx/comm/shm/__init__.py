@@ -29,9 +29,16 @@ GLOO_P2P = ("gloo", BACKEND)
 
 
 def _create(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> dist.ProcessGroup:
+    """A group on shared memory where every rank shares this machine, else a hierarchical one
+    (``hierarchical.py``: shared memory inside each machine, gloo between them)."""
     from phalanx.comm.shm.backend import ShmProcessGroup
+    from phalanx.comm.shm.hierarchical import HierarchicalProcessGroup
+    from phalanx.comm.shm.segment import meet
 
-    return ShmProcessGroup(store, rank, world_size, timeout)
+    met = meet(dist.PrefixStore("phalanx_shm_meet/", store), rank, world_size, timeout)
+    if met.one_host:
+        return ShmProcessGroup(store, rank, world_size, timeout)
+    return HierarchicalProcessGroup(store, rank, world_size, timeout, met.hosts)
 
 
 def register() -> None:

@@ -34,12 +34,13 @@ from phalanx.comm.shm.settings import slot_bytes_from_env, spin_seconds_from_env
 from phalanx.comm.shm.sync import Arrivals
 from phalanx.comm.shm.worker import Executor, ShmWork
 
-__all__ = ["ShmProcessGroup"]
+__all__ = ["ShmProcessGroup", "flat_cpu"]
 
 _GLOO_PREFIX = "phalanx_shm_gloo/"
 
 
-def _flat(t: torch.Tensor, name: str, where: str) -> torch.Tensor:
+def flat_cpu(t: torch.Tensor, name: str, where: str) -> torch.Tensor:
+    """``t`` as a flat view, refusing what the shm backend cannot take (naming ``where``)."""
     if t.device.type != "cpu":
         raise ValueError(f"{where}: backend 'shm' takes CPU tensors, {name} is on {t.device}")
     if not t.is_contiguous():
@@ -99,6 +100,13 @@ class ShmProcessGroup(dist.ProcessGroup):
     def abort(self) -> None:
         self.shutdown()
 
+    def fail(self, error: BaseException) -> None:
+        """Mark the group broken by ``error`` (raised outside it, e.g. by a hierarchical group's
+        call between machines), so that peers waiting in its calls give up now, not at the
+        timeout."""
+        self._channel.broken = error
+        self._channel.arrivals.fail()
+
     def shared_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A zero-filled 1-D tensor in the group's shared memory (collective: every rank calls
         it alike); collectives on tensors inside such buffers on every rank copy nothing."""
@@ -132,7 +140,7 @@ class ShmProcessGroup(dist.ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:  # type: ignore[override]
         if any(t.layout != torch.strided for t in tensors):  # sparse gradients: gloo's
             return self._gloo.allreduce(tensors, opts)  # type: ignore[attr-defined]
-        flat = _flat(_one(tensors, "all_reduce"), "tensor", "all_reduce")
+        flat = flat_cpu(_one(tensors, "all_reduce"), "tensor", "all_reduce")
         code = op_code(opts.reduceOp)
         check_reduction(code, flat.dtype, "all_reduce")
         region, offset = self._regions.locate(flat)
@@ -144,7 +152,7 @@ class ShmProcessGroup(dist.ProcessGroup):
         return self._submit(call, body, tensors, opts)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> ShmWork:  # type: ignore[override]
-        flat = _flat(_one(tensors, "reduce"), "tensor", "reduce")
+        flat = flat_cpu(_one(tensors, "reduce"), "tensor", "reduce")
         code, root = op_code(opts.reduceOp), self._check_root(opts.rootRank, "reduce")
         check_reduction(code, flat.dtype, "reduce")
         call = Call("reduce", flat.dtype, flat.numel(), code, root)
@@ -154,7 +162,7 @@ class ShmProcessGroup(dist.ProcessGroup):
         )
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> ShmWork:  # type: ignore[override]
-        flat = _flat(_one(tensors, "broadcast"), "tensor", "broadcast")
+        flat = flat_cpu(_one(tensors, "broadcast"), "tensor", "broadcast")
         check_dtype(flat.dtype, "broadcast")
         root = self._check_root(opts.rootRank, "broadcast")
         call = Call("broadcast", flat.dtype, flat.numel(), 0, root)
@@ -168,7 +176,7 @@ class ShmProcessGroup(dist.ProcessGroup):
     def _gather_into(
         self, outs: Sequence[torch.Tensor], inp: torch.Tensor, value: object, opts: Any
     ) -> ShmWork:
-        flat = _flat(inp, "input", "all_gather")
+        flat = flat_cpu(inp, "input", "all_gather")
         check_dtype(flat.dtype, "all_gather")
         if len(outs) != self._size:
             raise ValueError(f"all_gather: {len(outs)} outputs for a group of {self._size}")
@@ -178,7 +186,7 @@ class ShmProcessGroup(dist.ProcessGroup):
                     f"all_gather: output {q} is {out.dtype} x {out.numel()}, the input "
                     f"{flat.dtype} x {flat.numel()}; they must match"
                 )
-        flats = [_flat(o, f"output {q}", "all_gather") for q, o in enumerate(outs)]
+        flats = [flat_cpu(o, f"output {q}", "all_gather") for q, o in enumerate(outs)]
         region, offset = self._regions.locate(flat)
         call = Call("all_gather", flat.dtype, flat.numel(), region=region, offset=offset)
         ch, regions = self._channel, self._regions
@@ -194,7 +202,7 @@ class ShmProcessGroup(dist.ProcessGroup):
         return self._gather_into(output_tensors[0], inp, output_tensors, opts)
 
     def all_gather_single(self, output: torch.Tensor, inp: torch.Tensor, opts: Any) -> ShmWork:  # type: ignore[override]
-        out = _flat(output, "output", "all_gather_into_tensor")
+        out = flat_cpu(output, "output", "all_gather_into_tensor")
         if out.numel() != self._size * inp.numel():
             raise ValueError(
                 f"all_gather_into_tensor: output has {out.numel()} elements, expected world "
@@ -206,8 +214,8 @@ class ShmProcessGroup(dist.ProcessGroup):
     _allgather_base = all_gather_single  # type: ignore[assignment]
 
     def reduce_scatter_single(self, output: torch.Tensor, inp: torch.Tensor, opts: Any) -> ShmWork:
-        out = _flat(output, "output", "reduce_scatter_tensor")
-        flat = _flat(inp, "input", "reduce_scatter_tensor")
+        out = flat_cpu(output, "output", "reduce_scatter_tensor")
+        flat = flat_cpu(inp, "input", "reduce_scatter_tensor")
         code = op_code(opts.reduceOp)
         check_reduction(code, flat.dtype, "reduce_scatter_tensor")
         if out.dtype != flat.dtype or flat.numel() != self._size * out.numel():
@@ -243,8 +251,8 @@ class ShmProcessGroup(dist.ProcessGroup):
         input_split_sizes: list[int],
         opts: Any,
     ) -> ShmWork:
-        out = _flat(output, "output", "all_to_all_single")
-        flat = _flat(inp, "input", "all_to_all_single")
+        out = flat_cpu(output, "output", "all_to_all_single")
+        flat = flat_cpu(inp, "input", "all_to_all_single")
         check_dtype(flat.dtype, "all_to_all_single")
         if out.dtype != flat.dtype:
             raise ValueError(f"all_to_all_single: output {out.dtype} != input {flat.dtype}")

@@ -18,15 +18,26 @@ import mmap
 import os
 import secrets
 import socket
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from phalanx.comm.shm.sync import process_start
 
-__all__ = ["SEGMENT_PREFIX", "SHM_DIR", "check_one_host", "open_segment"]
+__all__ = [
+    "HOST_ENV",
+    "SEGMENT_PREFIX",
+    "SHM_DIR",
+    "Meeting",
+    "check_one_host",
+    "host_identity",
+    "meet",
+    "open_segment",
+]
 
 SHM_DIR = "/dev/shm"
+HOST_ENV = "PHALANX_SHM_HOST"
 SEGMENT_PREFIX = "phalanx-shm-"
 _KEY = "phalanx_shm/"
 
@@ -35,29 +46,53 @@ def _path(name: str) -> str:
     return os.path.join(SHM_DIR, name)
 
 
-def check_one_host(
-    store: dist.Store, rank: int, world_size: int, timeout: timedelta
-) -> list[tuple[int, int]] | None:
-    """Raise when the ranks of the group are not all on this machine (compared by hostname).
+def host_identity() -> str:
+    """The machine this process runs on, as far as ``/dev/shm`` goes: ``PHALANX_SHM_HOST`` if
+    set (to tell apart containers that repeat a hostname, or to split one machine in tests),
+    else the hostname."""
+    return os.environ.get(HOST_ENV) or socket.gethostname()
 
-    Returns every rank's (pid, process start time), or None when this process cannot see the
-    others' processes (another pid namespace): then a dead peer is found by the timeout only.
-    """
+
+def meet(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> Meeting:
+    """Every rank's host (:func:`host_identity`) and process, through the store."""
     pid = os.getpid()
-    store.set(f"{_KEY}host/{rank}", f"{pid} {process_start(pid) or 0} {socket.gethostname()}")
+    store.set(f"{_KEY}host/{rank}", f"{pid} {process_start(pid) or 0} {host_identity()}")
     keys = [f"{_KEY}host/{r}" for r in range(world_size)]
     store.wait(keys, timeout)
     fields = [store.get(k).decode().split(" ", 2) for k in keys]
-    hosts = [f[2] for f in fields]
-    if len(set(hosts)) > 1:
-        where = ", ".join(f"rank {r} on {h}" for r, h in enumerate(hosts))
-        raise ValueError(
-            f"backend='shm' needs every rank of the group on one machine, but {where}; use "
-            "backend='gloo' for a job that spans machines"
-        )
     processes = [(int(f[0]), int(f[1])) for f in fields]
     visible = all(process_start(p) == start for p, start in processes)
-    return processes if visible else None
+    return Meeting([f[2] for f in fields], processes if visible else None)
+
+
+@dataclass(frozen=True)
+class Meeting:
+    """Where the ranks of a group run."""
+
+    hosts: list[str]
+    """Each rank's host."""
+    processes: list[tuple[int, int]] | None
+    """Each rank's (pid, process start time); None when this process cannot see them all
+    (another pid namespace): then a dead peer is found by the timeout only."""
+
+    @property
+    def one_host(self) -> bool:
+        return len(set(self.hosts)) == 1
+
+
+def check_one_host(
+    store: dist.Store, rank: int, world_size: int, timeout: timedelta
+) -> list[tuple[int, int]] | None:
+    """Raise when the ranks of the group are not all on this machine; else
+    :attr:`Meeting.processes`."""
+    met = meet(store, rank, world_size, timeout)
+    if not met.one_host:
+        where = ", ".join(f"rank {r} on {h}" for r, h in enumerate(met.hosts))
+        raise ValueError(
+            f"an shm segment needs every rank of the group on one machine, but {where}; "
+            f"set {HOST_ENV} alike where one machine has several hostnames"
+        )
+    return met.processes
 
 
 def _create(nbytes: int) -> tuple[str, int]:
