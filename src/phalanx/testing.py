@@ -24,6 +24,9 @@ from typing import Any
 
 __all__ = ["DistributedTestError", "run_distributed"]
 
+TEST_BACKEND_ENV = "PHALANX_TEST_BACKEND"
+"""The backend of ``run_distributed`` when none is given (default gloo)."""
+
 _CTX: Any = None
 
 
@@ -98,7 +101,7 @@ def run_distributed(
     *args: Any,
     world_size: int = 2,
     timeout: float = 60.0,
-    backend: str = "gloo",
+    backend: str | None = None,
     collective_timeout: float = 20.0,
     validate: bool = False,
     env: Mapping[str, str] | None = None,
@@ -113,7 +116,9 @@ def run_distributed(
         *args: Picklable arguments passed to ``fn`` on every rank.
         world_size: Number of ranks.
         timeout: Deadline in seconds for the whole job; then every rank is killed.
-        backend: c10d backend for the ranks.
+        backend: c10d backend for the ranks (None: ``PHALANX_TEST_BACKEND``, else gloo; so
+            ``PHALANX_TEST_BACKEND=shm pytest ...`` runs a suite's default-backend tests on
+            the shared-memory backend).
         collective_timeout: Per-collective timeout in seconds (short, unlike gloo's 30 min).
         validate: Turn on phalanx's cross-rank collective validation.
         env: Extra environment variables for the ranks.
@@ -131,7 +136,7 @@ def run_distributed(
     ctx = _context()
     tmp = tempfile.mkdtemp(prefix="phalanx-test-")
     options = {
-        "backend": backend,
+        "backend": backend or os.environ.get(TEST_BACKEND_ENV) or "gloo",
         "collective_timeout": collective_timeout,
         "validate": validate,
         # The ranks' per-host files (stacks of stuck or dead ranks) go with the job's temp dir.
