@@ -34,7 +34,7 @@ from phalanx.comm.shm.settings import slot_bytes_from_env, spin_seconds_from_env
 from phalanx.comm.shm.sync import Arrivals
 from phalanx.comm.shm.worker import Executor, ShmWork
 
-__all__ = ["ShmProcessGroup", "flat_cpu"]
+__all__ = ["ShmGroup", "ShmProcessGroup", "flat_cpu"]
 
 _GLOO_PREFIX = "phalanx_shm_gloo/"
 
@@ -54,15 +54,37 @@ def _one(tensors: Sequence[torch.Tensor], where: str) -> torch.Tensor:
     return tensors[0]
 
 
-class ShmProcessGroup(dist.ProcessGroup):
+class ShmGroup(dist.ProcessGroup):
+    """What every ``backend="shm"`` group says of itself to torch: its name, rank and size."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        super().__init__(rank, world_size)  # type: ignore[call-arg]  # (store, ...) fails
+        self._rank, self._size = rank, world_size
+
+    def getBackendName(self) -> str:  # torch's C++ name
+        return "shm"
+
+    def getRank(self) -> int:
+        return self._rank
+
+    def getSize(self) -> int:
+        return self._size
+
+    def shutdown(self) -> None:
+        """Release what the group holds (subclasses)."""
+
+    def abort(self) -> None:
+        self.shutdown()
+
+
+class ShmProcessGroup(ShmGroup):
     """A process group whose collectives go through one shared-memory segment."""
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta):
-        super().__init__(rank, world_size)  # type: ignore[call-arg]  # (store, ...) fails
+        super().__init__(rank, world_size)
         reason = available()
         if reason is not None:
             raise RuntimeError(f"backend='shm' cannot run on {reason}; use backend='gloo'")
-        self._rank, self._size = rank, world_size
         layout, spin = Layout(world_size, slot_bytes_from_env()), spin_seconds_from_env()
         processes = check_one_host(store, rank, world_size, timeout)
         path, segment = open_segment(store, rank, world_size, layout.total_bytes, timeout)
@@ -80,25 +102,12 @@ class ShmProcessGroup(dist.ProcessGroup):
         self.zero_copy_calls = 0
         """Collectives that ran on shared buffers, reading the peers' tensors in place."""
 
-    # -- identity -------------------------------------------------------------------------
-    def getBackendName(self) -> str:  # torch's C++ name
-        return "shm"
-
-    def getRank(self) -> int:
-        return self._rank
-
-    def getSize(self) -> int:
-        return self._size
-
     def shutdown(self) -> None:
         """Finish the queued calls, unmap the segment, shut the gloo group underneath down."""
         self._executor.stop()
         self._channel.close()
         self._regions.close()
         self._gloo.shutdown()
-
-    def abort(self) -> None:
-        self.shutdown()
 
     def fail(self, error: BaseException) -> None:
         """Mark the group broken by ``error`` (raised outside it, e.g. by a hierarchical group's

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx.comm.shm.backend import ShmProcessGroup, flat_cpu
+from phalanx.comm.shm.backend import ShmGroup, ShmProcessGroup, flat_cpu
 from phalanx.comm.shm.ops import AVG, check_reduction, op_code
 from phalanx.comm.shm.worker import Executor
 
@@ -41,7 +41,7 @@ _GLOO_PREFIX = "phalanx_shm_gloo/"
 _LEADERS_PREFIX = "phalanx_shm_leaders/"
 
 
-class HierarchicalProcessGroup(dist.ProcessGroup):
+class HierarchicalProcessGroup(ShmGroup):
     """An shm group whose ranks span several hosts (see the module docstring).
 
     Args:
@@ -60,8 +60,7 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
         timeout: timedelta,
         hosts: Sequence[str],
     ) -> None:
-        super().__init__(rank, world_size)  # type: ignore[call-arg]
-        self._rank, self._size = rank, world_size
+        super().__init__(rank, world_size)
         order = list(dict.fromkeys(hosts))  # hosts in the order of their first rank
         mine = [r for r in range(world_size) if hosts[r] == hosts[rank]]
         index = order.index(hosts[rank])
@@ -84,15 +83,6 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._gloo)
         self._executor = Executor(f"phalanx-shm-hier-rank{rank}")
 
-    def getBackendName(self) -> str:
-        return "shm"
-
-    def getRank(self) -> int:
-        return self._rank
-
-    def getSize(self) -> int:
-        return self._size
-
     def shutdown(self) -> None:
         """Finish the queued calls; shut the host's group, the leaders' and gloo's down."""
         self._executor.stop()
@@ -100,9 +90,6 @@ class HierarchicalProcessGroup(dist.ProcessGroup):
         if self.leaders is not None:
             self.leaders.shutdown()
         self._gloo.shutdown()
-
-    def abort(self) -> None:
-        self.shutdown()
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:  # type: ignore[override]
         if len(tensors) != 1 or tensors[0].layout != torch.strided:  # sparse: gloo's
