@@ -88,8 +88,18 @@ class Call:
         return self.fn(*_made(self.args), **dict(zip(self.kwargs, _made(self.kwargs.values()))))
 
     def __repr__(self) -> str:
-        shown = [repr(a) for a in self.args] + [f"{k}={v!r}" for k, v in self.kwargs.items()]
+        shown = [_shown(a) for a in self.args] + [
+            f"{k}={_shown(v)}" for k, v in self.kwargs.items()
+        ]
         return f"{getattr(self.fn, '__qualname__', self.fn)}({', '.join(shown)})"
+
+
+def _shown(value: Any) -> str:
+    """A value as typed: functions by name (their repr holds an address, which differs between
+    processes, and test ids must not: pytest-xdist compares them)."""
+    if callable(value) and hasattr(value, "__qualname__") and not isinstance(value, type):
+        return str(value.__qualname__)
+    return repr(value)
 
 
 def _made(values: Iterable[Any]) -> list[Any]:
