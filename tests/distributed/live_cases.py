@@ -69,8 +69,15 @@ def _initial_state() -> dict[str, Any]:
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
-    return {"model": model.state_dict(), "optim": opt.state_dict(), "step": 0, "acc": torch.zeros(3, dtype=torch.float64),
-            "meta": {"name": "live", "ratio": 0.1, "shape": (3, 4)}, "half": torch.randn(5).to(torch.bfloat16), "rng": rng_state()}
+    return {
+        "model": model.state_dict(),
+        "optim": opt.state_dict(),
+        "step": 0,
+        "acc": torch.zeros(3, dtype=torch.float64),
+        "meta": {"name": "live", "ratio": 0.1, "shape": (3, 4)},
+        "half": torch.randn(5).to(torch.bfloat16),
+        "rng": rng_state(),
+    }
 
 
 def _slot_value(member_id: str) -> int:
@@ -92,7 +99,9 @@ def worker(env: dict[str, str], options: dict[str, float], conn: Any) -> None:
     if os.environ.get("LIVE_DEBUG"):
         import logging
 
-        logging.basicConfig(level=logging.INFO, format=f"%(created).3f {env['PHALANX_MEMBER_ID']} %(message)s")
+        logging.basicConfig(
+            level=logging.INFO, format=f"%(created).3f {env['PHALANX_MEMBER_ID']} %(message)s"
+        )
     try:
         live = LiveGroup.from_env("gloo", **options)
         control = connect_store(env["MASTER_ADDR"], int(env["MASTER_PORT"]), timedelta(seconds=10))
@@ -106,7 +115,7 @@ def worker(env: dict[str, str], options: dict[str, float], conn: Any) -> None:
         live.close()
     except RecoveryError as exc:
         _send(conn, "error", env["PHALANX_MEMBER_ID"], repr(exc))
-    except BaseException as exc:  # noqa: BLE001 - the parent reports it
+    except BaseException as exc:
         import traceback
 
         _send(conn, "error", env["PHALANX_MEMBER_ID"], traceback.format_exc() + repr(exc))
@@ -141,16 +150,22 @@ def _loop(live: Any, control: Any, state: dict[str, Any], conn: Any, joined: boo
                 state = _agree_step(live, state, before)
             if not joined and live.admit():
                 state = share_state(live, state)
-                _send(conn, "admitted", live.me.member_id, live.world_size, digest(state), os.getpid())
+                _send(
+                    conn, "admitted", live.me.member_id, live.world_size, digest(state), os.getpid()
+                )
             joined = False
             step, ws = state["step"], live.world_size
             stop = 1.0 if control.check([STOP_KEY]) else 0.0
-            x = torch.tensor([_slot_value(live.me.member_id) * (step + 1.0), stop], dtype=torch.float64)
+            x = torch.tensor(
+                [_slot_value(live.me.member_id) * (step + 1.0), stop], dtype=torch.float64
+            )
             dist.all_reduce(x)
             expected = (step + 1.0) * sum(_slot_value(m.member_id) for m in live.members)
             log.append((step, ws, bool(x[0].item() == expected)))
             if recovering is not None:
-                _send(conn, "recovered", live.me.member_id, time.time(), ws, os.getpid(), recovering)
+                _send(
+                    conn, "recovered", live.me.member_id, time.time(), ws, os.getpid(), recovering
+                )
                 recovering = None
             before = copy.deepcopy(state)
             state["acc"] += x[0]
@@ -189,12 +204,20 @@ class LiveJob:
 
     def _env(self, rank: int, incarnation: int) -> dict[str, str]:
         return {
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.port), "RANK": str(rank),
-            "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(self.world_size), "GROUP_RANK": "0",
-            "TORCHELASTIC_USE_AGENT_STORE": "True", "PHALANX_RUN_ID": "live-test",
-            "PHALANX_RESTART_COUNT": "0", "PHALANX_JOB_SECRET": SECRET, "PHALANX_RECOVERY": "live",
-            "PHALANX_MEMBER_ID": f"0.{rank}", "PHALANX_INCARNATION": str(incarnation),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(self.port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(self.world_size),
+            "GROUP_RANK": "0",
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "PHALANX_RUN_ID": "live-test",
+            "PHALANX_RESTART_COUNT": "0",
+            "PHALANX_JOB_SECRET": SECRET,
+            "PHALANX_RECOVERY": "live",
+            "PHALANX_MEMBER_ID": f"0.{rank}",
+            "PHALANX_INCARNATION": str(incarnation),
         }
 
     def start(self, rank: int, incarnation: int = 0) -> None:
@@ -202,7 +225,9 @@ class LiveJob:
         ctx = _context()
         recv, send = ctx.Pipe(duplex=False)
         member = f"0.{rank}"
-        p = ctx.Process(target=worker, args=(self._env(rank, incarnation), self.options, send), daemon=True)
+        p = ctx.Process(
+            target=worker, args=(self._env(rank, incarnation), self.options, send), daemon=True
+        )
         p.start()
         send.close()
         self.procs[member], self.conns[member], self.incarnations[member] = p, recv, incarnation
@@ -223,14 +248,18 @@ class LiveJob:
         while len(found) < count:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"waited for {count} {kind!r} events, got {found}; events: {self.events}")
+                raise TimeoutError(
+                    f"waited for {count} {kind!r} events, got {found}; events: {self.events}"
+                )
             for conn in multiprocessing.connection.wait(list(self.conns.values()), timeout=left):
                 try:
                     event = pickle.loads(conn.recv_bytes())  # type: ignore[union-attr]
                 except EOFError:
                     dead = next(m for m, c in self.conns.items() if c is conn)
                     self.conns.pop(dead)
-                    raise RuntimeError(f"member {dead} ended without a result; events: {self.events}") from None
+                    raise RuntimeError(
+                        f"member {dead} ended without a result; events: {self.events}"
+                    ) from None
                 if event[0] == "error":
                     raise RuntimeError(f"member {event[1]} failed: {event[2]}")
                 self.events.append(event)
@@ -254,7 +283,13 @@ class LiveJob:
 
 def run_options(**overrides: float) -> dict[str, float]:
     """The LiveGroup timeouts the tests use (short: a failure must show within seconds)."""
-    return {"timeout": 10.0, "heartbeat_interval": 0.5, "heartbeat_timeout": 10.0, "join_timeout": 60.0, **overrides}
+    return {
+        "timeout": 10.0,
+        "heartbeat_interval": 0.5,
+        "heartbeat_timeout": 10.0,
+        "join_timeout": 60.0,
+        **overrides,
+    }
 
 
 __all__ = ["LiveJob", "digest", "run_options", "worker"]

@@ -48,7 +48,7 @@ class Readiness:
     """The outcome of the readiness phase of one generation."""
 
     failed: list[Member]
-    """Members that died or were declared dead meanwhile (non-empty: the generation is abandoned)."""
+    """Members that died or were declared dead meanwhile (any: the generation is abandoned)."""
     fresh: list[Member]
     """Members without the training state (replacements that have not received it yet)."""
 
@@ -76,7 +76,7 @@ class Board:
 
     def _readiness(self, k: int, members: Sequence[Member]) -> dict[Member, bool]:
         """Per member of ``members`` that said ready for ``k``: whether it holds the state."""
-        out = {}
+        out: dict[Member, bool] = {}
         for m in members:
             said = self.live.get(f"g{k}/ready/{m.member_id}")
             if isinstance(said, dict) and said.get("incarnation") == m.incarnation:
@@ -88,13 +88,18 @@ class Board:
         log.warning("member %s declared dead by member %s: %s", member, self.me, why)
         report_death(self.live, member.member_id, member.incarnation)
 
-    def agree(self, k: int, base: Sequence[Member], proposal: Sequence[Member] | None) -> list[Member]:
+    def agree(
+        self, k: int, base: Sequence[Member], proposal: Sequence[Member] | None
+    ) -> list[Member]:
         """Generation ``k``'s membership; ``proposal`` is rank 0's growth list (None: recovery)."""
         agreed = None
         if proposal is not None:
             agreed = self.live.first(members_key(k), _as_json(proposal), parse_members)
         self.live.put(f"g{k}/here/{self.me.member_id}", self.me.incarnation)
-        watch, late = StaleWatch(self.live, self.heartbeat_timeout), time.monotonic() + self.arrival_timeout
+        watch, late = (
+            StaleWatch(self.live, self.heartbeat_timeout),
+            time.monotonic() + self.arrival_timeout,
+        )
         while agreed is None:
             agreed = self.live.get(members_key(k), parse_members)
             if agreed is not None:
@@ -110,10 +115,13 @@ class Board:
         return agreed
 
     def ready(self, k: int, agreed: Sequence[Member], stateful: bool) -> Readiness:
-        """Say ready for generation ``k`` (and whether this member holds the state); wait for all."""
+        """Say ready for generation ``k`` (``stateful``: this member holds the state); wait for all."""
         said = {"incarnation": self.me.incarnation, "stateful": stateful}
         self.live.put(f"g{k}/ready/{self.me.member_id}", said)
-        watch, late = StaleWatch(self.live, self.heartbeat_timeout), time.monotonic() + self.arrival_timeout
+        watch, late = (
+            StaleWatch(self.live, self.heartbeat_timeout),
+            time.monotonic() + self.arrival_timeout,
+        )
         while True:
             dead = self.dead(agreed)
             failed = [m for m in agreed if is_dead(m, dead)]

@@ -121,7 +121,9 @@ class Heartbeat:
                 self._beat(n)
                 successor = self._successor
                 if successor is not None and self._watch.stale([successor]):
-                    log.warning("member %s: no heartbeat for %.1f s", successor, self._watch.timeout)
+                    log.warning(
+                        "member %s: no heartbeat for %.1f s", successor, self._watch.timeout
+                    )
                     self._on_stale(successor)
                     self._successor = None
             except Exception as exc:  # the store went away: the job is ending or lost

@@ -21,9 +21,9 @@ nor forge a membership. Per key (``M`` a slot id, ``k`` a generation)::
 
 from __future__ import annotations
 
-from phalanx.comm.signed import SignedStore
-
 import torch.distributed as dist
+
+from phalanx.comm.signed import SignedStore
 
 __all__ = ["PREFIX", "live_signer", "report_death"]
 

@@ -81,7 +81,9 @@ class LiveGroup:
         nonce: str = "",
     ) -> None:
         if not isinstance(member_id, str) or not member_id or "/" in member_id:
-            raise ValueError(f"LiveGroup: member_id must be a slot id without '/', got {member_id!r}")
+            raise ValueError(
+                f"LiveGroup: member_id must be a slot id without '/', got {member_id!r}"
+            )
         if isinstance(incarnation, bool) or not isinstance(incarnation, int) or incarnation < 0:
             raise ValueError(f"LiveGroup: incarnation must be an int >= 0, got {incarnation!r}")
         if dist.is_initialized():
@@ -104,8 +106,13 @@ class LiveGroup:
         self._joins_seen, self._waiting = 0, list[Member]()
         beat_live = self._live.over(store.clone()) if hasattr(store, "clone") else self._live
         self._heartbeat = Heartbeat(
-            beat_live, self.me, _seconds("heartbeat_interval", heartbeat_interval), hb_timeout,
-            lambda m: self._board.declare_dead(m, f"its heartbeat did not move for {hb_timeout:g} s"),
+            beat_live,
+            self.me,
+            _seconds("heartbeat_interval", heartbeat_interval),
+            hb_timeout,
+            lambda m: self._board.declare_dead(
+                m, f"its heartbeat did not move for {hb_timeout:g} s"
+            ),
         )
         self._heartbeat.start()
         if incarnation == 0:
@@ -123,8 +130,15 @@ class LiveGroup:
         """
         env = startup.read_env(timeout=float(options.get("timeout", 30.0)))
         return cls(
-            env.store, env.member_id, env.incarnation, backend, rank=env.rank,
-            world_size=env.world_size, secret=env.secret, nonce=env.nonce, **options,  # type: ignore[arg-type]
+            env.store,
+            env.member_id,
+            env.incarnation,
+            backend,
+            rank=env.rank,
+            world_size=env.world_size,
+            secret=env.secret,
+            nonce=env.nonce,
+            **options,
         )
 
     @property
@@ -159,7 +173,7 @@ class LiveGroup:
         return next((r for r in range(self.world_size) if r not in fresh), None)
 
     def recover(self, error: BaseException | None = None) -> None:
-        """Rebuild the default group without the members that failed; call after a collective raised.
+        """Rebuild the default group without the failed members; call after a collective raised.
 
         Every survivor must call it (the ones whose collective has not failed yet will fail at
         their next one, since this destroys this process's end of the broken group). Returns
@@ -171,7 +185,10 @@ class LiveGroup:
         """
         log.warning(
             "member %s (rank %d of generation %d) recovers after: %s",
-            self.me, self._rank, self._generation, error or "a failed collective",
+            self.me,
+            self._rank,
+            self._generation,
+            error or "a failed collective",
         )
         self._teardown()
         self._advance(self._generation + 1, self._members, None)
@@ -248,7 +265,10 @@ class LiveGroup:
         before = socket_fds()
         try:
             dist.init_process_group(
-                self._backend, store=prefixed, rank=rank, world_size=len(agreed),
+                self._backend,
+                store=prefixed,
+                rank=rank,
+                world_size=len(agreed),
                 timeout=timedelta(seconds=self._timeout),
             )
         except RuntimeError as exc:  # a member died between "ready" and the group's rendezvous
@@ -276,7 +296,9 @@ class LiveGroup:
             self._joins_seen += 1
         if not self._waiting:
             return []
-        now, self._waiting = admissible(self._members, self._waiting, self._board.dead(self._waiting))
+        now, self._waiting = admissible(
+            self._members, self._waiting, self._board.dead(self._waiting)
+        )
         return now
 
     def _join(self) -> None:

@@ -67,7 +67,9 @@ def is_dead(member: Member, dead: Mapping[str, int]) -> bool:
     return died is not None and died >= member.incarnation
 
 
-def survivors(base: Sequence[Member], here: Iterable[Member], dead: Mapping[str, int]) -> list[Member]:
+def survivors(
+    base: Sequence[Member], here: Iterable[Member], dead: Mapping[str, int]
+) -> list[Member]:
     """The next membership after a failure: members of ``base`` that arrived and are not dead."""
     arrived = set(here)
     return sort_members(m for m in base if m in arrived and not is_dead(m, dead))
@@ -88,7 +90,8 @@ def admissible(
     for j in joiners:
         if j.member_id not in latest or latest[j.member_id].incarnation < j.incarnation:
             latest[j.member_id] = j
-    admit, wait = [], []
+    admit: list[Member] = []
+    wait: list[Member] = []
     for j in latest.values():
         if is_dead(j, dead) or present.get(j.member_id, -1) >= j.incarnation:
             continue

@@ -54,7 +54,8 @@ class GroupSockets:
         if not os.path.isdir(_FD_DIR):
             log.warning(
                 "no %s on this system: when a member fails, peers blocked on this process "
-                "notice only at their collective timeout", _FD_DIR,
+                "notice only at their collective timeout",
+                _FD_DIR,
             )
         return cls({fd: link for fd, link in socket_fds().items() if before.get(fd) != link})
 

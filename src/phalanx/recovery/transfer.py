@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -30,7 +31,9 @@ ALIGN = 16  # every tensor starts at a multiple of its element size in the buffe
 def _encode(value: object, tensors: list[torch.Tensor], path: str) -> object:
     if isinstance(value, torch.Tensor):
         if value.layout != torch.strided or value.is_quantized:
-            raise TypeError(f"share_state: {path} is a {value.layout} tensor; only dense ones travel")
+            raise TypeError(
+                f"share_state: {path} is a {value.layout} tensor; only dense ones travel"
+            )
         tensors.append(value)
         return {"t": len(tensors) - 1}
     if value is None or isinstance(value, bool | int | float | str):
@@ -38,7 +41,9 @@ def _encode(value: object, tensors: list[torch.Tensor], path: str) -> object:
     if isinstance(value, Mapping):
         for key in value:
             if key is not None and not isinstance(key, bool | int | float | str):
-                raise TypeError(f"share_state: {path} has a key of type {type(key).__name__}: {key!r}")
+                raise TypeError(
+                    f"share_state: {path} has a key of type {type(key).__name__}: {key!r}"
+                )
         return {"d": [[k, _encode(v, tensors, f"{path}[{k!r}]")] for k, v in value.items()]}
     if isinstance(value, list | tuple):
         items = [_encode(v, tensors, f"{path}[{i}]") for i, v in enumerate(value)]
@@ -52,7 +57,7 @@ def _encode(value: object, tensors: list[torch.Tensor], path: str) -> object:
 def _decode(value: Any, tensors: list[torch.Tensor]) -> object:
     if not isinstance(value, dict):
         return value
-    (tag, body), = value.items()
+    ((tag, body),) = value.items()
     if tag == "t":
         return tensors[body]
     if tag == "d":
@@ -66,12 +71,16 @@ def _layout(tensors: Sequence[torch.Tensor]) -> tuple[list[dict[str, Any]], int]
     for t in tensors:
         offset = -(-offset // ALIGN) * ALIGN
         nbytes = t.numel() * t.element_size()
-        metas.append({"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "at": offset})
+        metas.append(
+            {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "at": offset}
+        )
         offset += nbytes
     return metas, offset
 
 
-def _pack(tensors: Sequence[torch.Tensor], metas: list[dict[str, Any]], size: int, device: torch.device) -> torch.Tensor:
+def _pack(
+    tensors: Sequence[torch.Tensor], metas: list[dict[str, Any]], size: int, device: torch.device
+) -> torch.Tensor:
     buffer = torch.empty(size, dtype=torch.uint8, device=device)
     for t, meta in zip(tensors, metas):
         raw = t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
@@ -155,7 +164,10 @@ def share_state(live: LiveGroup, state: Mapping[str, object] | None) -> dict[str
         )
     if live.rank == src:
         if state is None:
-            raise ValueError(f"share_state: rank {src} is the source of generation {live.generation} and got state=None")
+            raise ValueError(
+                f"share_state: rank {src} is the source of generation {live.generation} "
+                f"and got state=None; pass the training state"
+            )
         send_state(state, fresh)
         return dict(state)
     if live.rank in fresh:
@@ -166,12 +178,10 @@ def share_state(live: LiveGroup, state: Mapping[str, object] | None) -> dict[str
 
 
 def rng_state() -> dict[str, object]:
-    """This process's random generators: Python's, torch's CPU (and CUDA) ones, numpy's if loaded."""
+    """This process's random generators: Python's, torch's CPU (and CUDA), numpy's if loaded."""
     state: dict[str, object] = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
-    import sys
-
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         name, keys, pos, has_gauss, cached = numpy.random.get_state()
@@ -188,5 +198,7 @@ def set_rng_state(state: Mapping[str, object]) -> None:
     if "numpy" in state:
         import numpy
 
-        name, keys, pos, has_gauss, cached = state["numpy"]  # type: ignore[misc]
+        saved = state["numpy"]
+        assert isinstance(saved, list | tuple) and len(saved) == 5, "not an rng_state() value"
+        name, keys, pos, has_gauss, cached = saved
         numpy.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, cached))
