@@ -115,7 +115,7 @@ class Board:
         return agreed
 
     def ready(self, k: int, agreed: Sequence[Member], stateful: bool) -> Readiness:
-        """Say ready for generation ``k`` (``stateful``: this member holds the state); wait for all."""
+        """Say ready for generation ``k`` (``stateful``: holds the training state); wait for all."""
         said = {"incarnation": self.me.incarnation, "stateful": stateful}
         self.live.put(f"g{k}/ready/{self.me.member_id}", said)
         watch, late = (
