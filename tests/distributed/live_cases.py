@@ -196,6 +196,8 @@ class LiveJob:
     conns: dict[str, Any] = field(default_factory=dict)
     incarnations: dict[str, int] = field(default_factory=dict)
     events: list[tuple[Any, ...]] = field(default_factory=list)
+    failed: set[str] = field(default_factory=set)
+    """Members that reported an error (their end is then no surprise)."""
 
     def __post_init__(self) -> None:
         self.store, self.port = host_store("127.0.0.1", 0, timedelta(seconds=30))
@@ -232,15 +234,21 @@ class LiveJob:
         send.close()
         self.procs[member], self.conns[member], self.incarnations[member] = p, recv, incarnation
 
-    def kill(self, member: str) -> float:
-        """SIGKILL ``member``'s process, reap it and report its death; the time of the kill."""
+    def kill(self, member: str, report: bool = True) -> float:
+        """SIGKILL ``member``'s process, reap it and (``report``) report its death as the
+        launcher does; the time of the kill."""
         p = self.procs[member]
         t = time.time()
         os.kill(p.pid, signal.SIGKILL)
         p.join(timeout=10)
-        report_death(self.live, member, self.incarnations[member])
+        if report:
+            report_death(self.live, member, self.incarnations[member])
         self.conns.pop(member).close()
         return t
+
+    def signal(self, member: str, sig: int) -> None:
+        """Send ``sig`` to ``member``'s process (SIGSTOP: a hung process, heartbeat included)."""
+        os.kill(self.procs[member].pid, sig)
 
     def wait_for(self, kind: str, count: int, deadline: float) -> list[tuple[Any, ...]]:
         """The next ``count`` events of ``kind`` (others are kept); raises on an error event."""
@@ -257,10 +265,14 @@ class LiveJob:
                 except EOFError:
                     dead = next(m for m, c in self.conns.items() if c is conn)
                     self.conns.pop(dead)
+                    if dead in self.failed:
+                        continue  # it reported its error (expected by the caller), then ended
                     raise RuntimeError(
                         f"member {dead} ended without a result; events: {self.events}"
                     ) from None
                 if event[0] == "error":
+                    self.failed.add(event[1])
+                if event[0] == "error" and kind != "error":
                     raise RuntimeError(f"member {event[1]} failed: {event[2]}")
                 self.events.append(event)
                 if event[0] == kind:

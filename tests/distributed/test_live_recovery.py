@@ -6,6 +6,7 @@ every step against the current membership, so a wrong or split group fails the t
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
@@ -55,3 +56,108 @@ def _kill_recover_replace() -> None:
 @pytest.mark.timeout(180)
 def test_kill_rank_2_survivors_continue_and_replacement_joins() -> None:
     _kill_recover_replace()
+
+
+def _start(job: LiveJob, deadline: float) -> dict[str, int]:
+    for rank in range(job.world_size):
+        job.start(rank)
+    job.wait_for("steady", job.world_size, deadline)
+    return {m: p.pid for m, p in job.procs.items()}
+
+
+def _finish(job: LiveJob, members: list[str], deadline: float) -> dict[str, tuple[object, ...]]:
+    """Stop the loop; every member's final event, after checking its sums and state."""
+    job.stop()
+    done = {e[1]: e for e in job.wait_for("done", len(members), deadline)}
+    assert sorted(done) == sorted(members), done
+    for member, event in done.items():
+        wrong = [(step, ws) for step, ws, ok in event[3] if not ok]  # type: ignore[attr-defined]
+        assert not wrong, f"member {member}: wrong sums at (step, world size) {wrong}"
+    assert len({e[4] for e in done.values()}) == 1, "the members' final states differ"
+    return done
+
+
+@pytest.mark.timeout(120)
+def test_two_concurrent_kills_leave_two_ranks() -> None:
+    job = LiveJob(4, run_options())
+    deadline = time.monotonic() + 90
+    try:
+        pids = _start(job, deadline)
+        job.kill("0.1")
+        job.kill("0.2")
+        recovered = job.wait_for("recovered", 2, deadline)
+        assert {e[1]: e[3] for e in recovered} == {"0.0": 2, "0.3": 2}, recovered
+        job.wait_for("steady", 2, deadline)
+        done = _finish(job, ["0.0", "0.3"], deadline)
+    finally:
+        job.close()
+    assert all(done[m][2] == pids[m] for m in done)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("gap_s", [0.0, 0.02, 0.05])
+def test_a_second_failure_during_recovery(gap_s: float) -> None:
+    """Rank 3 dies ``gap_s`` after rank 2, while the survivors agree or build the new group."""
+    job = LiveJob(4, run_options())
+    deadline = time.monotonic() + 90
+    try:
+        _start(job, deadline)
+        job.kill("0.2")
+        time.sleep(gap_s)
+        job.kill("0.3")
+        job.wait_for("recovered", 2, deadline)
+        job.wait_for("steady", 2, deadline)
+        _finish(job, ["0.0", "0.1"], deadline)
+    finally:
+        job.close()
+
+
+@pytest.mark.timeout(120)
+def test_replacement_arriving_during_recovery_joins() -> None:
+    job = LiveJob(3, run_options())
+    deadline = time.monotonic() + 90
+    try:
+        _start(job, deadline)
+        job.kill("0.1")
+        job.start(1, incarnation=1)  # before the survivors have recovered
+        admitted = job.wait_for("admitted", 3, deadline)
+        assert {e[2] for e in admitted} == {3} and len({e[3] for e in admitted}) == 1, admitted
+        job.wait_for("steady", 3, deadline)
+        _finish(job, ["0.0", "0.1", "0.2"], deadline)
+    finally:
+        job.close()
+
+
+@pytest.mark.timeout(120)
+def test_unreported_death_is_found_by_heartbeat() -> None:
+    """No death record from the launcher: the survivors wait for the heartbeat to go stale."""
+    job = LiveJob(3, run_options(heartbeat_interval=0.2, heartbeat_timeout=1.5))
+    deadline = time.monotonic() + 90
+    try:
+        _start(job, deadline)
+        t_kill = job.kill("0.2", report=False)
+        recovered = job.wait_for("recovered", 2, deadline)
+        waited = max(e[2] for e in recovered) - t_kill  # type: ignore[operator]
+        assert 1.0 < waited < 10.0, f"recovered {waited:.2f} s after the kill"
+        _finish(job, ["0.0", "0.1"], deadline)
+    finally:
+        job.close()
+
+
+@pytest.mark.timeout(120)
+def test_hung_member_is_excluded_and_told_so() -> None:
+    """SIGSTOP: collectives time out, the heartbeat goes stale; once resumed it is Excluded."""
+    job = LiveJob(3, run_options(timeout=3.0, heartbeat_interval=0.2, heartbeat_timeout=1.5))
+    deadline = time.monotonic() + 90
+    try:
+        _start(job, deadline)
+        job.signal("0.1", signal.SIGSTOP)
+        recovered = job.wait_for("recovered", 2, deadline)
+        assert {e[1]: e[3] for e in recovered} == {"0.0": 2, "0.2": 2}, recovered
+        job.signal("0.1", signal.SIGCONT)
+        error = job.wait_for("error", 1, deadline)[0]
+        assert error[1] == "0.1" and "Excluded" in str(error[2]), error
+        assert "declared dead" in str(error[2]), error
+        _finish(job, ["0.0", "0.2"], deadline)
+    finally:
+        job.close()
