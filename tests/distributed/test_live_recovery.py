@@ -71,7 +71,7 @@ def _finish(job: LiveJob, members: list[str], deadline: float) -> dict[str, tupl
     done = {e[1]: e for e in job.wait_for("done", len(members), deadline)}
     assert sorted(done) == sorted(members), done
     for member, event in done.items():
-        wrong = [(step, ws) for step, ws, ok in event[3] if not ok]  # type: ignore[attr-defined]
+        wrong = [(step, ws) for step, ws, ok in event[3] if not ok]
         assert not wrong, f"member {member}: wrong sums at (step, world size) {wrong}"
     assert len({e[4] for e in done.values()}) == 1, "the members' final states differ"
     return done
@@ -137,7 +137,7 @@ def test_unreported_death_is_found_by_heartbeat() -> None:
         _start(job, deadline)
         t_kill = job.kill("0.2", report=False)
         recovered = job.wait_for("recovered", 2, deadline)
-        waited = max(e[2] for e in recovered) - t_kill  # type: ignore[operator]
+        waited = max(e[2] for e in recovered) - t_kill
         assert 1.0 < waited < 10.0, f"recovered {waited:.2f} s after the kill"
         _finish(job, ["0.0", "0.1"], deadline)
     finally:
