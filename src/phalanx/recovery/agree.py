@@ -31,7 +31,7 @@ from phalanx.recovery.membership import Member, is_dead, parse_members, survivor
 __all__ = ["Board", "Readiness"]
 
 POLL_S = 0.01
-log = logging.getLogger("phalanx.recovery")
+log = logging.getLogger(__name__)
 
 
 def members_key(k: int) -> str:

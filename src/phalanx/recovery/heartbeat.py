@@ -27,7 +27,7 @@ from phalanx.recovery.membership import Member
 
 __all__ = ["Heartbeat", "StaleWatch"]
 
-log = logging.getLogger("phalanx.recovery")
+log = logging.getLogger(__name__)
 
 
 def hb_key(member_id: str) -> str:

@@ -36,7 +36,7 @@ from phalanx.recovery.sockets import GroupSockets, socket_fds
 
 __all__ = ["LiveGroup"]
 
-log = logging.getLogger("phalanx.recovery")
+log = logging.getLogger(__name__)
 
 
 def _seconds(name: str, value: float) -> float:

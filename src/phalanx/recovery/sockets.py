@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 __all__ = ["GroupSockets", "socket_fds"]
 
-log = logging.getLogger("phalanx.recovery")
+log = logging.getLogger(__name__)
 _FD_DIR = "/proc/self/fd"
 
 
