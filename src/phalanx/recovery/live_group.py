@@ -114,12 +114,18 @@ class LiveGroup:
                 m, f"its heartbeat did not move for {hb_timeout:g} s"
             ),
         )
-        self._heartbeat.start()
         if incarnation == 0:
-            first = startup.gather(self._live, self.me, rank, world_size, self._join_timeout)
-            self._advance(0, first, first)
-        else:
-            self._join()
+            startup.check_start(self.me, rank, world_size)
+        self._heartbeat.start()
+        try:
+            if incarnation == 0:
+                first = startup.gather(self._live, self.me, rank, world_size, self._join_timeout)
+                self._advance(0, first, first)
+            else:
+                self._join()
+        except BaseException:
+            self._heartbeat.stop()  # a process that failed to join must not look alive
+            raise
 
     @classmethod
     def from_env(cls, backend: str = "gloo", **options: float) -> LiveGroup:

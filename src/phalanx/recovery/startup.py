@@ -36,6 +36,20 @@ def live_mode() -> bool:
     return os.environ.get(RECOVERY_ENV, "") == "live"
 
 
+def check_start(me: Member, rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """``rank`` and ``world_size`` of a slot's first process, checked.
+
+    Raises:
+        ValueError: missing, or ``rank`` outside ``0..world_size-1``.
+    """
+    if world_size is None or rank is None or not 0 <= rank < world_size:
+        raise ValueError(
+            f"LiveGroup: the first process of slot {me.member_id!r} (incarnation 0) needs "
+            f"rank in 0..world_size-1, got rank={rank!r}, world_size={world_size!r}"
+        )
+    return rank, world_size
+
+
 def gather(
     live: SignedStore, me: Member, rank: int | None, world_size: int | None, timeout: float
 ) -> list[Member]:
@@ -45,11 +59,7 @@ def gather(
         ValueError: ``rank`` / ``world_size`` missing or out of range.
         RecoveryError: not every rank started within ``timeout`` seconds (names the missing).
     """
-    if world_size is None or rank is None or not 0 <= rank < world_size:
-        raise ValueError(
-            f"LiveGroup: the first process of slot {me.member_id!r} (incarnation 0) needs "
-            f"rank in 0..world_size-1, got rank={rank!r}, world_size={world_size!r}"
-        )
+    rank, world_size = check_start(me, rank, world_size)
     live.put(f"start/{rank}", [me.to_json()])
     found: dict[int, Member] = {}
     deadline = time.monotonic() + timeout
