@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from phalanx.comm.signed import SignedStore
+from phalanx.recovery.keys import report_death
 from phalanx.recovery.membership import Member
 
 __all__ = ["Heartbeat", "StaleWatch"]
@@ -73,7 +74,11 @@ class StaleWatch:
 
 
 class Heartbeat:
-    """A daemon thread: beat for ``me`` every ``interval`` s; report a stale successor."""
+    """A daemon thread: beat for ``me`` every ``interval`` s; report a stale successor dead.
+
+    ``live`` must be a store connection of its own (a clone): a TCPStore client is one socket,
+    not to be shared with the main thread's requests.
+    """
 
     def __init__(
         self,
@@ -81,11 +86,9 @@ class Heartbeat:
         me: Member,
         interval: float,
         timeout: float,
-        on_stale: Callable[[Member], None],
     ) -> None:
         self._live, self._me, self._interval = live, me, interval
         self._watch = StaleWatch(live, timeout)
-        self._on_stale = on_stale
         self._successor: Member | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="phalanx-heartbeat", daemon=True)
@@ -122,9 +125,12 @@ class Heartbeat:
                 successor = self._successor
                 if successor is not None and self._watch.stale([successor]):
                     log.warning(
-                        "member %s: no heartbeat for %.1f s", successor, self._watch.timeout
+                        "member %s declared dead by member %s: no heartbeat for %g s",
+                        successor,
+                        self._me,
+                        self._watch.timeout,
                     )
-                    self._on_stale(successor)
+                    report_death(self._live, successor.member_id, successor.incarnation)
                     self._successor = None
             except Exception as exc:  # the store went away: the job is ending or lost
                 log.warning("heartbeat of member %s stopped: %s", self._me, exc)

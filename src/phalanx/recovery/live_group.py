@@ -105,15 +105,8 @@ class LiveGroup:
         self._generation, self._rank = -1, -1
         self._joins_seen, self._waiting = 0, list[Member]()
         beat_live = self._live.over(store.clone()) if hasattr(store, "clone") else self._live
-        self._heartbeat = Heartbeat(
-            beat_live,
-            self.me,
-            _seconds("heartbeat_interval", heartbeat_interval),
-            hb_timeout,
-            lambda m: self._board.declare_dead(
-                m, f"its heartbeat did not move for {hb_timeout:g} s"
-            ),
-        )
+        beat = _seconds("heartbeat_interval", heartbeat_interval)
+        self._heartbeat = Heartbeat(beat_live, self.me, beat, hb_timeout)
         if incarnation == 0:
             startup.check_start(self.me, rank, world_size)
         self._heartbeat.start()
@@ -246,6 +239,7 @@ class LiveGroup:
         for _ in range(2 * len(base) + 2):  # each failed round loses at least one member
             agreed = self._board.agree(k, base, proposal)
             if self.me not in agreed:
+                self._heartbeat.stop()
                 raise Excluded(
                     f"{self._where(k)} was declared dead by its peers and is not in generation "
                     f"{k} ({', '.join(map(str, agreed))}); exit this process so the launcher "
@@ -322,6 +316,7 @@ class LiveGroup:
                     return
             died = self._live.get(dead_key(self.me.member_id), _as_incarnation)
             if died is not None and died >= self.me.incarnation:
+                self._heartbeat.stop()
                 raise Excluded(f"member {self.me} was declared dead before it was admitted; exit")
             time.sleep(POLL_S)
         raise RecoveryError(
