@@ -18,6 +18,7 @@ import os
 import pickle
 import random
 import signal
+import statistics
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -143,16 +144,20 @@ def _loop(live: Any, control: Any, state: dict[str, Any], conn: Any, joined: boo
     log: list[tuple[int, int, bool]] = []
     before = copy.deepcopy(state)
     recovering: float | None = None
+    admit_s: list[float] = []
     steady = (-1, 0)  # (generation, checked steps in it)
     while True:
         try:
             if recovering is not None:
                 state = _agree_step(live, state, before)
+            t_admit = time.perf_counter()
             if not joined and live.admit():
                 state = share_state(live, state)
                 _send(
                     conn, "admitted", live.me.member_id, live.world_size, digest(state), os.getpid()
                 )
+            else:
+                admit_s.append(time.perf_counter() - t_admit)  # a step boundary with no change
             joined = False
             step, ws = state["step"], live.world_size
             stop = 1.0 if control.check([STOP_KEY]) else 0.0
@@ -183,7 +188,8 @@ def _loop(live: Any, control: Any, state: dict[str, Any], conn: Any, joined: boo
             if isinstance(exc, RecoveryError):
                 raise
             live.recover(exc)
-    _send(conn, "done", live.me.member_id, os.getpid(), log, digest(state))
+    admit_median = statistics.median(admit_s) if admit_s else float("nan")
+    _send(conn, "done", live.me.member_id, os.getpid(), log, digest(state), admit_median)
 
 
 @dataclass

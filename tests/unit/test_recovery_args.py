@@ -16,6 +16,7 @@ from phalanx.recovery.startup import read_env
         ({"member_id": "0/1"}, "member_id must be a slot id"),
         ({"incarnation": -1}, "incarnation must be an int >= 0, got -1"),
         ({"timeout": 0}, "timeout must be a positive number of seconds, got 0"),
+        ({"backend": "nccl"}, "backend='nccl' is not supported yet.*pass backend='gloo'"),
         ({"heartbeat_timeout": -2.0}, "heartbeat_timeout must be"),
         ({"rank": 3, "world_size": 2}, "rank in 0..world_size-1, got rank=3, world_size=2"),
     ],

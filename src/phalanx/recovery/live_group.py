@@ -52,7 +52,8 @@ class LiveGroup:
         store: The job-long store (no prefix), e.g. the launcher's TCPStore.
         member_id: This worker slot's stable id (``"<node_rank>.<local_rank>"``).
         incarnation: 0 for the slot's first process, n for its n-th replacement (which joins).
-        backend: c10d backend of every generation's default group.
+        backend: c10d backend of every generation's default group: "gloo" (the only one
+            supported so far: NCCL needs its communicators aborted, not cut, and is untested).
         rank: Launcher rank (incarnation 0 only: orders the first generation).
         world_size: Launcher world size (incarnation 0 only).
         timeout: Collective and rendezvous timeout of every generation's group, in seconds.
@@ -86,6 +87,11 @@ class LiveGroup:
             )
         if isinstance(incarnation, bool) or not isinstance(incarnation, int) or incarnation < 0:
             raise ValueError(f"LiveGroup: incarnation must be an int >= 0, got {incarnation!r}")
+        if backend != "gloo":
+            raise ValueError(
+                f"LiveGroup: backend={backend!r} is not supported yet; live recovery works over "
+                f"gloo (CPU tensors) so far: pass backend='gloo'"
+            )
         if dist.is_initialized():
             raise RuntimeError(
                 "LiveGroup builds the default process group itself, but one is already "
@@ -200,7 +206,7 @@ class LiveGroup:
         handle that with :meth:`recover`, as for a training step.
         """
         grow = self._waiting_joiners() if self._rank == 0 else []
-        flag = torch.tensor([len(grow)], dtype=torch.int64, device=self._device())
+        flag = torch.tensor([len(grow)], dtype=torch.int64)
         dist.broadcast(flag, 0)
         if int(flag.item()) == 0:
             return False
@@ -219,11 +225,6 @@ class LiveGroup:
         """Stop the heartbeat and destroy the default group (at the end of training)."""
         self._heartbeat.stop()
         self._teardown()
-
-    def _device(self) -> torch.device:
-        if self._backend == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
 
     def _teardown(self) -> None:
         """Abandon the current group: cut its connections (see :mod:`.sockets`), destroy it."""
