@@ -181,8 +181,11 @@ class LiveGroup:
         """Rebuild the default group without the failed members; call after a collective raised.
 
         Every survivor must call it (the ones whose collective has not failed yet will fail at
-        their next one, since this destroys this process's end of the broken group). Returns
-        when the new generation's group is up; the failed step must then be redone.
+        their next one, since this cuts this process's connections of the broken group), within
+        2 x ``timeout`` of each other: a member that arrives later is declared dead (it hangs).
+        Returns when the new generation's group is up. A survivor may have completed the failed
+        collective while another did not: agree on the step to redo before going on (e.g. an
+        all-reduce MIN of the committed step count, rolling back the ones ahead).
 
         Raises:
             Excluded: this process was declared dead meanwhile: exit, a replacement will join.
