@@ -161,3 +161,24 @@ def test_hung_member_is_excluded_and_told_so() -> None:
         _finish(job, ["0.0", "0.2"], deadline)
     finally:
         job.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("gap_s", [0.0, 0.1, 0.3])
+def test_a_failure_while_a_replacement_is_admitted(gap_s: float) -> None:
+    """Slot 0.1 is replaced; slot 0.2 dies ``gap_s`` after the replacement starts."""
+    job = LiveJob(3, run_options())
+    deadline = time.monotonic() + 90
+    try:
+        _start(job, deadline)
+        job.kill("0.1")
+        job.wait_for("recovered", 2, deadline)
+        job.start(1, incarnation=1)
+        time.sleep(gap_s)
+        job.kill("0.2")
+        while job.wait_for("admitted", 1, deadline)[0][1] != "0.1":
+            pass  # 0.0's, or 0.2's when it died after a 3-rank admission
+        job.wait_for("steady", 2, deadline)  # 20 checked steps of {0.0, 0.1#1}
+        _finish(job, ["0.0", "0.1"], deadline)
+    finally:
+        job.close()

@@ -240,7 +240,8 @@ class LiveGroup:
 
     def _advance(self, k: int, base: Sequence[Member], proposal: Sequence[Member] | None) -> None:
         """Agree on and build generation ``k`` (or a later one, if members fail meanwhile)."""
-        for _ in range(2 * len(base) + 2):  # each failed round loses at least one member
+        tries = 2 * len(base) + 2  # each failed round loses at least one member
+        for _ in range(tries):
             agreed = self._board.agree(k, base, proposal)
             if self.me not in agreed:
                 self._heartbeat.stop()
@@ -253,7 +254,7 @@ class LiveGroup:
                 return
             base, proposal, k = agreed, None, k + 1
         raise RecoveryError(
-            f"{self._where(k)}: no generation formed after {2 * len(base) + 2} tries; "
+            f"{self._where(k)}: no generation formed after {tries} tries; "
             f"members keep failing: restart the job from its newest checkpoint"
         )
 
@@ -321,7 +322,11 @@ class LiveGroup:
             died = self._live.get(dead_key(self.me.member_id), _as_incarnation)
             if died is not None and died >= self.me.incarnation:
                 self._heartbeat.stop()
-                raise Excluded(f"member {self.me} was declared dead before it was admitted; exit")
+                raise Excluded(
+                    f"member {self.me} was declared dead before it was admitted (incarnation "
+                    f"{died} of slot {self.me.member_id} is recorded dead); exit this process: "
+                    f"the launcher starts the slot's next incarnation"
+                )
             time.sleep(POLL_S)
         raise RecoveryError(
             f"member {self.me} was not admitted within join_timeout={self._join_timeout:g} s; "
