@@ -30,6 +30,7 @@ from phalanx.recovery import live_signer, report_death
 from phalanx.testing import _context
 
 SECRET = "ab" * 32
+State = dict[str, Any] | None
 STOP_KEY = "test/stop"
 
 
@@ -93,7 +94,7 @@ def worker(env: dict[str, str], options: dict[str, float], conn: Any) -> None:
     """One slot's process: the checked all-reduce loop (see the module docstring)."""
     import torch
 
-    from phalanx.recovery import LiveGroup, RecoveryError, share_state
+    from phalanx.recovery import LiveGroup, RecoveryError
 
     os.environ.update(env)
     torch.set_num_threads(1)
@@ -106,13 +107,13 @@ def worker(env: dict[str, str], options: dict[str, float], conn: Any) -> None:
     try:
         live = LiveGroup.from_env("gloo", **options)
         control = connect_store(env["MASTER_ADDR"], int(env["MASTER_PORT"]), timedelta(seconds=10))
-        joined = bool(live.newcomers)
-        state: dict[str, Any] | None = None if joined else _initial_state()
-        if joined:
-            state = share_state(live, None)
-            _send(conn, "admitted", live.me.member_id, live.world_size, digest(state), os.getpid())
-        assert state is not None
-        _loop(live, control, state, conn, joined)
+        joined = bool(live.newcomers)  # a replacement: it gets the state in the loop
+        if live.me.incarnation > 0 and not joined:
+            raise AssertionError(
+                f"replacement {live.me} is not a newcomer of generation {live.generation}: "
+                f"members {live.members}, newcomers {live.newcomers}"
+            )
+        _loop(live, control, None if joined else _initial_state(), conn, joined)
         live.close()
     except RecoveryError as exc:
         _send(conn, "error", env["PHALANX_MEMBER_ID"], repr(exc))
@@ -124,22 +125,36 @@ def worker(env: dict[str, str], options: dict[str, float], conn: Any) -> None:
         conn.close()
 
 
-def _agree_step(live: Any, state: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
-    """After a recovery: a survivor that completed the failed step rolls it back."""
+def _agree_step(state: State, before: State) -> State:
+    """After a recovery: a survivor that completed the failed step rolls it back.
+
+    A replacement without state yet takes no part in the choice (it gets the state next).
+    """
     import torch
     import torch.distributed as dist
 
-    step = torch.tensor([state["step"]], dtype=torch.int64)
+    mine = 2**62 if state is None else state["step"]
+    step = torch.tensor([mine], dtype=torch.int64)
     dist.all_reduce(step, op=dist.ReduceOp.MIN)
-    return before if int(step.item()) < state["step"] else state
+    return before if int(step.item()) < mine and state is not None else state
 
 
-def _loop(live: Any, control: Any, state: dict[str, Any], conn: Any, joined: bool) -> None:
+def _hand_over(live: Any, state: State, conn: Any) -> dict[str, Any]:
+    """After a membership change: newcomers (if any) receive the state from the source."""
+    from phalanx.recovery import share_state
+
+    if not live.newcomers:
+        assert state is not None, "a member without state in a generation without newcomers"
+        return state
+    state = share_state(live, state)
+    _send(conn, "admitted", live.me.member_id, live.world_size, digest(state), os.getpid())
+    return state
+
+
+def _loop(live: Any, control: Any, state: State, conn: Any, joined: bool) -> None:
     """The step loop; a replacement (``joined``) starts where the others' ``admit()`` returned."""
     import torch
     import torch.distributed as dist
-
-    from phalanx.recovery import share_state
 
     log: list[tuple[int, int, bool]] = []
     before = copy.deepcopy(state)
@@ -148,17 +163,16 @@ def _loop(live: Any, control: Any, state: dict[str, Any], conn: Any, joined: boo
     steady = (-1, 0)  # (generation, checked steps in it)
     while True:
         try:
+            changed = joined or recovering is not None  # both skip this step's admit()
             if recovering is not None:
-                state = _agree_step(live, state, before)
+                state = _agree_step(state, before)
             t_admit = time.perf_counter()
-            if not joined and live.admit():
-                state = share_state(live, state)
-                _send(
-                    conn, "admitted", live.me.member_id, live.world_size, digest(state), os.getpid()
-                )
+            if changed or live.admit():
+                state = _hand_over(live, state, conn)
             else:
                 admit_s.append(time.perf_counter() - t_admit)  # a step boundary with no change
             joined = False
+            assert state is not None
             step, ws = state["step"], live.world_size
             stop = 1.0 if control.check([STOP_KEY]) else 0.0
             x = torch.tensor(
@@ -281,8 +295,8 @@ class LiveJob:
                 if event[0] == "error" and kind != "error":
                     raise RuntimeError(f"member {event[1]} failed: {event[2]}")
                 self.events.append(event)
-                if event[0] == kind:
-                    found.append(event)
+                if event[0] == kind and len(found) < count:
+                    found.append(event)  # more of them stay in self.events for the next call
         for e in found:
             self.events.remove(e)
         return found

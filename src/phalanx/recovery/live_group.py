@@ -17,6 +17,7 @@ restored. After a generation with newcomers, hand them the state with
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -31,10 +32,14 @@ from phalanx.recovery.agree import POLL_S, Board, members_key
 from phalanx.recovery.errors import Excluded, RecoveryError
 from phalanx.recovery.heartbeat import Heartbeat
 from phalanx.recovery.keys import PREFIX, _as_incarnation, dead_key, live_signer
-from phalanx.recovery.membership import Member, admissible, parse_members, sort_members
-from phalanx.recovery.sockets import GroupSockets, socket_fds
+from phalanx.recovery.membership import Member, admissible, is_dead, parse_members, sort_members
+from phalanx.recovery.sockets import GroupSockets, InitWatch, socket_fds
 
 __all__ = ["LiveGroup"]
+
+INIT_TIMEOUT_S = 3.0
+"""Rendezvous timeout of a generation's group: every member already said ready, so gloo's
+connections take milliseconds; a member that died meanwhile then costs seconds, not minutes."""
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +48,11 @@ def _seconds(name: str, value: float) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
         raise ValueError(f"LiveGroup: {name} must be a positive number of seconds, got {value!r}")
     return float(value)
+
+
+def _clone(store: dist.Store) -> dist.Store:
+    """Another connection to ``store`` (torch's type stubs lack ``Store.clone``)."""
+    return store.clone()  # type: ignore[attr-defined]
 
 
 class LiveGroup:
@@ -56,7 +66,10 @@ class LiveGroup:
             supported so far: NCCL needs its communicators aborted, not cut, and is untested).
         rank: Launcher rank (incarnation 0 only: orders the first generation).
         world_size: Launcher world size (incarnation 0 only).
-        timeout: Collective and rendezvous timeout of every generation's group, in seconds.
+        timeout: Collective timeout of every generation's group, in seconds (its rendezvous
+            uses ``min(timeout, INIT_TIMEOUT_S)``). A member that has not reached a recovery
+            within ``2 * timeout + 6 * INIT_TIMEOUT_S`` of another, with a live heartbeat, is
+            declared dead (it hangs).
         heartbeat_interval: Seconds between two heartbeats of this member.
         heartbeat_timeout: A member whose heartbeat has not moved for this long is dead.
         join_timeout: How long a replacement waits to be admitted (and the first generation to
@@ -98,19 +111,25 @@ class LiveGroup:
                 "initialised; do not call init_process_group() before LiveGroup"
             )
         self._timeout = _seconds("timeout", timeout)
+        self._init_timeout = min(self._timeout, INIT_TIMEOUT_S)
         hb_timeout = _seconds("heartbeat_timeout", heartbeat_timeout)
         self._join_timeout = _seconds("join_timeout", join_timeout)
         self._store, self._backend = store, backend
         self.me = Member(member_id, incarnation)
         self._live: SignedStore = live_signer(store, secret, nonce)
-        self._board = Board(self._live, self.me, hb_timeout, 2 * self._timeout)
+        # A survivor may reach the agreement one collective timeout after another, plus the time
+        # a doomed rendezvous takes to fail (gloo: up to ~5x its timeout, measured).
+        arrival = 2 * self._timeout + 6 * self._init_timeout
+        self._board = Board(self._live, self.me, hb_timeout, arrival)
         self._members: list[Member] = []
         self._fresh: list[Member] = []
         self._sockets = GroupSockets()
         self._stateful = incarnation == 0  # a replacement holds no state until it receives it
         self._generation, self._rank = -1, -1
         self._joins_seen, self._waiting = 0, list[Member]()
-        beat_live = self._live.over(store.clone()) if hasattr(store, "clone") else self._live
+        # One store connection per thread: a TCPStore client is one socket.
+        beat_live = self._live.over(_clone(store))
+        self._watch_board = dataclasses.replace(self._board, live=self._live.over(_clone(store)))
         beat = _seconds("heartbeat_interval", heartbeat_interval)
         self._heartbeat = Heartbeat(beat_live, self.me, beat, hb_timeout)
         if incarnation == 0:
@@ -181,8 +200,8 @@ class LiveGroup:
         """Rebuild the default group without the failed members; call after a collective raised.
 
         Every survivor must call it (the ones whose collective has not failed yet will fail at
-        their next one, since this cuts this process's connections of the broken group), within
-        2 x ``timeout`` of each other: a member that arrives later is declared dead (it hangs).
+        their next one, since this cuts this process's connections of the broken group); one
+        that arrives much later is declared dead (see ``timeout``).
         Returns when the new generation's group is up. A survivor may have completed the failed
         collective while another did not: agree on the step to redo before going on (e.g. an
         all-reduce MIN of the committed step count, rolling back the ones ahead).
@@ -269,13 +288,15 @@ class LiveGroup:
         prefixed = dist.PrefixStore(f"{PREFIX}g{k}/pg/", self._store)
         before = socket_fds()
         try:
-            dist.init_process_group(
-                self._backend,
-                store=prefixed,
-                rank=rank,
-                world_size=len(agreed),
-                timeout=timedelta(seconds=self._timeout),
-            )
+            with InitWatch(lambda: self._any_dead(agreed), before):
+                dist.init_process_group(
+                    self._backend,
+                    store=prefixed,
+                    rank=rank,
+                    world_size=len(agreed),
+                    timeout=timedelta(seconds=self._init_timeout),
+                )
+            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=self._timeout))
         except RuntimeError as exc:  # a member died between "ready" and the group's rendezvous
             log.warning("generation %d's group did not form on member %s: %s", k, self.me, exc)
             self._sockets = GroupSockets.opened_since(before)
@@ -287,8 +308,20 @@ class LiveGroup:
         self._heartbeat.watch(self._members)
         if rank == 0:
             self._live.put("current", k)
-        log.info("member %s is rank %d of %d in generation %d", self.me, rank, len(agreed), k)
+        log.info(
+            "member %s is rank %d of %d in generation %d (without state: %s)",
+            self.me,
+            rank,
+            len(agreed),
+            k,
+            ", ".join(map(str, self._fresh)) or "none",
+        )
         return True
+
+    def _any_dead(self, members: Sequence[Member]) -> bool:
+        """True when one of ``members`` is recorded dead (read over the watch's connection)."""
+        dead = self._watch_board.dead(members)
+        return any(is_dead(m, dead) for m in members)
 
     def _waiting_joiners(self) -> list[Member]:
         """Rank 0's scan of the join slots: the replacements to admit now."""
@@ -301,9 +334,8 @@ class LiveGroup:
             self._joins_seen += 1
         if not self._waiting:
             return []
-        now, self._waiting = admissible(
-            self._members, self._waiting, self._board.dead(self._waiting)
-        )
+        now, later = admissible(self._members, self._waiting, self._board.dead(self._waiting))
+        self._waiting = now + later  # kept until a formed generation holds them (then stale)
         return now
 
     def _join(self) -> None:

@@ -19,12 +19,15 @@ import contextlib
 import logging
 import os
 import socket
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-__all__ = ["GroupSockets", "socket_fds"]
+__all__ = ["GroupSockets", "InitWatch", "socket_fds"]
 
 log = logging.getLogger(__name__)
 _FD_DIR = "/proc/self/fd"
+WATCH_S = 0.05
 
 
 def socket_fds() -> dict[int, str]:
@@ -73,3 +76,36 @@ class GroupSockets:
                     cut += 1
         self.fds = {}
         return cut
+
+
+class InitWatch:
+    """While ``init_process_group`` runs: cut its sockets as soon as a member is recorded dead.
+
+    A member that dies between saying *ready* and finishing gloo's rendezvous can leave the
+    others' ``init_process_group`` waiting far beyond its timeout (measured with torch 2.13 and
+    a 3 s timeout: 3 s, 15 s, and once over 100 s). The group is doomed then; shutting down the
+    connections it is opening makes gloo raise instead of waiting on a dead peer.
+    """
+
+    def __init__(self, doomed: Callable[[], bool], before: dict[int, str]) -> None:
+        self._doomed, self._before = doomed, before
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="phalanx-init-watch", daemon=True)
+
+    def __enter__(self) -> InitWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+
+    def _run(self) -> None:
+        while not self._stop.wait(WATCH_S):
+            try:
+                if self._doomed():
+                    GroupSockets.opened_since(self._before).cut()
+                    return
+            except Exception as exc:  # the store went away: nothing left to watch
+                log.warning("init watch stopped: %s", exc)
+                return

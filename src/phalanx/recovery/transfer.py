@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx.recovery.errors import RecoveryError
 from phalanx.recovery.live_group import LiveGroup
 
 __all__ = ["receive_state", "rng_state", "send_state", "set_rng_state", "share_state"]
@@ -150,7 +151,7 @@ def share_state(live: LiveGroup, state: Mapping[str, object] | None) -> dict[str
     that neither send nor receive get ``state`` back unchanged.
 
     Raises:
-        RuntimeError: no member of the generation holds the state (all were lost at once).
+        RecoveryError: no member of the generation holds the state (all were lost at once).
         ValueError: the source passed ``state=None``.
     """
     fresh = live.newcomers
@@ -158,7 +159,7 @@ def share_state(live: LiveGroup, state: Mapping[str, object] | None) -> dict[str
         return dict(state or {})
     src = live.source
     if src is None:
-        raise RuntimeError(
+        raise RecoveryError(
             f"share_state: rank {live.rank} (member {live.me}, generation {live.generation}): "
             f"no member holds the training state; restore it from the newest checkpoint"
         )
