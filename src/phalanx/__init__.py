@@ -138,6 +138,7 @@ _SUBMODULES = (
     "pipeline",
     "plan",
     "precisions",
+    "recovery",
     "sharding",
     "tensor_parallel",
     "testing",

@@ -1,0 +1,17 @@
+"""The errors of live recovery."""
+
+from __future__ import annotations
+
+__all__ = ["Excluded", "RecoveryError"]
+
+
+class RecoveryError(RuntimeError):
+    """Live recovery could not form a new generation (names the member, rank and generation)."""
+
+
+class Excluded(RecoveryError):
+    """This process was declared dead and left out of the new generation.
+
+    Its in-memory state is no longer the job's: the process should exit (non-zero), and the
+    launcher starts a replacement for its slot, which joins and receives the live state.
+    """

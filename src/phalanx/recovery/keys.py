@@ -1,0 +1,70 @@
+"""The store keys of live recovery, and the signer every writer of them must use.
+
+All keys live under ``phalanx/live/`` in the job-long TCPStore of ``phalanx run --recovery live``
+(the agent's). Every value is a signed frame (:mod:`phalanx.comm.signed`) under the scope
+``"<join nonce>/live"``, where the nonce is the one of the store's join record
+(:mod:`phalanx.comm.join`): a process without the job secret can neither declare a member dead
+nor forge a membership. Per key (``M`` a slot id, ``k`` a generation)::
+
+    dead/M           int    highest incarnation of slot M known dead (launcher, or a survivor
+                            whose heartbeat check or arrival deadline expired)
+    hb/M             {"incarnation", "beat"}  heartbeat of slot M, counted up every interval
+    joins            counter (unsigned: only a hint) of join slots handed out
+    join/<n>         [M, incarnation]  a replacement waiting to be admitted
+    current          int    the newest generation that formed (written by its rank 0)
+    start/<r>        [M, incarnation]  the first process of launcher rank r (generation 0)
+    g<k>/members     [[M, incarnation], ...]  generation k's membership; first writer wins
+    g<k>/here/M      int    M's incarnation arrived at the agreement of generation k
+    g<k>/ready/M     int    M read the membership of k and is about to build its process group
+    g<k>/pg/...      torch's own rendezvous keys for generation k's process group (unsigned)
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from phalanx.comm.signed import SignedStore
+
+__all__ = ["PREFIX", "live_signer", "report_death"]
+
+PREFIX = "phalanx/live/"
+
+
+def live_signer(store: dist.Store, secret: bytes | None, nonce: str) -> SignedStore:
+    """The signer of the live-recovery keys in ``store`` for the job whose join nonce is ``nonce``.
+
+    Args:
+        store: The job-long store (the agent's TCPStore), without any prefix.
+        secret: The job secret (``PHALANX_JOB_SECRET`` as bytes), or None for an unsigned job.
+        nonce: The nonce of the store's join record (``phalanx.comm.join.host_job``'s result).
+    """
+    return SignedStore(store, secret, f"{nonce}/live", PREFIX)
+
+
+def dead_key(member_id: str) -> str:
+    """Key of slot ``member_id``'s death record (relative to :data:`PREFIX`)."""
+    return f"dead/{member_id}"
+
+
+def report_death(live: SignedStore, member_id: str, incarnation: int) -> None:
+    """Record that incarnation ``incarnation`` of slot ``member_id`` died (the launcher's call).
+
+    The survivors then drop it from the next generation at once instead of waiting for its
+    heartbeat to go stale. A lower number than the one recorded is ignored (records only grow).
+
+    Raises:
+        ValueError: ``member_id`` is empty or ``incarnation`` is negative.
+    """
+    if not member_id:
+        raise ValueError(f"report_death: member_id must be a non-empty slot id, got {member_id!r}")
+    if isinstance(incarnation, bool) or not isinstance(incarnation, int) or incarnation < 0:
+        raise ValueError(f"report_death: incarnation must be an int >= 0, got {incarnation!r}")
+    known = live.get(dead_key(member_id), _as_incarnation)
+    if known is None or known < incarnation:
+        live.put(dead_key(member_id), incarnation)
+
+
+def _as_incarnation(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise TypeError(f"an incarnation must be an int >= 0, got {value!r}")
+    return value
