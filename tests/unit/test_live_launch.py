@@ -66,13 +66,13 @@ def test_death_marker_is_a_signed_integer_that_only_grows() -> None:
     store = dist.HashStore()
     signer = live_keys.live_signer(store, SECRET, "n1")
     assert live_keys.dead_incarnation(signer, "0.1") is None
-    live_keys.mark_dead(signer, "0.1", 1)
+    live_keys.report_death(signer, "0.1", 1)
     raw = store.get("phalanx/live/dead/0.1").decode()
     magic, tag, payload = raw.split(" ")
     context = b"\0".join((b"phalanx-store/1", b"n1/live", b""))
     mine = hmac.new(SECRET, context + b"phalanx/live/dead/0.1\x001", hashlib.sha256).hexdigest()
     assert (magic, tag, payload) == ("phx1", mine, "1")  # the documented frame
-    live_keys.mark_dead(signer, "0.1", 0)  # an older death never overwrites a newer one
+    live_keys.report_death(signer, "0.1", 0)  # an older death never overwrites a newer one
     assert live_keys.dead_incarnation(signer, "0.1") == 1
     # A worker's signer over the prefix phalanx/live/ reads the same frame.
     prefixed = SignedStore(store, SECRET, "n1/live", "phalanx/live/")

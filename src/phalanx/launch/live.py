@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 from phalanx.comm.signed import SignedStore
 from phalanx.launch.events import Events
-from phalanx.launch.live_keys import INCARNATION_ENV, MEMBER_ENV, mark_dead, replacement_env
+from phalanx.launch.live_keys import INCARNATION_ENV, MEMBER_ENV, replacement_env, report_death
 from phalanx.launch.live_outcome import Death, NodeOutcome, node_outcome, to_json
 from phalanx.launch.rendezvous import store_call
 from phalanx.launch.summary import failure_of
@@ -168,6 +168,6 @@ class LiveNode:
 
     def _mark_dead(self, member: str, incarnation: int) -> None:
         try:
-            mark_dead(self.dead, member, incarnation)
+            report_death(self.dead, member, incarnation)
         except (RuntimeError, OSError) as exc:
             self.log(f"cannot write the death of member {member} to the worker store: {exc}")

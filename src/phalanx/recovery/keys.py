@@ -1,4 +1,9 @@
-"""The store keys of live recovery, and the signer every writer of them must use.
+"""The contract of live recovery: the workers' variables, the store keys, and their signer.
+
+``phalanx run --recovery live`` gives every worker ``PHALANX_RECOVERY=live``,
+``PHALANX_MEMBER_ID=<node_rank>.<local_rank>`` (its slot, stable for the job) and
+``PHALANX_INCARNATION=<n>`` (0 for the slot's first process, n for its n-th replacement);
+``phalanx.launch.live_keys`` builds them.
 
 All keys live under ``phalanx/live/`` in the job-long TCPStore of ``phalanx run --recovery live``
 (the agent's). Every value is a signed frame (:mod:`phalanx.comm.signed`) under the scope
@@ -25,9 +30,24 @@ import torch.distributed as dist
 
 from phalanx.comm.signed import SignedStore
 
-__all__ = ["PREFIX", "live_signer", "report_death"]
+__all__ = [
+    "INCARNATION_ENV",
+    "LIVE_ENV",
+    "MEMBER_ENV",
+    "PREFIX",
+    "RECOVERY_ENV",
+    "dead_incarnation",
+    "dead_key",
+    "live_signer",
+    "report_death",
+]
 
 PREFIX = "phalanx/live/"
+RECOVERY_ENV = "PHALANX_RECOVERY"
+MEMBER_ENV = "PHALANX_MEMBER_ID"
+INCARNATION_ENV = "PHALANX_INCARNATION"
+LIVE_ENV = (RECOVERY_ENV, MEMBER_ENV, INCARNATION_ENV)
+"""Every variable of the live contract (absent from a worker of ``--recovery restart``)."""
 
 
 def live_signer(store: dist.Store, secret: bytes | None, nonce: str) -> SignedStore:
@@ -62,6 +82,11 @@ def report_death(live: SignedStore, member_id: str, incarnation: int) -> None:
     known = live.get(dead_key(member_id), _as_incarnation)
     if known is None or known < incarnation:
         live.put(dead_key(member_id), incarnation)
+
+
+def dead_incarnation(live: SignedStore, member_id: str) -> int | None:
+    """The newest incarnation of slot ``member_id`` recorded dead, or None (none, or forged)."""
+    return live.get(dead_key(member_id), _as_incarnation)
 
 
 def _as_incarnation(value: object) -> int:

@@ -22,13 +22,10 @@ from phalanx.comm.signed import SignedStore
 from phalanx.comm.store import connect_store
 from phalanx.recovery.agree import POLL_S
 from phalanx.recovery.errors import RecoveryError
+from phalanx.recovery.keys import INCARNATION_ENV, MEMBER_ENV, RECOVERY_ENV
 from phalanx.recovery.membership import Member, parse_members, sort_members
 
 __all__ = ["LiveEnv", "gather", "live_mode", "read_env"]
-
-RECOVERY_ENV = "PHALANX_RECOVERY"
-MEMBER_ENV = "PHALANX_MEMBER_ID"
-INCARNATION_ENV = "PHALANX_INCARNATION"
 
 
 def live_mode() -> bool:
