@@ -44,8 +44,12 @@ $(NOEXTRAS)/.installed: $(NOEXTRAS)/.base $(SRC)
 smoke-noextras: $(NOEXTRAS)/.installed
 	$(NOEXTRAS)/bin/python tests/noextras/smoke.py
 
+# Two pytest workers (pytest-xdist), a test file each at a time: most tests wait on processes,
+# sockets and sleeps more than they compute. PYTEST_WORKERS=0 runs the suite in one process.
+PYTEST_WORKERS ?= 2
+
 test: $(STAMP) lint smoke-noextras
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 clean:
 	rm -rf $(VENV) $(NOEXTRAS) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
