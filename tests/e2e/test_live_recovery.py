@@ -48,8 +48,17 @@ def _events(text: str) -> list[tuple[str, int | None]]:
 
 
 def test_a_dead_worker_alone_is_replaced_and_the_others_keep_their_pids(tmp_path: Path) -> None:
-    flags = ["--standalone", "--nproc-per-node", "3", "--recovery", "live", "--max-restarts", "1",
-             "--event-log-handler", "console"]  # fmt: skip
+    flags = [
+        "--standalone",
+        "--nproc-per-node",
+        "3",
+        "--recovery",
+        "live",
+        "--max-restarts",
+        "1",
+        "--event-log-handler",
+        "console",
+    ]
     code, text = _run(tmp_path, *flags)
     assert code == 0, text
     for member in ("0.0", "0.2"):  # one process each, start to end: never restarted
@@ -92,8 +101,20 @@ def test_two_agents_each_replace_their_own_workers(tmp_path: Path) -> None:
     # Two agents on one machine (nodes 0 and 1 over loopback): node 1's worker dies, node 1's
     # agent replaces it and writes the death marker through node 0's worker store.
     port = free_port()
-    common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
-              "--master-port", str(port), "--recovery", "live", "--max-restarts", "1"]  # fmt: skip
+    common = [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        "--recovery",
+        "live",
+        "--max-restarts",
+        "1",
+    ]
     env = launcher_env(PHALANX_JOB_SECRET="ab" * 32)
     procs = [
         start(
@@ -143,8 +164,18 @@ def _wait_started(proc: subprocess.Popen[str], folder: Path, count: int) -> None
 
 def _two_agents(folder: Path) -> list[subprocess.Popen[str]]:
     """Nodes 0 and 1 (one worker each, over loopback) whose workers wait until stopped."""
-    common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
-              "--master-port", str(free_port()), "--recovery", "live"]  # fmt: skip
+    common = [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "--recovery",
+        "live",
+    ]
     env = launcher_env(PHALANX_JOB_SECRET="cd" * 32)
     return [
         start([*PHALANX_RUN, *common, "--node-rank", str(n), SCRIPT, str(folder), "9.9", "0"], env)

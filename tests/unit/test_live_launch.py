@@ -45,8 +45,10 @@ def test_live_workers_get_their_slot_and_restart_workers_none_of_it() -> None:
     base = {"PATH": "/bin", "PHALANX_RECOVERY": "live", "PHALANX_INCARNATION": "4"}
     live = worker_env(base, PLACE, JobContext("h", 1, 0, 3, "r", recovery="live"))
     assert {k: live[k] for k in live_keys.LIVE_ENV} == {
-        "PHALANX_RECOVERY": "live", "PHALANX_MEMBER_ID": "1.2", "PHALANX_INCARNATION": "0"
-    }  # fmt: skip
+        "PHALANX_RECOVERY": "live",
+        "PHALANX_MEMBER_ID": "1.2",
+        "PHALANX_INCARNATION": "0",
+    }
     restart = worker_env(base, PLACE, JobContext("h", 1, 0, 3, "r"))
     assert not set(live_keys.LIVE_ENV) & set(restart)  # not even inherited from the launcher
     assert {k: v for k, v in live.items() if k not in live_keys.LIVE_ENV} == restart
@@ -192,8 +194,9 @@ def test_a_slot_that_dies_twice_is_replaced_once_then_lost_and_the_job_succeeds(
     node, lines = _live_node(specs, max_replacements=1)
     outcome = _until_all_exited(node)
     assert [(d.member, d.incarnation, d.replaced) for d in outcome.deaths] == [
-        ("0.1", 0, True), ("0.1", 1, False)
-    ]  # fmt: skip
+        ("0.1", 0, True),
+        ("0.1", 1, False),
+    ]
     assert node.workers.workers[1].spec.env["PHALANX_INCARNATION"] == "1"
     assert live_keys.dead_incarnation(node.dead, "0.1") == 1
     assert "replaced by pid" in lines[0] and "no replacement left (1 of 1 used" in lines[1]
