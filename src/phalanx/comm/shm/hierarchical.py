@@ -14,9 +14,10 @@ sends its sum once instead of every rank sending its own. ``AVG`` travels as ``S
 divided at the end. Sums are added in another order than gloo's (within a host first), so
 floating-point results match gloo's within rounding, integers and MIN / MAX exactly.
 ``barrier`` and every other collective (broadcast, all_gather, reduce_scatter, all_to_all,
-P2P, object collectives) are not defined here, so torch dispatches them to the gloo group:
-correct at any placement, without the shared-memory speed. The group gives no shared buffers
-(``gives_shared_buffers`` is false), so DDP and ZeRO keep their buffers in plain memory.
+P2P, object collectives) go to the gloo group (those torch's trampoline forwards, explicitly:
+see the note above ``broadcast``): correct at any placement, without the shared-memory speed.
+The group gives no shared buffers (``gives_shared_buffers`` is false), so DDP and ZeRO keep
+their buffers in plain memory.
 
 A failure between machines (a leader's gloo call raising) marks the host's shared group broken,
 so that the ranks waiting for their leader fail at once instead of at the timeout.
@@ -119,6 +120,55 @@ class HierarchicalProcessGroup(ShmGroup):
                 flat.div_(size)
 
         return self._executor.submit(run, tensors, wake=bool(getattr(opts, "asyncOp", True)))
+
+    # The calls torch's Python trampoline forwards (``PyProcessGroup``) go to gloo explicitly:
+    # left to the trampoline's fallback, gloo's enqueue ran holding the GIL, while gloo's worker
+    # thread, holding its queue's lock, waited for the GIL to free a finished call's tensors (a
+    # deadlock seen under load). Called from Python, gloo's bindings release the GIL.
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:  # type: ignore[override]
+        return self._gloo.broadcast(tensors, opts)  # type: ignore[attr-defined]
+
+    def allgather(  # type: ignore[override]
+        self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any
+    ) -> dist.Work:
+        return self._gloo.allgather(output_tensors, input_tensors, opts)  # type: ignore[attr-defined]
+
+    def all_gather_single(self, output: torch.Tensor, inp: torch.Tensor, opts: Any) -> dist.Work:  # type: ignore[override]
+        return self._gloo._allgather_base(output, inp, opts)  # type: ignore[attr-defined]
+
+    _allgather_base = all_gather_single  # type: ignore[assignment]
+
+    def reduce_scatter(  # type: ignore[override]
+        self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any
+    ) -> dist.Work:
+        return self._gloo.reduce_scatter(output_tensors, input_tensors, opts)  # type: ignore[attr-defined]
+
+    def reduce_scatter_single(
+        self, output: torch.Tensor, inp: torch.Tensor, opts: Any
+    ) -> dist.Work:
+        return self._gloo._reduce_scatter_base(output, inp, opts)  # type: ignore[attr-defined]
+
+    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
+
+    def all_to_all_single(  # type: ignore[override]
+        self,
+        output: torch.Tensor,
+        inp: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any,
+    ) -> dist.Work:
+        return self._gloo.alltoall_base(  # type: ignore[attr-defined]
+            output, inp, output_split_sizes, input_split_sizes, opts
+        )
+
+    alltoall_base = all_to_all_single  # type: ignore[assignment]
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:  # type: ignore[override]
+        return self._gloo.reduce(tensors, opts)  # type: ignore[attr-defined]
+
+    def barrier(self, opts: Any = None) -> dist.Work:
+        return self._gloo.barrier(opts if opts is not None else dist.BarrierOptions())  # type: ignore[attr-defined]
 
     def __repr__(self) -> str:
         return f"HierarchicalProcessGroup(rank={self._rank}, size={self._size}, hosts={self.hosts})"
