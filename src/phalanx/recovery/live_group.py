@@ -260,7 +260,7 @@ class LiveGroup:
     def _advance(self, k: int, base: Sequence[Member], proposal: Sequence[Member] | None) -> None:
         """Agree on and build generation ``k`` (or a later one, if members fail meanwhile)."""
         tries = 2 * len(base) + 2  # each failed round loses at least one member
-        for _ in range(tries):
+        for attempt in range(tries):
             agreed = self._board.agree(k, base, proposal)
             if self.me not in agreed:
                 self._heartbeat.stop()
@@ -269,7 +269,7 @@ class LiveGroup:
                     f"{k} ({', '.join(map(str, agreed))}); exit this process so the launcher "
                     f"starts a replacement, which receives the live state"
                 )
-            if self._form(k, agreed):
+            if self._form(k, agreed, attempt):
                 return
             base, proposal, k = agreed, None, k + 1
         raise RecoveryError(
@@ -277,8 +277,12 @@ class LiveGroup:
             f"members keep failing: restart the job from its newest checkpoint"
         )
 
-    def _form(self, k: int, agreed: list[Member]) -> bool:
-        """Build generation ``k``'s default group; False when a member failed meanwhile."""
+    def _form(self, k: int, agreed: list[Member], attempt: int = 0) -> bool:
+        """Build generation ``k``'s default group; False when a member failed meanwhile.
+
+        The group's rendezvous may take ``init_timeout`` doubled for each earlier failed
+        attempt (at most the collective timeout): on a loaded machine a rendezvous of live
+        members can outlast the first one (a dead member is cut at once by the watch)."""
         readiness = self._board.ready(k, agreed, self._stateful)
         if readiness.failed:
             lost = ", ".join(map(str, readiness.failed))
@@ -294,7 +298,7 @@ class LiveGroup:
                     store=prefixed,
                     rank=rank,
                     world_size=len(agreed),
-                    timeout=timedelta(seconds=self._init_timeout),
+                    timeout=timedelta(seconds=min(self._timeout, self._init_timeout * 2**attempt)),
                 )
             dist.distributed_c10d._set_pg_timeout(timedelta(seconds=self._timeout))
         except RuntimeError as exc:  # a member died between "ready" and the group's rendezvous
