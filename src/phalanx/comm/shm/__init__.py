@@ -37,7 +37,7 @@ def _create(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -
 
     met = meet(dist.PrefixStore("phalanx_shm_meet/", store), rank, world_size, timeout)
     if met.one_host:
-        return ShmProcessGroup(store, rank, world_size, timeout)
+        return ShmProcessGroup(store, rank, world_size, timeout, met)  # met once, not twice
     return HierarchicalProcessGroup(store, rank, world_size, timeout, met.hosts)
 
 

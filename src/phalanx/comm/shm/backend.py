@@ -29,7 +29,7 @@ from phalanx.comm.shm.descriptor import Call
 from phalanx.comm.shm.futex import available
 from phalanx.comm.shm.layout import Layout
 from phalanx.comm.shm.ops import check_dtype, check_reduction, op_code
-from phalanx.comm.shm.segment import check_one_host, open_segment
+from phalanx.comm.shm.segment import Meeting, check_one_host, open_segment
 from phalanx.comm.shm.settings import slot_bytes_from_env, spin_seconds_from_env
 from phalanx.comm.shm.sync import Arrivals
 from phalanx.comm.shm.worker import Executor, ShmWork
@@ -80,13 +80,21 @@ class ShmGroup(dist.ProcessGroup):
 class ShmProcessGroup(ShmGroup):
     """A process group whose collectives go through one shared-memory segment."""
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta):
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        timeout: timedelta,
+        met: Meeting | None = None,
+    ):
+        """``met``: where the ranks run, when the caller met them already (else met here)."""
         super().__init__(rank, world_size)
         reason = available()
         if reason is not None:
             raise RuntimeError(f"backend='shm' cannot run on {reason}; use backend='gloo'")
         layout, spin = Layout(world_size, slot_bytes_from_env()), spin_seconds_from_env()
-        processes = check_one_host(store, rank, world_size, timeout)
+        processes = met.processes if met else check_one_host(store, rank, world_size, timeout)
         path, segment = open_segment(store, rank, world_size, layout.total_bytes, timeout)
         self.segment_path = path
         """Where the group's segment was in /dev/shm (unlinked once every rank mapped it)."""
