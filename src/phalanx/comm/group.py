@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "World",
+    "adopt_world",
     "destroy_process_group",
     "init_process_group",
     "is_initialized",
@@ -346,6 +347,17 @@ def destroy_process_group() -> None:
         dist.destroy_process_group()
     _WORLD = None
     _SIGNED = None
+
+
+def adopt_world(record: World | None) -> None:
+    """Make ``record`` this process's :func:`world` for a default group built elsewhere.
+
+    Live recovery (``phalanx.recovery.LiveGroup``) builds a new default group for each
+    generation, with ranks and a size of its own; the job records each here, so that what asks
+    :func:`world` (the progress bar's rank, profiles) follows. None forgets it.
+    """
+    global _WORLD
+    _WORLD = record
 
 
 def is_initialized() -> bool:

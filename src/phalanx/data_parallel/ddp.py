@@ -170,6 +170,25 @@ class DistributedDataParallel(nn.Module, Joinable):
             tensors + (self._synced_buffers() if with_buffers else []), src, self.process_group
         )
 
+    def regroup(self, process_group: dist.ProcessGroup | None = None) -> None:
+        """Reduce over ``process_group`` from now on (None: the current default group).
+
+        For live recovery, which replaces the default group when ranks are lost or join
+        (``phalanx.Job`` in a ``phalanx run --recovery live`` job calls it): the reducer is
+        rebuilt, keeping a registered communication hook, and a reduction in flight is
+        dropped. Nothing is broadcast: the caller makes the replicas equal.
+        """
+        old = self.reducer
+        if old is not None:
+            old.remove_hooks()
+        if self._delayed is not None:
+            self._delayed.remove()
+        self.process_group = opts.resolve_group(process_group, None)
+        self._delayed = self._build_delayed(broadcast=False)
+        self.reducer = self._build_reducer()
+        if old is not None and self.reducer is not None:
+            self.reducer.hook, self.reducer.hook_state = old.hook, old.hook_state
+
     # ---- pickling: torch.save(ddp_model), copy.deepcopy -------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from phalanx.recovery.errors import Excluded, RecoveryError
+from phalanx.recovery.errors import Excluded, JobFinished, RecoveryError
 from phalanx.recovery.keys import live_signer, report_death
 from phalanx.recovery.live_group import LiveGroup
 from phalanx.recovery.membership import Member
@@ -18,6 +18,7 @@ from phalanx.recovery.transfer import rng_state, set_rng_state, share_state
 
 __all__ = [
     "Excluded",
+    "JobFinished",
     "LiveGroup",
     "Member",
     "RecoveryError",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["Excluded", "RecoveryError"]
+__all__ = ["Excluded", "JobFinished", "RecoveryError"]
 
 
 class RecoveryError(RuntimeError):
@@ -15,3 +15,7 @@ class Excluded(RecoveryError):
     Its in-memory state is no longer the job's: the process should exit (non-zero), and the
     launcher starts a replacement for its slot, which joins and receives the live state.
     """
+
+
+class JobFinished(RecoveryError):
+    """A replacement arrived after the job's members finished: there is nothing to join."""

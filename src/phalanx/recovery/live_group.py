@@ -29,7 +29,7 @@ import torch.distributed as dist
 from phalanx.comm.signed import SignedStore
 from phalanx.recovery import startup
 from phalanx.recovery.agree import POLL_S, Board, members_key
-from phalanx.recovery.errors import Excluded, RecoveryError
+from phalanx.recovery.errors import Excluded, JobFinished, RecoveryError
 from phalanx.recovery.heartbeat import Heartbeat
 from phalanx.recovery.keys import PREFIX, _as_incarnation, dead_key, live_signer
 from phalanx.recovery.membership import Member, admissible, is_dead, parse_members, sort_members
@@ -40,6 +40,9 @@ __all__ = ["LiveGroup"]
 INIT_TIMEOUT_S = 3.0
 """Rendezvous timeout of a generation's group: every member already said ready, so gloo's
 connections take milliseconds; a member that died meanwhile then costs seconds, not minutes."""
+
+FINISHED = "finished"
+"""Key a member writes when it closes: no generation will admit anyone after it."""
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +247,9 @@ class LiveGroup:
             self._fresh.remove(self.me)
 
     def close(self) -> None:
-        """Stop the heartbeat and destroy the default group (at the end of training)."""
+        """Stop the heartbeat and destroy the default group (at the end of training); a
+        replacement still waiting to be admitted then learns that the job finished."""
+        self._live.put(FINISHED, self._generation)
         self._heartbeat.stop()
         self._teardown()
 
@@ -355,6 +360,12 @@ class LiveGroup:
                     if not self._form(k, agreed):
                         self._advance(k + 1, agreed, None)
                     return
+            if self._live.get(FINISHED) is not None:
+                self._heartbeat.stop()
+                raise JobFinished(
+                    f"member {self.me} arrived after the job's members finished training: "
+                    f"nothing is left to join; exit this process with success"
+                )
             died = self._live.get(dead_key(self.me.member_id), _as_incarnation)
             if died is not None and died >= self.me.incarnation:
                 self._heartbeat.stop()

@@ -29,14 +29,17 @@ import torch
 from torch import nn
 
 from phalanx.comm import group as pg
+from phalanx.data.elastic_sampler import ElasticSampler
 from phalanx.data.sampler import DistributedSampler
 from phalanx.mesh.groups import ParallelGroups
 from phalanx.parameter_server import ServerReport
+from phalanx.recovery.startup import live_mode
 from phalanx.train import job_checkpoint, job_clip, job_data
 from phalanx.train.gather import Number
 from phalanx.train.job_args import check_epochs, check_job_args, check_slow_down
 from phalanx.train.job_data import DATA_SEED
 from phalanx.train.job_phases import JobPhases
+from phalanx.train.live import LiveTraining
 from phalanx.train.loop_helpers import (
     Timer,
     configure_logging,
@@ -87,6 +90,11 @@ class Job:
             one phase for several steps is named, with the phase, in the log, the metrics and
             :attr:`straggler_finding` (see ``train/straggler_rule.py``).
         straggler_rule: The detector's margins and persistence (``phalanx.train.StragglerRule``).
+        recovery: "live": survive lost ranks in-process and admit replacements
+            (:mod:`phalanx.train.live`; DDP, ``grad_accum=1``, launched by
+            ``phalanx run --recovery live``); "restart": a lost rank ends the job's processes
+            (the launcher restarts them from the newest checkpoint); None: what the launcher
+            was told (``--recovery``).
     """
 
     @check_job_args
@@ -105,13 +113,30 @@ class Job:
         backend: str | None = None,
         straggler_check_every: int = 5,
         straggler_rule: StragglerRule | None = None,
+        recovery: str | None = None,
     ) -> None:
         chosen = resolve(strategy)  # a preset's own errors come before any process group
+        self.live: LiveTraining | None = None
+        """Live recovery at work (``recovery="live"``), else None: its ``regroups`` and
+        ``ledger`` say what happened."""
+        live = (recovery or ("live" if live_mode() else "restart")) == "live"
+        if live:
+            chosen = LiveTraining.strategy(chosen, grad_accum)
+            straggler_check_every = 0  # its asynchronous gathers would outlive a group
         self.strategy = chosen
         """The strategy's options (a preset name resolved: ``Job("zero2").strategy`` is
         ``Zero(stage=2)``)."""
         self.owns_group = not pg.is_initialized()
-        self.world = pg.init_process_group(backend) if self.owns_group else pg.world()
+        if live:
+            if not self.owns_group:
+                raise ValueError(
+                    "Job(recovery='live') builds the default process group itself (a "
+                    "phalanx.recovery.LiveGroup); do not call init_process_group() before it"
+                )
+            self.live = LiveTraining.start()
+            self.world = self.live.world()
+        else:
+            self.world = pg.init_process_group(backend) if self.owns_group else pg.world()
         self.seed = seed
         """The seed given (None: no generator was seeded)."""
         self.data_seed = DATA_SEED if seed is None else seed
@@ -147,7 +172,7 @@ class Job:
         """When the job steps :attr:`scheduler`: "step", "epoch" or "manual" (see ``setup``)."""
         self.tracked: dict[str, Stateful] = {}
         """Objects checkpointed by name with every save (:meth:`track`)."""
-        self.sampler: DistributedSampler | None = None
+        self.sampler: DistributedSampler | ElasticSampler | None = None
         self.slowdown: Slowdown | None = None
         """An injected straggler (:meth:`slow_down`), for experiments."""
         self.step_count = 0
@@ -194,6 +219,8 @@ class Job:
         self.loss_fn = made.loss_fn
         self._arm_sync()
         self.runner.attach_phases(self.timing.enter)
+        if self.live is not None:
+            self.live.after_setup(self)
         return made.model, made.optimizer
 
     def loader(
@@ -237,7 +264,7 @@ class Job:
         start = self.resume() if not self._resumed else self.epoch
         for epoch in range(start, n):
             self.epoch = epoch
-            if self.sampler is not None:
+            if self.sampler is not None and self.live is None:  # a live job's moves by commits
                 self.sampler.set_epoch(epoch)
             yield epoch
             if self.schedule == "epoch" and self.scheduler is not None:
@@ -272,7 +299,12 @@ class Job:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss / grad_accum``; gradients sync only on the last micro-step."""
         self.timing.mark_backward()
-        self.precision.backward(loss / self.grad_accum if self.grad_accum > 1 else loss)
+        if self.live is not None:
+            live, scale = self.live, self.live.loss_scale()
+            scaled = loss if scale == 1.0 else loss * scale
+            live.guard(self, lambda: self.precision.backward(scaled))
+        else:
+            self.precision.backward(loss / self.grad_accum if self.grad_accum > 1 else loss)
         self.timing.enter("optimizer")
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -299,8 +331,15 @@ class Job:
         self.timing.enter("optimizer")
         if self.slowdown is not None:
             self.slowdown.end(self.step_count)
+        live = self.live
+        if live is not None and not live.guard(self, lambda: live.sync_buffers(self)):
+            if opt is not None:  # a failed step: its gradients are dropped, the loader redoes it
+                opt.zero_grad(set_to_none=True)
+            return False
         # Parameter servers step the optimizer (and the scheduler) on the servers.
         stepped_here = self.runner.step(opt, self.precision)
+        if live is not None:
+            live.commit(self)
         if stepped_here and self.schedule == "step" and self.scheduler is not None:
             self.scheduler.step()
         self.step_count += 1
@@ -335,7 +374,8 @@ class Job:
         while another is mid-epoch), so there each worker returns its own values, without
         communication, and the first worker writes its own.
         """
-        record = self.metrics.log if self.runner.logs_in_step() else self.metrics.log_local
+        in_step = self.runner.logs_in_step() and (self.live is None or not self.live.failed)
+        record = self.metrics.log if in_step else self.metrics.log_local
         averaged = record(self.step_count, **metrics)
         if self.metrics.is_writer:
             shown = " ".join(f"{k}={v:.4g}" for k, v in averaged.items())
@@ -389,7 +429,10 @@ class Job:
         self.timing.close()
         self.metrics.close()
         self.profiler.stop()
-        if self.owns_group:
+        if self.live is not None:
+            self.live.group.close()
+            pg.adopt_world(None)
+        elif self.owns_group:
             pg.destroy_process_group()
 
     def __enter__(self) -> Job:

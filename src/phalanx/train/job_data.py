@@ -62,6 +62,10 @@ def make_loader(
         order = False if shuffle is None else shuffle
         sampler = EvalSampler(dataset, replicas, replica, order, job.data_seed)
         return EvalLoader(dataset, batch_size, sampler=sampler, **kwargs)  # type: ignore[arg-type]
+    if job.live is not None:  # global batches over the membership of each step
+        order = True if shuffle is None else shuffle
+        elastic = job.live.sampler(job, dataset, batch_size, order, drop_last)
+        return torch.utils.data.DataLoader(dataset, batch_sampler=elastic, **kwargs)  # type: ignore[arg-type]
     job.sampler = DistributedSampler(
         dataset,
         num_replicas=replicas,
@@ -103,7 +107,8 @@ def progress(job: Job, loader: Iterable[object], desc: str | None) -> Iterator[o
     if job.runner.serving():
         return
     total = batches_left(loader, job.sampler)
-    bar = bar_over(loader, desc=desc or f"epoch {job.epoch}", total=total, enabled=shown)
+    batches = loader if job.live is None else job.live.batches(job, loader)
+    bar = bar_over(batches, desc=desc or f"epoch {job.epoch}", total=total, enabled=shown)
     job._timer.start_epoch()
     job.timing.enter("data")
     try:

@@ -28,12 +28,18 @@ class DDP(Strategy):
         bucket_cap_mb: Bucket size in MiB (None: DDP's default, 25).
         find_unused_parameters: Allow parameters that get no gradient in some steps.
         gradient_as_bucket_view: Gradients are views into the buckets (saves one copy).
+        init_sync: Broadcast rank 0's parameters and buffers when the model is wrapped (torch's
+            default); live recovery turns it off and makes the replicas equal itself.
+        broadcast_buffers: Broadcast rank 0's buffers before each forward (torch's default);
+            live recovery turns it off and does it at the step instead (``train/live.py``).
     """
 
     name: ClassVar[str] = "ddp"
     bucket_cap_mb: float | None = None
     find_unused_parameters: bool = False
     gradient_as_bucket_view: bool = False
+    init_sync: bool = True
+    broadcast_buffers: bool = True
 
     def __post_init__(self) -> None:
         check_fields(
@@ -41,6 +47,8 @@ class DDP(Strategy):
             bucket_cap_mb=optional(rule(check_float, above=0)),
             find_unused_parameters=FLAG,
             gradient_as_bucket_view=FLAG,
+            init_sync=FLAG,
+            broadcast_buffers=FLAG,
         )
 
     def wrap(self, model: nn.Module, world: World) -> nn.Module:
@@ -54,6 +62,8 @@ class DDP(Strategy):
             bucket_cap_mb=self.bucket_cap_mb,
             find_unused_parameters=self.find_unused_parameters,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
+            init_sync=self.init_sync,
+            broadcast_buffers=self.broadcast_buffers,
         )
 
     def sync_owners(

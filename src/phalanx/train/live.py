@@ -1,0 +1,302 @@
+"""Live recovery inside :class:`phalanx.Job`: survivors of a lost rank go on, replacements join.
+
+In a worker of ``phalanx run --recovery live`` (or with ``Job(recovery="live")``) the job's
+default group is a :class:`phalanx.recovery.LiveGroup`, ``job.loader`` deals global batches of
+``batch_size x`` the launcher's world size with a :class:`phalanx.data.ElasticSampler`, and the
+job's own collectives are guarded. The training loop does not change:
+
+* **A failed step is redone.** When a collective of ``job.backward`` / ``job.step`` raises
+  because a peer died (gloo raises within about 0.1 s; a hung peer times out), this member
+  drops the step's gradients, agrees with the other survivors on the next generation
+  (``LiveGroup.recover``), and ``job.step`` returns False. ``job.progress`` then hands out the
+  same global batch again, re-split over the new membership, and each member's loss is scaled so
+  that the average is still the global batch's mean (``StepPlan.mean_scale``).
+* **No committed step is lost.** A survivor may have completed the failed step (its all-reduce
+  finished before the peer died; the failure surfaced at its next collective). After every
+  membership change the members bring everyone to the highest committed step
+  (:func:`.live_state.exchange`): whoever is behind receives the state, over the network.
+* **Replacements join at a step boundary.** Before each step, every member takes part in one
+  ``LiveGroup.admit``. A replacement's ``Job.setup`` joins the exchange that follows its
+  admission and receives the model, optimizer, scheduler, sampler, ledger, RNG and tracked
+  objects from a live member; nothing is read from disk.
+* **One collective order.** After any change every member's next collective is the boundary's
+  admit, so a survivor that noticed the failure in its backward and one that noticed it at the
+  next step's boundary meet there. ``job.log`` and ``job.save`` after a failed step skip their
+  communication (the step holds nothing new).
+* **Every sample exactly once per epoch**: each commit records the whole step's sample ids
+  (every rank's) in :attr:`LiveTraining.ledger`, handed to newcomers with the state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from phalanx.comm import group as pg
+from phalanx.comm.env import discover_env
+from phalanx.data.elastic_plan import StepPlan
+from phalanx.data.elastic_sampler import ElasticSampler
+from phalanx.data.ledger import SampleLedger
+from phalanx.recovery import JobFinished, LiveGroup, RecoveryError
+from phalanx.train.live_state import Held, exchange
+from phalanx.train.strategies.base import Strategy
+from phalanx.train.strategies.ddp import DDP
+
+if TYPE_CHECKING:  # the job calls these with itself; no import at run time
+    from phalanx.train.job import Job
+
+__all__ = ["LiveTraining", "Regroup", "is_peer_failure"]
+
+log = logging.getLogger(__name__)
+_END = object()
+_PEER_WORDS = ("connection", "gloo", "timed out", "timeout", "closed", "broken pipe", "peer")
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` says a collective failed because of a peer (not a bug of this rank)."""
+    if isinstance(exc, dist.DistError):
+        return True
+    return isinstance(exc, RuntimeError) and any(w in str(exc).lower() for w in _PEER_WORDS)
+
+
+@dataclass(frozen=True)
+class Regroup:
+    """One membership change of a live job, as this member saw it."""
+
+    kind: str
+    """"lost" (a collective failed), or "joined" (replacements admitted at a boundary)."""
+    generation: int
+    """The generation formed."""
+    world_size: int
+    """Members of that generation."""
+    step: int
+    """Committed steps when it formed (after the exchange)."""
+    seconds: float
+    """From noticing the change to the new group's state being settled."""
+    source: int | None
+    """Rank that sent the state to the members behind (None: everyone was at that step)."""
+
+
+class LiveTraining:
+    """The live-recovery side of one :class:`phalanx.Job` (``job.live``).
+
+    Args:
+        group: The job's :class:`~phalanx.recovery.LiveGroup`.
+        launch_world_size: The launcher's world size: the global batch is ``batch_size`` times
+            it, whatever the membership.
+    """
+
+    def __init__(self, group: LiveGroup, launch_world_size: int) -> None:
+        self.group = group
+        self.launch_world_size = launch_world_size
+        self.held = Held()
+        self.regroups: list[Regroup] = []
+        """Every membership change this member went through, in order."""
+        self.failed = False
+        """The step in progress failed: its gradients are dropped and it is redone."""
+        self.changed = False
+        """The membership changed since ``job.progress`` opened its loader iterator."""
+        self.plan: StepPlan | None = None
+        """The step in progress (its global batch and this membership's split)."""
+
+    @classmethod
+    def start(cls) -> LiveTraining:
+        """Join the live job this process was started for (``phalanx run --recovery live``).
+
+        A replacement that arrives after the others finished exits with success (status 0):
+        there is no training left for it, and the launcher counts the slot as finished.
+        """
+        try:
+            return cls(LiveGroup.from_env("gloo"), discover_env().world_size)
+        except JobFinished as exc:
+            log.warning("%s", exc)
+            raise SystemExit(0) from exc
+
+    @property
+    def ledger(self) -> SampleLedger | None:
+        """Sample ids of every committed step (None until ``job.loader`` is called)."""
+        return self.held.ledger
+
+    def world(self, before: pg.World | None = None) -> pg.World:
+        """The current generation's :class:`phalanx.World` (also ``phalanx.world()``)."""
+        g = self.group
+        if before is None:
+            env = discover_env()
+            before = pg.World(
+                g.rank,
+                g.world_size,
+                env.local_rank,
+                env.local_world_size,
+                env.node_rank,
+                torch.device("cpu"),
+                "gloo",
+            )
+        made = dataclasses.replace(before, rank=g.rank, world_size=g.world_size)
+        pg.adopt_world(made)
+        return made
+
+    # ---- set-up ------------------------------------------------------------------------------
+    @staticmethod
+    def strategy(chosen: Strategy, grad_accum: int) -> Strategy:
+        """The strategy a live job runs: phalanx's DDP, without its broadcasts of construction
+        and forward (this module makes the replicas equal; buffers sync at the step)."""
+        if not isinstance(chosen, DDP):
+            raise ValueError(
+                f"Job(recovery='live'): strategy={chosen!r} cannot recover live yet; live "
+                f"recovery supports phalanx.DDP() (use recovery='restart' for the others)"
+            )
+        if grad_accum != 1:
+            raise ValueError(
+                f"Job(recovery='live', grad_accum={grad_accum}): live recovery redoes whole "
+                f"steps of one batch; use grad_accum=1 and a larger batch_size"
+            )
+        return dataclasses.replace(chosen, init_sync=False, broadcast_buffers=False)
+
+    def after_setup(self, job: Job) -> None:
+        """The first generation takes rank 0's model; a replacement receives the state."""
+        model = job.runner.model
+        assert model is not None
+        if self.group.rank in self.group.newcomers:  # a replacement
+            self._regroup(job, "joined", time.monotonic())
+            return
+        tensors = [p.detach() for p in model.parameters()] + list(model.buffers())
+        for t in tensors:
+            dist.broadcast(t, 0)
+
+    def sampler(
+        self, job: Job, dataset: object, batch_size: int, shuffle: bool, drop_last: bool
+    ) -> ElasticSampler:
+        """``job.loader``'s sampler: global batches of ``batch_size x`` the launch world size."""
+        made = ElasticSampler(
+            dataset,  # type: ignore[arg-type]
+            batch_size * self.launch_world_size,
+            job.world.world_size,
+            job.world.rank,
+            shuffle=shuffle,
+            seed=job.data_seed,
+            drop_last=drop_last,
+        )
+        job.sampler = made
+        self.held.settle(job)
+        if self.held.ledger is None:
+            self.held.ledger = SampleLedger.for_sampler(made)
+        return made
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def batches(self, job: Job, loader: Iterable[object]) -> Iterator[object]:
+        """The epoch's batches: before each, a boundary; after a change, a new iterator."""
+        sampler = job.sampler
+        if not isinstance(sampler, ElasticSampler):
+            raise ValueError("Job.progress(loader): a live job trains on job.loader(...)'s loader")
+        batches: Iterator[object] | None = None
+        while sampler.epoch == job.epoch and sampler.plan() is not None:
+            self.boundary(job)
+            if batches is None or self.changed:
+                batches, self.changed = iter(loader), False
+            if sampler.epoch != job.epoch or sampler.plan() is None:
+                return  # a state received at the boundary ended the epoch
+            self.plan, self.failed = sampler.plan(), False
+            batch = next(batches, _END)
+            if batch is _END:
+                return
+            yield batch
+
+    def boundary(self, job: Job) -> None:
+        """Admit waiting replacements (every member calls it before every step)."""
+        started = time.monotonic()
+        while True:
+            try:
+                if not self.group.admit():
+                    return
+            except Exception as exc:
+                if not is_peer_failure(exc):
+                    raise
+                self.group.recover(exc)
+                self._regroup(job, "lost", started)
+                continue
+            self._regroup(job, "joined", started)
+
+    def loss_scale(self) -> float:
+        """Factor on this member's mean loss so that the average is the global mean."""
+        return 1.0 if self.plan is None else self.plan.mean_scale(self.group.rank)
+
+    def guard(self, job: Job, what: Callable[[], object]) -> bool:
+        """Run ``what`` (a step's communication); False after a peer failure (now recovered)."""
+        if self.failed:
+            return False
+        started = time.monotonic()
+        try:
+            what()
+            return True
+        except Exception as exc:
+            if not is_peer_failure(exc):
+                raise
+            self.group.recover(exc)
+            self._regroup(job, "lost", started)
+            return False
+
+    def sync_buffers(self, job: Job) -> None:
+        """Rank 0's buffers to everyone (what DDP's forward would have broadcast)."""
+        model = job.runner.model
+        for b in [] if model is None else list(model.buffers()):
+            dist.broadcast(b, 0)
+
+    def commit(self, job: Job) -> None:
+        """The step committed: move the sampler on and record every rank's samples."""
+        sampler, plan = job.sampler, self.plan
+        assert isinstance(sampler, ElasticSampler) and plan is not None
+        sampler.commit(plan)
+        if self.held.ledger is not None:
+            for r in range(plan.num_replicas):
+                self.held.ledger.record(plan.step, plan.epoch, r, sampler.indices(plan, r))
+        self.plan = None
+
+    # ---- membership changes ------------------------------------------------------------------
+    def _regroup(self, job: Job, kind: str, started: float) -> None:
+        """Settle a new generation: worlds, the committed step, the model's group, the sampler."""
+        self.failed = self.changed = True
+        while True:
+            job.world = self.world(job.world)
+            job.runner.world = job.world
+            try:
+                stateful = self.group.rank not in self.group.newcomers
+                moved = exchange(job, stateful, self.held)
+            except Exception as exc:
+                if not is_peer_failure(exc) or isinstance(exc, RecoveryError):
+                    raise
+                self.group.recover(exc)
+                continue
+            break
+        if moved is not None and self.group.rank in moved[1]:
+            self.group.state_received()
+        regroup = getattr(job.runner.model, "regroup", None)
+        if regroup is not None:
+            regroup()
+        if job.optimizer is not None:
+            job.optimizer.zero_grad(set_to_none=True)
+        if isinstance(job.sampler, ElasticSampler):
+            job.sampler.set_membership(job.world.world_size, job.world.rank)
+        event = Regroup(
+            kind,
+            self.group.generation,
+            self.group.world_size,
+            job.step_count,
+            time.monotonic() - started,
+            None if moved is None else moved[0],
+        )
+        self.regroups.append(event)
+        log.warning(
+            "live recovery: generation %d, %d members, step %d (%s; %.3f s)",
+            event.generation,
+            event.world_size,
+            event.step,
+            kind,
+            event.seconds,
+        )

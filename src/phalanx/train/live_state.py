@@ -1,0 +1,132 @@
+"""What a live job's members hand each other: the whole training state, in memory.
+
+After a membership change the members all-gather their committed step counts; the first member
+at the highest count sends :func:`collect`'s tree to every member behind it (a replacement, or a
+survivor whose last step failed while the others' completed) with
+:func:`phalanx.recovery.send_state`, and each receiver :func:`apply`-s it. Objects a newcomer
+has not built yet when it receives (the loader's sampler, tracked objects) keep their part in
+:class:`Pending` until they exist.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from phalanx.data.ledger import SampleLedger
+from phalanx.recovery import rng_state, set_rng_state
+from phalanx.recovery.transfer import receive_state, send_state
+
+if TYPE_CHECKING:  # the job calls these with itself; no import at run time
+    from phalanx.train.job import Job
+
+__all__ = ["Held", "apply", "collect", "exchange"]
+
+
+@dataclass
+class Held:
+    """The live job's sample ledger, and received parts whose objects do not exist yet."""
+
+    ledger: SampleLedger | None = None
+    """Sample ids of every committed step (all ranks'), from the job's first step on."""
+    sampler: dict[str, Any] | None = None
+    """A received sampler state, until ``job.loader`` builds the sampler."""
+    ledger_state: dict[str, Any] | None = None
+    """A received ledger, until the sampler (which it describes) exists."""
+    tracked: dict[str, Any] = field(default_factory=dict)
+    """Received states of objects not tracked yet, by name."""
+
+    def settle(self, job: Job) -> None:
+        """Load what the job has built since it received (call after ``loader`` / ``track``)."""
+        if job.sampler is not None and self.sampler is not None:
+            job.sampler.load_state_dict(self.sampler)
+            self.sampler = None
+        if job.sampler is not None and self.ledger_state is not None:
+            self.ledger, self.ledger_state = SampleLedger.from_dict(self.ledger_state), None
+        for name in [n for n in self.tracked if n in job.tracked]:
+            job.tracked[name].load_state_dict(self.tracked.pop(name))
+
+
+def _module(job: Job) -> Any:
+    model, _ = job.runner.checkpointed(saving=True)
+    return getattr(model, "module", model)
+
+
+def collect(job: Job, held: Held) -> dict[str, object]:
+    """This member's training state: model, optimizer, scheduler, sampler, ledger, RNG, step."""
+    _, optimizer = job.runner.checkpointed(saving=True)
+    sampler = job.sampler
+    state: dict[str, object] = {
+        "model": _module(job).state_dict(),
+        "step": job.step_count,
+        "epoch": job.epoch,
+        "rng": rng_state(),
+        "sampler": sampler.state_dict() if sampler is not None else held.sampler,
+        "ledger": held.ledger.to_dict() if held.ledger is not None else held.ledger_state,
+        "tracked": {
+            **held.tracked,
+            **{name: obj.state_dict() for name, obj in job.tracked.items()},
+        },
+    }
+    if optimizer is not None:
+        state["optim"] = optimizer.state_dict()
+    if job.scheduler is not None:
+        state["scheduler"] = job.scheduler.state_dict()
+    if job.precision.scaler is not None:
+        state["scaler"] = job.precision.scaler.state_dict()
+    return state
+
+
+def apply(job: Job, state: dict[str, Any], held: Held) -> None:
+    """Load a received state into ``job`` (and ``held``: what the job has not built yet)."""
+    _module(job).load_state_dict(state["model"])
+    _, optimizer = job.runner.checkpointed(saving=False)
+    if optimizer is not None and "optim" in state:
+        optimizer.load_state_dict(state["optim"])
+    if job.scheduler is not None and "scheduler" in state:
+        job.scheduler.load_state_dict(state["scheduler"])
+    if job.precision.scaler is not None and "scaler" in state:
+        job.precision.scaler.load_state_dict(state["scaler"])
+    job.step_count, job.epoch = int(state["step"]), int(state["epoch"])
+    job._resumed = True  # the state came from a live member: no checkpoint to resume from
+    set_rng_state(state["rng"])
+    held.sampler, held.ledger_state, held.tracked = (
+        state["sampler"],
+        state["ledger"],
+        dict(state["tracked"]),
+    )
+    held.ledger = None
+    held.settle(job)
+
+
+def exchange(job: Job, stateful: bool, held: Held) -> tuple[int, list[int]] | None:
+    """Bring every member to the highest committed step; returns (source rank, receivers), or
+    None when all were there already. ``stateful``: this member holds a training state.
+
+    Collective over the current default group. Raises ``RuntimeError`` when no member holds
+    a state (every holder was lost at once).
+    """
+    import torch
+
+    mine = torch.tensor([job.step_count if stateful else -1], dtype=torch.int64)
+    counts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(counts, mine)
+    steps = [int(c.item()) for c in counts]
+    top = max(steps)
+    if top < 0:
+        raise RuntimeError(
+            "live recovery: no member of the new generation holds the training state (all "
+            "holders were lost at once); restart the job from its newest checkpoint"
+        )
+    src = steps.index(top)
+    behind = [r for r, s in enumerate(steps) if s < top]
+    if not behind:
+        return None
+    rank = dist.get_rank()
+    if rank == src:
+        send_state(collect(job, held), behind)
+    elif rank in behind:
+        apply(job, receive_state(src), held)
+    return src, behind

@@ -1,0 +1,73 @@
+"""A DDP ``phalanx.Job`` under ``phalanx run --recovery live``; one rank SIGKILLs itself.
+
+argv: OUT KILL_RANK KILL_STEP [STEP_SLEEP_S]
+
+The first process of launcher rank KILL_RANK SIGKILLs itself just before the backward of step
+KILL_STEP (-1: nobody dies). Every process writes ``OUT/<member>.<incarnation>.json`` when it
+ends: its pid at start and end, the job's membership changes, its committed steps, a SHA-256
+of the final parameters (and their values), and the ledger's problems (an empty list: every
+sample exactly once per epoch). Each step sleeps STEP_SLEEP_S (default 0.05), and 1 s while a
+member is missing, so that a replacement (which imports torch first: seconds on a loaded box)
+is admitted while the others still train.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import phalanx
+
+out, kill_rank, kill_step = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+pause = float(sys.argv[4]) if len(sys.argv) > 4 else 0.05
+member, incarnation = os.environ["PHALANX_MEMBER_ID"], int(os.environ["PHALANX_INCARNATION"])
+started_pid = os.getpid()
+torch.set_num_threads(1)
+
+job = phalanx.Job("ddp", seed=0)
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+model, optimizer = job.setup(model, optimizer)
+g = torch.Generator().manual_seed(1)
+data = TensorDataset(torch.randn(480, 8, generator=g), torch.randint(4, (480,), generator=g))
+loader = job.loader(data, batch_size=6)  # 24 samples a step at 4 ranks: 20 steps an epoch
+
+for _epoch in job.epochs(3):
+    for x, y in job.progress(loader):
+        victim = incarnation == 0 and int(os.environ["RANK"]) == kill_rank
+        if victim and job.step_count == kill_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        loss = F.cross_entropy(model(x), y)
+        job.backward(loss)
+        job.step()
+        # Slower while a member is missing, so that its replacement (which imports torch
+        # first) is admitted before the end whatever the load.
+        time.sleep(pause if job.world.world_size == 4 else 1.0)
+    job.log(loss=float(loss.detach()))
+
+params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+assert job.live is not None and job.live.ledger is not None
+record = {
+    "pid": os.getpid(),
+    "started_pid": started_pid,
+    "step": job.step_count,
+    "world_size": job.world.world_size,
+    "regroups": [[r.kind, r.world_size, r.step] for r in job.live.regroups],
+    "digest": hashlib.sha256(params.numpy().tobytes()).hexdigest(),
+    "params": params.tolist(),
+    "problems": job.live.ledger.problems(),
+    "epochs": job.live.ledger.epochs,
+}
+job.close()
+(out / f"{member}.{incarnation}.json").write_text(json.dumps(record))
