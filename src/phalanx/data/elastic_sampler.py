@@ -190,6 +190,12 @@ class ElasticSampler(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         """This rank's index list for each remaining step of the epoch, assuming they commit."""
+        for plan in self.plans():
+            yield self.indices(plan)
+
+    def plans(self) -> Iterator[StepPlan]:
+        """The plan of each remaining step of the epoch, assuming they commit (a membership or
+        epoch change meanwhile makes the iterator raise)."""
         version, epoch, cursor, step = self._version, self.epoch, self.cursor, self.step
         used = used_per_epoch(self._n, self.global_batch_size, self.drop_last)
         while True:
@@ -203,7 +209,7 @@ class ElasticSampler(Sampler[list[int]]):
                     f"iterator planned for the old one was open; start a new iterator "
                     f"(iter(loader)) after set_membership() or set_epoch()"
                 )
-            yield self.indices(plan)
+            yield plan
             cursor, step = cursor + plan.total, step + 1
 
     def __len__(self) -> int:

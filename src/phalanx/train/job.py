@@ -92,7 +92,10 @@ class Job:
         straggler_rule: The detector's margins and persistence (``phalanx.train.StragglerRule``).
         recovery: "live": survive lost ranks in-process and admit replacements
             (:mod:`phalanx.train.live`; DDP, ``grad_accum=1``, launched by
-            ``phalanx run --recovery live``); "restart": a lost rank ends the job's processes
+            ``phalanx run --recovery live``); "live-exact": the same, with a reduction whose
+            result does not depend on the membership (bit-identical to a fault-free run, at
+            ``world_size`` times an all-reduce's bytes: :mod:`phalanx.train.live_shards`);
+            "restart": a lost rank ends the job's processes
             (the launcher restarts them from the newest checkpoint); None: what the launcher
             was told (``--recovery``).
     """
@@ -119,7 +122,8 @@ class Job:
         self.live: LiveTraining | None = None
         """Live recovery at work (``recovery="live"``), else None: its ``regroups`` and
         ``ledger`` say what happened."""
-        live = (recovery or ("live" if live_mode() else "restart")) == "live"
+        recovery = recovery or ("live" if live_mode() else "restart")
+        live = recovery != "restart"
         if live:
             chosen = LiveTraining.strategy(chosen, grad_accum)
             straggler_check_every = 0  # its asynchronous gathers would outlive a group
@@ -133,7 +137,7 @@ class Job:
                     "Job(recovery='live') builds the default process group itself (a "
                     "phalanx.recovery.LiveGroup); do not call init_process_group() before it"
                 )
-            self.live = LiveTraining.start()
+            self.live = LiveTraining.start(exact=recovery == "live-exact")
             self.world = self.live.world()
         else:
             self.world = pg.init_process_group(backend) if self.owns_group else pg.world()
@@ -282,7 +286,8 @@ class Job:
         # DDP decides at *forward* time whether the coming backward communicates (torch's and
         # ours alike), so the flag is set before each micro-step's forward, not in backward.
         last = self._micro + 1 >= self.grad_accum or self._last_batch
-        self.runner.require_backward_grad_sync(last)
+        exact = self.live is not None and self.live.exact  # it reduces the shards itself
+        self.runner.require_backward_grad_sync(last and not exact)
 
     def forward_backward(self, inputs: object, targets: object) -> torch.Tensor:
         """``loss_fn(model(inputs), targets)`` and its backward, for every strategy.
@@ -300,9 +305,7 @@ class Job:
         """Backward of ``loss / grad_accum``; gradients sync only on the last micro-step."""
         self.timing.mark_backward()
         if self.live is not None:
-            live, scale = self.live, self.live.loss_scale()
-            scaled = loss if scale == 1.0 else loss * scale
-            live.guard(self, lambda: self.precision.backward(scaled))
+            self.live.backward(self, loss)
         else:
             self.precision.backward(loss / self.grad_accum if self.grad_accum > 1 else loss)
         self.timing.enter("optimizer")
@@ -332,9 +335,7 @@ class Job:
         if self.slowdown is not None:
             self.slowdown.end(self.step_count)
         live = self.live
-        if live is not None and not live.guard(self, lambda: live.sync_buffers(self)):
-            if opt is not None:  # a failed step: its gradients are dropped, the loader redoes it
-                opt.zero_grad(set_to_none=True)
+        if live is not None and not live.ready_to_step(self, opt):
             return False
         # Parameter servers step the optimizer (and the scheduler) on the servers.
         stepped_here = self.runner.step(opt, self.precision)

@@ -73,7 +73,7 @@ check_job_args = checked(
     backend=optional(rule(check_choice, choices=BACKENDS, fold_case=True)),
     straggler_check_every=rule(check_int, min=0),
     straggler_rule=optional(_straggler_rule),
-    recovery=optional(rule(check_choice, choices=("live", "restart"))),
+    recovery=optional(rule(check_choice, choices=("live", "live-exact", "restart"))),
 )
 """Decorates ``Job.__init__``: every argument the caller passed, checked by its row."""
 

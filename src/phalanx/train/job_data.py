@@ -64,8 +64,8 @@ def make_loader(
         return EvalLoader(dataset, batch_size, sampler=sampler, **kwargs)  # type: ignore[arg-type]
     if job.live is not None:  # global batches over the membership of each step
         order = True if shuffle is None else shuffle
-        elastic = job.live.sampler(job, dataset, batch_size, order, drop_last)
-        return torch.utils.data.DataLoader(dataset, batch_sampler=elastic, **kwargs)  # type: ignore[arg-type]
+        shards = job.live.batch_sampler(job, dataset, batch_size, order, drop_last)
+        return torch.utils.data.DataLoader(dataset, batch_sampler=shards, **kwargs)  # type: ignore[arg-type]
     job.sampler = DistributedSampler(
         dataset,
         num_replicas=replicas,

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sized
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -45,6 +45,13 @@ from phalanx.data.elastic_plan import StepPlan
 from phalanx.data.elastic_sampler import ElasticSampler
 from phalanx.data.ledger import SampleLedger
 from phalanx.recovery import JobFinished, LiveGroup, RecoveryError
+from phalanx.train.live_shards import (
+    ShardBatches,
+    exact_average,
+    flat_grads,
+    owned_shards,
+    set_grads,
+)
 from phalanx.train.live_state import Held, exchange
 from phalanx.train.strategies.base import Strategy
 from phalanx.train.strategies.ddp import DDP
@@ -91,12 +98,17 @@ class LiveTraining:
         group: The job's :class:`~phalanx.recovery.LiveGroup`.
         launch_world_size: The launcher's world size: the global batch is ``batch_size`` times
             it, whatever the membership.
+        exact: Reduce ``launch_world_size`` shards in a fixed order (:mod:`.live_shards`).
     """
 
-    def __init__(self, group: LiveGroup, launch_world_size: int) -> None:
+    def __init__(self, group: LiveGroup, launch_world_size: int, exact: bool = False) -> None:
         self.group = group
         self.launch_world_size = launch_world_size
+        self.exact = exact
         self.held = Held()
+        self.shards: ShardBatches | None = None
+        self._slots: list[torch.Tensor] = []  # exact: this step's shard gradients so far
+        self._micro = 0  # index of the shard in training among this member's
         self.regroups: list[Regroup] = []
         """Every membership change this member went through, in order."""
         self.failed = False
@@ -107,14 +119,14 @@ class LiveTraining:
         """The step in progress (its global batch and this membership's split)."""
 
     @classmethod
-    def start(cls) -> LiveTraining:
+    def start(cls, exact: bool = False) -> LiveTraining:
         """Join the live job this process was started for (``phalanx run --recovery live``).
 
         A replacement that arrives after the others finished exits with success (status 0):
         there is no training left for it, and the launcher counts the slot as finished.
         """
         try:
-            return cls(LiveGroup.from_env("gloo"), discover_env().world_size)
+            return cls(LiveGroup.from_env("gloo"), discover_env().world_size, exact)
         except JobFinished as exc:
             log.warning("%s", exc)
             raise SystemExit(0) from exc
@@ -157,7 +169,7 @@ class LiveTraining:
                 f"Job(recovery='live', grad_accum={grad_accum}): live recovery redoes whole "
                 f"steps of one batch; use grad_accum=1 and a larger batch_size"
             )
-        return dataclasses.replace(chosen, init_sync=False, broadcast_buffers=False)
+        return dataclasses.replace(chosen, init_sync=False, forward_sync_buffers=False)
 
     def after_setup(self, job: Job) -> None:
         """The first generation takes rank 0's model; a replacement receives the state."""
@@ -170,15 +182,23 @@ class LiveTraining:
         for t in tensors:
             dist.broadcast(t, 0)
 
-    def sampler(
-        self, job: Job, dataset: object, batch_size: int, shuffle: bool, drop_last: bool
-    ) -> ElasticSampler:
-        """``job.loader``'s sampler: global batches of ``batch_size x`` the launch world size."""
+    def _shard_count(self) -> int:
+        return self.launch_world_size if self.exact else self.group.world_size
+
+    def _owned(self) -> list[int]:
+        return owned_shards(self._shard_count(), self.group.world_size, self.group.rank)
+
+    def batch_sampler(
+        self, job: Job, dataset: Sized, batch_size: int, shuffle: bool, drop_last: bool
+    ) -> ShardBatches:
+        """``job.loader``'s batch sampler: global batches of ``batch_size x`` the launch world
+        size, each member's shards of each step (``job.sampler`` is the ElasticSampler)."""
+        owned = self._owned()
         made = ElasticSampler(
-            dataset,  # type: ignore[arg-type]
+            dataset,
             batch_size * self.launch_world_size,
-            job.world.world_size,
-            job.world.rank,
+            self._shard_count(),
+            owned[0],
             shuffle=shuffle,
             seed=job.data_seed,
             drop_last=drop_last,
@@ -187,7 +207,8 @@ class LiveTraining:
         self.held.settle(job)
         if self.held.ledger is None:
             self.held.ledger = SampleLedger.for_sampler(made)
-        return made
+        self.shards = ShardBatches(made, owned)
+        return self.shards
 
     # ---- the loop ----------------------------------------------------------------------------
     def batches(self, job: Job, loader: Iterable[object]) -> Iterator[object]:
@@ -203,10 +224,14 @@ class LiveTraining:
             if sampler.epoch != job.epoch or sampler.plan() is None:
                 return  # a state received at the boundary ended the epoch
             self.plan, self.failed = sampler.plan(), False
-            batch = next(batches, _END)
-            if batch is _END:
-                return
-            yield batch
+            for micro in range(len(self._owned())):
+                self._micro = micro
+                batch = next(batches, _END)
+                if batch is _END:
+                    return
+                yield batch
+                if self.failed or self.changed:
+                    break
 
     def boundary(self, job: Job) -> None:
         """Admit waiting replacements (every member calls it before every step)."""
@@ -223,9 +248,44 @@ class LiveTraining:
                 continue
             self._regroup(job, "joined", started)
 
-    def loss_scale(self) -> float:
-        """Factor on this member's mean loss so that the average is the global mean."""
-        return 1.0 if self.plan is None else self.plan.mean_scale(self.group.rank)
+    def backward(self, job: Job, loss: torch.Tensor) -> None:
+        """The backward of one shard: its mean loss scaled so that the average over shards is
+        the global batch's mean; plain: DDP reduces, exact: the last shard reduces them all."""
+        if self.failed:
+            return
+        shard = self._owned()[self._micro]
+        scale = 1.0 if self.plan is None else self.plan.mean_scale(shard)
+        scaled = loss if scale == 1.0 else loss * scale
+        if not self.exact:
+            self.guard(job, lambda: job.precision.backward(scaled))
+            return
+        job.precision.backward(scaled)  # no communication: DDP's sync is off
+        params = self._params(job)
+        self._slots.append(flat_grads(params))
+        for p in params:
+            p.grad = None
+        if self._micro + 1 < len(self._owned()):
+            return
+        slots, self._slots = self._slots, []
+        shards, size = self._shard_count(), self.group.world_size
+        self.guard(job, lambda: set_grads(params, exact_average(slots, shards, size)))
+
+    def ready_to_step(self, job: Job, optimizer: torch.optim.Optimizer | None) -> bool:
+        """Whether ``job.step`` steps now: not between shards, nor after a failure (then the
+        step's gradients are dropped: the loader redoes it)."""
+        if self.exact and not self.failed and self._micro + 1 < len(self._owned()):
+            return False
+        if self.guard(job, lambda: self.sync_buffers(job)):
+            return True
+        self._slots = []
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
+        return False
+
+    @staticmethod
+    def _params(job: Job) -> list[torch.Tensor]:
+        model = job.runner.model
+        return [] if model is None else [p for p in model.parameters() if p.requires_grad]
 
     def guard(self, job: Job, what: Callable[[], object]) -> bool:
         """Run ``what`` (a step's communication); False after a peer failure (now recovered)."""
@@ -281,8 +341,10 @@ class LiveTraining:
             regroup()
         if job.optimizer is not None:
             job.optimizer.zero_grad(set_to_none=True)
-        if isinstance(job.sampler, ElasticSampler):
-            job.sampler.set_membership(job.world.world_size, job.world.rank)
+        self._slots = []
+        if isinstance(job.sampler, ElasticSampler) and self.shards is not None:
+            self.shards.owned = self._owned()
+            job.sampler.set_membership(self._shard_count(), self.shards.owned[0])
         event = Regroup(
             kind,
             self.group.generation,

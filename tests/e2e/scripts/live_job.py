@@ -1,9 +1,10 @@
 """A DDP ``phalanx.Job`` under ``phalanx run --recovery live``; one rank SIGKILLs itself.
 
-argv: OUT KILL_RANK KILL_STEP [STEP_SLEEP_S]
+argv: OUT KILLS [STEP_SLEEP_S [RECOVERY]]   (RECOVERY: Job's recovery=, default "live")
 
-The first process of launcher rank KILL_RANK SIGKILLs itself just before the backward of step
-KILL_STEP (-1: nobody dies). Every process writes ``OUT/<member>.<incarnation>.json`` when it
+KILLS is a comma-separated list of ``RANK@STEP`` (the first process of launcher rank RANK
+SIGKILLs itself just before the forward of step STEP) or ``RANK@wSIZE`` (... of the first step
+it trains in a generation of SIZE members); "-" kills nobody. Every process writes ``OUT/<member>.<incarnation>.json`` when it
 ends: its pid at start and end, the job's membership changes, its committed steps, a SHA-256
 of the final parameters (and their values), and the ledger's problems (an empty list: every
 sample exactly once per epoch). Each step sleeps STEP_SLEEP_S (default 0.05), and 1 s while a
@@ -28,13 +29,14 @@ from torch.utils.data import TensorDataset
 
 import phalanx
 
-out, kill_rank, kill_step = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-pause = float(sys.argv[4]) if len(sys.argv) > 4 else 0.05
+out, kills = Path(sys.argv[1]), [k.split("@") for k in sys.argv[2].split(",") if k != "-"]
+pause = float(sys.argv[3]) if len(sys.argv) > 3 else 0.05
+recovery = sys.argv[4] if len(sys.argv) > 4 else "live"
 member, incarnation = os.environ["PHALANX_MEMBER_ID"], int(os.environ["PHALANX_INCARNATION"])
 started_pid = os.getpid()
 torch.set_num_threads(1)
 
-job = phalanx.Job("ddp", seed=0)
+job = phalanx.Job("ddp", seed=0, recovery=recovery)
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -45,9 +47,10 @@ loader = job.loader(data, batch_size=6)  # 24 samples a step at 4 ranks: 20 step
 
 for _epoch in job.epochs(3):
     for x, y in job.progress(loader):
-        victim = incarnation == 0 and int(os.environ["RANK"]) == kill_rank
-        if victim and job.step_count == kill_step:
-            os.kill(os.getpid(), signal.SIGKILL)
+        for rank, when in kills if incarnation == 0 else []:
+            now = f"w{job.world.world_size}" if when[0] == "w" else str(job.step_count)
+            if rank == os.environ["RANK"] and when == now:
+                os.kill(os.getpid(), signal.SIGKILL)
         loss = F.cross_entropy(model(x), y)
         job.backward(loss)
         job.step()

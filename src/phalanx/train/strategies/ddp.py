@@ -30,7 +30,7 @@ class DDP(Strategy):
         gradient_as_bucket_view: Gradients are views into the buckets (saves one copy).
         init_sync: Broadcast rank 0's parameters and buffers when the model is wrapped (torch's
             default); live recovery turns it off and makes the replicas equal itself.
-        broadcast_buffers: Broadcast rank 0's buffers before each forward (torch's default);
+        forward_sync_buffers: Broadcast rank 0's buffers before each forward (torch's default);
             live recovery turns it off and does it at the step instead (``train/live.py``).
     """
 
@@ -39,7 +39,7 @@ class DDP(Strategy):
     find_unused_parameters: bool = False
     gradient_as_bucket_view: bool = False
     init_sync: bool = True
-    broadcast_buffers: bool = True
+    forward_sync_buffers: bool = True
 
     def __post_init__(self) -> None:
         check_fields(
@@ -48,7 +48,7 @@ class DDP(Strategy):
             find_unused_parameters=FLAG,
             gradient_as_bucket_view=FLAG,
             init_sync=FLAG,
-            broadcast_buffers=FLAG,
+            forward_sync_buffers=FLAG,
         )
 
     def wrap(self, model: nn.Module, world: World) -> nn.Module:
@@ -63,7 +63,7 @@ class DDP(Strategy):
             find_unused_parameters=self.find_unused_parameters,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
             init_sync=self.init_sync,
-            broadcast_buffers=self.broadcast_buffers,
+            forward_sync_buffers=self.forward_sync_buffers,
         )
 
     def sync_owners(
