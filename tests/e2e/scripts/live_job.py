@@ -1,15 +1,18 @@
-"""A DDP ``phalanx.Job`` under ``phalanx run --recovery live``; one rank SIGKILLs itself.
+"""A DDP ``phalanx.Job`` under ``phalanx run --recovery live``; chosen ranks SIGKILL themselves.
 
 argv: OUT KILLS [STEP_SLEEP_S [RECOVERY]]   (RECOVERY: Job's recovery=, default "live")
 
 KILLS is a comma-separated list of ``RANK@STEP`` (the first process of launcher rank RANK
 SIGKILLs itself just before the forward of step STEP) or ``RANK@wSIZE`` (... of the first step
-it trains in a generation of SIZE members); "-" kills nobody. Every process writes ``OUT/<member>.<incarnation>.json`` when it
-ends: its pid at start and end, the job's membership changes, its committed steps, a SHA-256
-of the final parameters (and their values), and the ledger's problems (an empty list: every
-sample exactly once per epoch). Each step sleeps STEP_SLEEP_S (default 0.05), and 1 s while a
-member is missing, so that a replacement (which imports torch first: seconds on a loaded box)
-is admitted while the others still train.
+it trains in a generation of SIZE members); "-" kills nobody.
+
+Every process writes ``OUT/<member>.<incarnation>.json`` when it ends: its pid at start and
+end, the job's membership changes, its committed steps, a SHA-256 of the final parameters (and
+their values), and the ledger's problems (an empty list: every sample exactly once per epoch).
+
+Each step sleeps STEP_SLEEP_S (default 0.05), and 1 s while a member is missing, so that a
+replacement (which imports torch first: seconds on a loaded box) is admitted while the others
+still train.
 """
 
 from __future__ import annotations

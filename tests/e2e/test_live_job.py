@@ -1,0 +1,76 @@
+"""A ``phalanx.Job`` that survives lost ranks in-process (issue 19), through the real launcher.
+
+Each job runs ``scripts/live_job.py`` (4-rank DDP, 3 epochs of 20 steps) under
+``phalanx run --recovery live``; the victims SIGKILL themselves and the launcher starts one
+replacement per death. Checked: the survivors' processes are never restarted (pid at start ==
+pid at end), the membership shrinks and grows back, every sample is trained exactly once per
+epoch (the job's ledger), all members end with equal parameters, and with
+``recovery="live-exact"`` those are bit-identical to a fault-free run's.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.launching import SCRIPTS, finish, launcher_env, start
+
+SCRIPT = str(SCRIPTS / "live_job.py")
+pytestmark = pytest.mark.timeout(400)
+
+
+def _job(folder: Path, kills: str, recovery: str, replacements: int) -> dict[str, dict[str, Any]]:
+    """Run the job; every process's record by ``<member>.<incarnation>``."""
+    folder.mkdir()
+    cmd = [
+        *(sys.executable, "-m", "phalanx", "run", "--standalone", "--nproc-per-node", "4"),
+        *("--recovery", "live", "--max-restarts", str(replacements)),
+        *(SCRIPT, str(folder), kills, "0.05", recovery),
+    ]
+    proc = start(cmd, launcher_env())
+    out, err = finish(proc, deadline=300)
+    assert proc.returncode == 0, out + err
+    records = {p.stem: json.loads(p.read_text()) for p in folder.glob("*.json")}
+    for name, record in records.items():
+        assert record["pid"] == record["started_pid"], name
+        assert record["step"] == 60 and record["world_size"] == 4, (name, record)
+        assert record["problems"] == [] and record["epochs"] == [0, 1, 2], (name, record)
+    assert len({r["digest"] for r in records.values()}) == 1, records  # equal replicas
+    return records
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The fault-free run's record (exact reduction), shared by the module's tests."""
+    records = _job(tmp_path_factory.mktemp("live") / "fault-free", "-", "live-exact", 0)
+    assert set(records) == {"0.0.0", "0.1.0", "0.2.0", "0.3.0"}
+    assert all(r["regroups"] == [] for r in records.values())
+    return records["0.0.0"]
+
+
+def test_lost_ranks_shrink_the_job_to_two_and_replacements_restore_it_bit_identically(
+    tmp_path: Path, reference: dict[str, Any]
+) -> None:
+    # Rank 2 dies before step 5; rank 1 in the first step it trains with 3 members.
+    run = _job(tmp_path / "faults", "2@5,1@w3", "live-exact", 2)
+    assert set(run) == {"0.0.0", "0.3.0", "0.1.1", "0.2.1"}  # survivors kept, 2 replacements
+    sizes = [size for _, size, _ in run["0.0.0"]["regroups"]]
+    assert sizes[:2] == [3, 2] and sizes[-1] == 4, run["0.0.0"]["regroups"]
+    assert [kind for kind, _, _ in run["0.0.0"]["regroups"][:2]] == ["lost", "lost"]
+    assert run["0.0.0"]["digest"] == reference["digest"]
+
+
+def test_plain_live_recovery_drifts_only_by_reassociation(
+    tmp_path: Path, reference: dict[str, Any]
+) -> None:
+    run = _job(tmp_path / "faults", "2@5", "live", 1)
+    assert set(run) == {"0.0.0", "0.1.0", "0.3.0", "0.2.1"}
+    survivor = run["0.0.0"]["regroups"]
+    assert survivor[0][:2] == ["lost", 3] and survivor[-1][:2] == ["joined", 4], survivor
+    # DDP's all-reduce at 4 and 3 members against the fixed-order sum: reassociation only.
+    drift = max(abs(a - b) for a, b in zip(run["0.0.0"]["params"], reference["params"]))
+    assert 0 < drift < 1e-5, drift
