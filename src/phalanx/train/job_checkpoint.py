@@ -88,6 +88,8 @@ def save(job: Job, async_: bool = True, **extra: object) -> Path:
     _check_tracked(job)
     from phalanx import checkpoint
 
+    if job.live is not None:
+        return _save_live(job, **extra)
     model, optimizer = job.runner.checkpointed(saving=True)
     point = job._resume_point.record(job.epoch)
     job_state = point.job_state()
@@ -107,6 +109,47 @@ def save(job: Job, async_: bool = True, **extra: object) -> Path:
         async_=async_,
         replicas_equal=job.runner.strategy.replicas_equal,
     )
+
+
+def _save_live(job: Job, **extra: object) -> Path:
+    """A live job's save: synchronous (a background write would outlive a lost member's
+    group), the elastic sampler and the ledger in it, and abandoned if a member is lost
+    meanwhile (the job goes on; the previous checkpoint stays the newest)."""
+    from phalanx import checkpoint
+
+    live, folder = job.live, Path(str(job.checkpoint_dir))
+    assert live is not None and job.checkpoint_dir is not None
+    if live.failed:
+        log.warning("Job.save() after a failed step: nothing new to save (step %d)", job.step_count)
+        return folder
+    model, optimizer = job.runner.checkpointed(saving=True)
+    sampler = job.sampler
+    done = sampler is not None and sampler.epoch > job.epoch  # the epoch's last step committed
+    state: dict[str, Any] = {"epoch": job.epoch, "epoch_done": done}
+    ledger = None if live.ledger is None else live.ledger.to_dict()
+    saved: list[Path] = []
+
+    def write() -> None:
+        saved.append(
+            checkpoint.save(
+                job.checkpoint_dir,  # type: ignore[arg-type]
+                job.step_count,
+                model=model,
+                optimizer=optimizer,
+                scheduler=job.scheduler,
+                sampler=sampler,
+                extra={"job": state, "values": extra, "ledger": ledger},
+                keep_last=job.keep_last,
+                objects=job.tracked,
+                async_=False,
+                replicas_equal=True,
+            )
+        )
+
+    if not live.guard(job, write):
+        log.warning("checkpoint of step %d abandoned: a member was lost in it", job.step_count)
+        return folder
+    return saved[0]
 
 
 def wait(job: Job) -> None:
@@ -142,7 +185,11 @@ def resume(job: Job) -> int:
     job.step_count = info.step
     job_state, values = _split(info.extra)
     job.resumed_extra = dict(values)
-    job.epoch = job._resume_point.resumed(job_state, str(info.path / "manifest.json"))
+    if job.live is not None:  # the elastic sampler was loaded; the ledger goes on
+        job.live.resumed(info.extra.get("ledger"))
+        job.epoch = int(job_state["epoch"]) + bool(job_state.get("epoch_done"))
+    else:
+        job.epoch = job._resume_point.resumed(job_state, str(info.path / "manifest.json"))
     if job.schedule == "epoch" and job.scheduler is not None and job_state.get("epoch_done"):
         _step_after_resume(job.scheduler)
     if job.precision.scaler is not None and "scaler" in job_state:

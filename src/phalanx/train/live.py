@@ -318,6 +318,11 @@ class LiveTraining:
                 self.held.ledger.record(plan.step, plan.epoch, r, sampler.indices(plan, r))
         self.plan = None
 
+    def resumed(self, ledger: dict[str, object] | None) -> None:
+        """The job resumed from a checkpoint: the ledger saved with it goes on."""
+        if ledger is not None:
+            self.held.ledger = SampleLedger.from_dict(ledger)
+
     # ---- membership changes ------------------------------------------------------------------
     def _regroup(self, job: Job, kind: str, started: float) -> None:
         """Settle a new generation: worlds, the committed step, the model's group, the sampler."""

@@ -1,0 +1,153 @@
+"""Chaos harness of live recovery: SIGKILL a random rank at a random moment, many times.
+
+    python tools/chaos_live/run.py --runs 20 --nproc 4                 # live, DDP
+    python tools/chaos_live/run.py --runs 20 --nproc 2 --recovery live-exact
+
+Not part of ``make test`` (minutes). Each run starts ``phalanx run --recovery live`` on
+``tools/chaos_live/worker.py`` (a 2-epoch DDP ``phalanx.Job`` of 40 steps that checkpoints
+every 5) and kills one random rank once, in a random step, at a random phase: forward,
+backward, all-reduce (plain live only), optimizer step, checkpoint save, or a random moment.
+Half the runs give the launcher a replacement (``--max-restarts 1``), half none.
+
+A run is correct when the launcher exits 0 and every member that ran to the end (survivors
+with their first pid, replacements) holds the same parameters, trained all 40 steps, and its
+ledger shows every sample exactly once per epoch; and the parameters equal the fault-free
+run's: bit-identical with ``--recovery live-exact``, within 1e-5 with ``live`` (its average
+over fewer members reassociates). Reported: correct runs and the time from the kill to the
+first step a survivor committed in the next generation (median, p90, max). Last line:
+``RESULT {json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = ROOT / "tools" / "chaos_live" / "worker.py"
+STEPS = 40
+PHASES = ("forward", "backward", "allreduce", "optimizer", "save", "random")
+
+
+def _run(folder: Path, nproc: int, recovery: str, kill: str, replacements: int) -> str:
+    folder.mkdir(parents=True)
+    cmd = [
+        *(sys.executable, "-m", "phalanx", "run", "--standalone"),
+        *("--nproc-per-node", str(nproc), "--recovery", "live"),
+        *("--max-restarts", str(replacements), str(WORKER), str(folder), recovery, "ddp", kill),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    return "" if proc.returncode == 0 else f"exit {proc.returncode}: {proc.stderr[-2000:]}"
+
+
+def _records(folder: Path) -> dict[str, dict[str, Any]]:
+    return {p.stem: json.loads(p.read_text()) for p in folder.glob("*.json") if p.stem != "kill"}
+
+
+def _judge(folder: Path, reference: dict[str, Any], exact: bool) -> str:
+    """What is wrong with the run in ``folder`` ("" when it is correct)."""
+    records = _records(folder)
+    if not records:
+        return "no member ran to the end"
+    for name, r in records.items():
+        if r["pid"] != r["started_pid"] or r["step"] != STEPS or r["problems"]:
+            kept = r["pid"] == r["started_pid"]
+            return f"{name}: pid kept {kept}, step {r['step']}, ledger {r['problems'][:2]}"
+    digests = {r["digest"] for r in records.values()}
+    if len(digests) != 1:
+        return f"members differ: {sorted(digests)}"
+    params = next(iter(records.values()))["params"]
+    drift = max(abs(a - b) for a, b in zip(params, reference["params"]))
+    if exact and digests != {reference["digest"]}:
+        return f"not bit-identical to the fault-free run (max difference {drift:.3g})"
+    if drift > 1e-5:
+        return f"parameters drift {drift:.3g} from the fault-free run"
+    return ""
+
+
+def _latency(folder: Path) -> float | None:
+    """Seconds from the kill to the first step a survivor committed in a later generation (a
+    step committed by the others right after the kill, before they noticed it, does not count)."""
+    kill_file = folder / "kill.json"
+    if not kill_file.exists():
+        return None
+    kill = json.loads(kill_file.read_text())
+    after = [
+        float(time_s)
+        for f in folder.glob("*.steps")
+        for _, time_s, generation in (line.split() for line in f.read_text().splitlines())
+        if int(generation) > kill["generation"]
+    ]
+    return min(after) - kill["time"] if after else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--recovery", choices=("live", "live-exact"), default="live")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    rng = random.Random(args.seed)
+    work = Path(tempfile.mkdtemp(prefix="phalanx-chaos-live-"))
+    exact = args.recovery == "live-exact"
+    started = time.time()
+    failed = _run(work / "fault-free", args.nproc, args.recovery, "-", 0)
+    if failed:
+        print(f"the fault-free run failed: {failed}", file=sys.stderr)
+        return 2
+    reference = next(iter(_records(work / "fault-free").values()))
+    clean_s = time.time() - started
+    phases = [p for p in PHASES if not (exact and p == "allreduce")]
+    correct, latencies = 0, []
+    for run in range(args.runs):
+        rank, step, phase = (
+            rng.randrange(args.nproc),
+            rng.randrange(2, STEPS - 3),
+            rng.choice(phases),
+        )
+        replacements = run % 2
+        folder = work / f"run-{run}"
+        problem = _run(folder, args.nproc, args.recovery, f"{rank}:{step}:{phase}", replacements)
+        problem = problem or _judge(folder, reference, exact)
+        latency = _latency(folder)
+        correct += not problem
+        if latency is not None:
+            latencies.append(latency)
+        shown = (
+            "no kill landed" if latency is None else f"next committed step {latency:.3f} s after"
+        )
+        print(
+            f"run {run}: rank {rank}, step {step}, {phase}, {replacements} replacement(s): "
+            f"{'OK' if not problem else 'WRONG: ' + problem} ({shown}; {folder})",
+            flush=True,
+        )
+    ordered = sorted(latencies)
+    result = {
+        "runs": args.runs,
+        "correct": correct,
+        "nproc": args.nproc,
+        "recovery": args.recovery,
+        "kills_landed": len(latencies),
+        "kill_to_next_step_s_median": round(statistics.median(ordered), 3) if ordered else None,
+        "kill_to_next_step_s_p90": round(ordered[int(0.9 * (len(ordered) - 1))], 3)
+        if ordered
+        else None,
+        "kill_to_next_step_s_max": round(ordered[-1], 3) if ordered else None,
+        "fault_free_run_s": round(clean_s, 2),
+    }
+    print(f"{correct} of {args.runs} runs correct")
+    print("RESULT " + json.dumps(result))
+    return 0 if correct == args.runs else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
