@@ -1,0 +1,48 @@
+"""``Job(recovery=...)``'s rules and the live job's pure parts (shards, peer failures)."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+import phalanx
+from phalanx.data.elastic_sampler import ElasticSampler
+from phalanx.train.live import is_peer_failure
+from phalanx.train.live_shards import ShardBatches, owned_shards
+
+
+def test_bad_recovery_names_the_argument_and_the_value() -> None:
+    with pytest.raises(ValueError, match=r"recovery.*'sometimes'"):
+        phalanx.Job("ddp", recovery="sometimes")
+
+
+def test_live_recovery_refuses_other_strategies_and_accumulation() -> None:
+    with pytest.raises(ValueError, match=r"strategy=Zero\(stage=2.*supports phalanx.DDP"):
+        phalanx.Job("zero2", recovery="live")
+    with pytest.raises(ValueError, match=r"grad_accum=2.*use grad_accum=1"):
+        phalanx.Job("ddp", recovery="live", grad_accum=2)
+
+
+@pytest.mark.parametrize(("shards", "world"), [(4, 4), (4, 3), (4, 2), (4, 1), (5, 3)])
+def test_every_shard_is_owned_once_contiguously(shards: int, world: int) -> None:
+    owned = [owned_shards(shards, world, r) for r in range(world)]
+    assert [v for part in owned for v in part] == list(range(shards))
+    assert max(map(len, owned)) - min(map(len, owned)) <= 1
+
+
+def test_shard_batches_deal_the_owned_shards_of_each_step() -> None:
+    sampler = ElasticSampler(range(50), 8, 4, 0, shuffle=True, seed=3)
+    batches = ShardBatches(sampler, owned_shards(4, 3, 0))  # shards 0 and 1
+    got = list(batches)
+    plans = list(sampler.plans())
+    assert len(got) == len(batches) == 2 * len(plans) == 14
+    for i, plan in enumerate(plans):
+        assert got[2 * i] == sampler.indices(plan, 0)
+        assert got[2 * i + 1] == sampler.indices(plan, 1)
+
+
+def test_peer_failures_are_told_from_bugs() -> None:
+    assert is_peer_failure(dist.DistBackendError("anything"))
+    assert is_peer_failure(RuntimeError("[pair.cc:537] Read error: Connection reset by peer"))
+    assert not is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_peer_failure(ValueError("Connection"))
