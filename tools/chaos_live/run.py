@@ -109,11 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     phases = [p for p in PHASES if not (exact and p == "allreduce")]
     correct, latencies = 0, []
     for run in range(args.runs):
-        rank, step, phase = (
-            rng.randrange(args.nproc),
-            rng.randrange(2, STEPS - 3),
-            rng.choice(phases),
-        )
+        rank, step = rng.randrange(args.nproc), rng.randrange(2, STEPS - 3)
+        phase = rng.choice(phases)
         replacements = run % 2
         folder = work / f"run-{run}"
         problem = _run(folder, args.nproc, args.recovery, f"{rank}:{step}:{phase}", replacements)
@@ -122,12 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         correct += not problem
         if latency is not None:
             latencies.append(latency)
-        shown = (
-            "no kill landed" if latency is None else f"next committed step {latency:.3f} s after"
-        )
+        after = "no kill landed" if latency is None else f"recovered step {latency:.3f} s after"
         print(
             f"run {run}: rank {rank}, step {step}, {phase}, {replacements} replacement(s): "
-            f"{'OK' if not problem else 'WRONG: ' + problem} ({shown}; {folder})",
+            f"{'OK' if not problem else 'WRONG: ' + problem} ({after}; {folder})",
             flush=True,
         )
     ordered = sorted(latencies)
