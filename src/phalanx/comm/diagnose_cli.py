@@ -7,6 +7,9 @@ job (NCCL included) gets the same analysis. It prints where each rank's record s
 different steps are behind, not diverged) and the first collective the ranks paired wrongly
 (:mod:`.pairing`). Exit code 0 when the records agree, 1 when they diverge, 2 without dumps or
 for an unreadable one.
+
+``phalanx diagnose --ledger PATH`` audits a live job's sample ledger instead
+(:mod:`phalanx.data.ledger_cli`).
 """
 
 from __future__ import annotations
@@ -29,7 +32,18 @@ def main(argv: list[str] | None = None) -> int:
         metavar="DIR",
         help="the PHALANX_DUMP_DIR the ranks wrote to, or torch's dump files or their directory",
     )
+    parser.add_argument(
+        "--ledger",
+        action="store_true",
+        help="audit the sample ledger in DIR (a live job's checkpoint directory, or a JSON file)",
+    )
     args = parser.parse_args(argv)
+    if args.ledger:
+        from pathlib import Path
+
+        from phalanx.data.ledger_cli import audit
+
+        return max(audit(Path(p)) for p in args.paths)
     try:
         records, notes = read_dumps(args.paths)
     except (OSError, ValueError) as exc:
