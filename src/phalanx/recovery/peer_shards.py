@@ -174,7 +174,7 @@ def restore_shards(
     Args:
         mirror: This survivor's mirror (it knows the old world size and this rank's old rank).
         lost: The old ranks (of the mirror's ZeRO group) that were lost.
-        group: The survivors' new group, ordered as their old ranks (None: the default group).
+        group: The survivors' new group, in any order (None: the default group).
 
     Returns:
         The state, and its step; load it with :meth:`RestoredShards.load` into a ZeRO

@@ -112,7 +112,10 @@ class ShardMirror:
             for the exchange only. None: one is made with ``dist.new_group`` — collective over
             the default group, so every rank of it must build its mirror at the same time.
 
-    Call :meth:`after_step` after every optimizer step with the number of steps done.
+    Call :meth:`after_step` after every optimizer step with the number of steps done, and
+    :meth:`wait` before the job ends. After a loss, restore with
+    :func:`~phalanx.recovery.restore_shards`, then build a new mirror over the new optimizer
+    (its exchange group is made over the new group).
     """
 
     def __init__(
