@@ -137,20 +137,25 @@ class _Spy:
         return spy
 
 
-def _lose(stage: int, every: int, lost: list[int], directory: str | None) -> dict[str, Any] | None:
+def _lose(
+    stage: int, every: int, lost: list[int], directory: str | None, early: bool = False
+) -> dict[str, Any] | None:
+    """Train STEPS steps with a mirror; the ``lost`` ranks then leave (``early``: before their
+    last refresh, and their process ends); the others restore through their mirrors."""
     world = dist.get_world_size()
     model, opt = _build(stage, None)
     mirror = ShardMirror(opt, model if stage == 3 else None, every=every)
-    snap_step = STEPS - STEPS % every
+    snap_step = STEPS - STEPS % every - (every if early else 0)
     ref = None
     for step in range(1, STEPS + 1):
         _step(model, opt, step, None)
-        mirror.after_step(step)
+        if not (early and step == STEPS and dist.get_rank() in lost):
+            mirror.after_step(step)
         if step == snap_step:
             ref = _full(model, opt, stage, None)
             if directory is not None:
                 phalanx.checkpoint.save(directory, step, model=model, optimizer=opt)
-    mirror.wait()
+    failed = mirror.settle() is not None  # a survivor's job would recover on this error
     held = mirror.held_bytes()
     group = dist.new_group([r for r in range(world) if r not in lost])  # every rank calls it
     if dist.get_rank() in lost:
@@ -163,6 +168,7 @@ def _lose(stage: int, every: int, lost: list[int], directory: str | None) -> dic
     new_model, new_opt = _build(stage, group)
     restored.load(new_opt, new_model if stage == 3 else None)
     out = {"step": restored.step, "held": held, "ref": ref, "calls_restore": spy.calls}
+    out["exchange_failed"] = failed
     out["got"] = _full(new_model, new_opt, stage, group)
     if directory is None:
         return out
@@ -222,6 +228,18 @@ def test_every_2_restores_the_older_common_step(stage: int) -> None:
     for rank in (0, 1, 3):
         out = results[rank]
         assert out["step"] == 2  # steps 1..3 refreshed at 2 only
+        _assert_equal(out["got"], out["ref"], f"rank {rank}")
+
+
+def test_rank_lost_before_its_last_refresh_restores_the_step_before() -> None:
+    # Rank 2 steps 3 times but leaves (its process ends) before sending its step-3 pieces:
+    # rank 1's exchange of step 3 fails, so the survivors agree on step 2, which all still hold.
+    results = run_distributed(_lose, 2, 1, [2], None, True, world_size=4, timeout=60)
+    for rank in (0, 1, 3):
+        out = results[rank]
+        assert out["step"] == STEPS - 1
+        if rank != 3:  # rank 3's send to rank 2 may or may not have left before rank 2 ended
+            assert out["exchange_failed"] == (rank == 1)  # rank 1 mirrors rank 2
         _assert_equal(out["got"], out["ref"], f"rank {rank}")
 
 
