@@ -26,8 +26,10 @@ from torch import nn
 import phalanx
 from phalanx.checkpoint import loading
 from phalanx.recovery import RecoveryError, ShardMirror, ShardsLost, restore_shards
-from phalanx.recovery.peer_shards import common_step
+from phalanx.recovery.peer_shards import _gather, common_step
+from phalanx.recovery.shard_snapshot import pack, readers
 from phalanx.sharding import ZeroRedundancyOptimizer
+from phalanx.sharding.pieces import Piece, ShardedState
 from phalanx.sharding.zero3 import FullyShardedDataParallel
 from phalanx.testing import run_distributed
 
@@ -241,6 +243,25 @@ def test_rank_lost_before_its_last_refresh_restores_the_step_before() -> None:
         if rank != 3:  # rank 3's send to rank 2 may or may not have left before rank 2 ended
             assert out["exchange_failed"] == (rank == 1)  # rank 1 mirrors rank 2
         _assert_equal(out["got"], out["ref"], f"rank {rank}")
+
+
+def _gather_odd_sizes() -> list[float]:
+    # Each rank contributes two snapshots (old ranks r and r + 2) whose first ends on an odd
+    # byte: the second's fp32 pieces must still be readable in the gathered buffer.
+    rank = dist.get_rank()
+    mine = []
+    for old in (rank, rank + 2):
+        pieces = [(Piece("w", (4,), old, old + 1), torch.tensor([float(old)]))]
+        pieces.append((Piece(f"flag{old}", (), 0, 1), torch.ones(1, dtype=torch.bool)))
+        mine.append((old, pack(5, "zero", {"model": ShardedState({}, pieces)})))
+    assert mine[0][1].nbytes % 2 == 1
+    _, reader = readers(_gather(mine, None))["model"]
+    return reader.full("w").tolist()
+
+
+def test_gathered_snapshots_of_odd_sizes_stay_aligned() -> None:
+    for values in run_distributed(_gather_odd_sizes, world_size=2, timeout=60):
+        assert values == [0.0, 1.0, 2.0, 3.0]
 
 
 def _bad_lost() -> list[str]:

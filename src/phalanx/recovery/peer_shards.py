@@ -29,7 +29,7 @@ from phalanx._check import check_group, check_int, fail
 from phalanx.comm.objects import all_gather_object
 from phalanx.recovery.errors import RecoveryError
 from phalanx.recovery.shard_mirror import ShardMirror
-from phalanx.recovery.shard_snapshot import PARAMS_FORMAT, Snapshot, readers
+from phalanx.recovery.shard_snapshot import ALIGN, PARAMS_FORMAT, Snapshot, readers
 from phalanx.sharding.optimizer_pieces import optimizer_view
 from phalanx.sharding.pieces import PieceReader, param_key
 from phalanx.sharding.zero import ZeroRedundancyOptimizer
@@ -140,27 +140,35 @@ def common_step(reports: list[dict[str, Any]], lost: list[int], world: int) -> i
     return max(steps)
 
 
-def _gather(mine: list[tuple[int, Snapshot]], group: dist.ProcessGroup | None) -> list:
+def _offsets(sizes: list[int]) -> tuple[list[int], int]:
+    """Where each of snapshots of ``sizes`` bytes starts in one buffer (aligned: their pieces
+    stay viewable in place), and the buffer's size."""
+    starts, at = [], 0
+    for n in sizes:
+        at = -(-at // ALIGN) * ALIGN
+        starts.append(at)
+        at += n
+    return starts, at
+
+
+def _gather(
+    mine: list[tuple[int, Snapshot]], group: dist.ProcessGroup | None
+) -> list[tuple[int, Snapshot]]:
     """Every survivor's ``(old rank, snapshot)`` pairs, on every survivor (bit-exact bytes)."""
     heads = [(rank, s.step, s.manifest, s.nbytes) for rank, s in mine]
     size = dist.get_world_size(group)
     everyone: list[Any] = [None] * size
     all_gather_object(everyone, heads, group)
-    totals = [sum(h[3] for h in heads) for heads in everyone]
-    width = max(max(totals), 1)  # gloo: no empty messages
+    width = max(max(_offsets([h[3] for h in heads])[1] for heads in everyone), 1)  # gloo: not 0
     out = [torch.empty(width, dtype=torch.uint8) for _ in range(size)]
     flat = torch.zeros(width, dtype=torch.uint8)
-    at = 0
-    for _, s in mine:
+    for at, (_, s) in zip(_offsets([s.nbytes for _, s in mine])[0], mine):
         flat[at : at + s.nbytes].copy_(s.buffer)
-        at += s.nbytes
     dist.all_gather(out, flat, group=group)
     pairs = []
     for heads, buffer in zip(everyone, out):
-        at = 0
-        for rank, step, manifest, nbytes in heads:
+        for at, (rank, step, manifest, nbytes) in zip(_offsets([h[3] for h in heads])[0], heads):
             pairs.append((rank, Snapshot(step, manifest, buffer[at : at + nbytes])))
-            at += nbytes
     return pairs
 
 

@@ -30,7 +30,7 @@ from phalanx.sharding.pieces import Piece, PieceReader, ShardedState, dtype_name
 from phalanx.sharding.zero import ZeroRedundancyOptimizer
 from phalanx.sharding.zero3 import FullyShardedDataParallel
 
-__all__ = ["PARAMS_FORMAT", "Snapshot", "pack", "readers", "sections_of"]
+__all__ = ["ALIGN", "PARAMS_FORMAT", "Snapshot", "pack", "readers", "sections_of"]
 
 ALIGN = 16  # every piece starts at a multiple of any element size: views need no copy
 PARAMS_FORMAT = "phalanx.zero-params/1"
