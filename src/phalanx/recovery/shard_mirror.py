@@ -45,10 +45,14 @@ class RefreshStats:
     refreshes: int = 0
     copy_s: float = 0.0
     """Training thread: copying own pieces into the staging buffer."""
+    copy_cpu_s: float = 0.0
+    """The same in CPU time of the training thread (what a loaded machine does not inflate)."""
     wait_s: float = 0.0
     """Training thread: blocked joining an exchange not yet finished."""
     exchange_s: float = 0.0
     """Background thread: sending own buffer, receiving the neighbour's."""
+    exchange_cpu_s: float = 0.0
+    """The same in CPU time of the background thread."""
 
 
 @dataclass
@@ -56,6 +60,7 @@ class _Exchange:
     mirror: Snapshot | None = None
     error: BaseException | None = None
     seconds: float = 0.0
+    cpu_seconds: float = 0.0
 
 
 def _send(t: torch.Tensor, dst: int, group: dist.ProcessGroup) -> dist.Work:
@@ -74,7 +79,7 @@ def _exchange(
 ) -> _Exchange:
     """Send ``snap`` to ``left`` and receive ``right``'s snapshot (background thread)."""
     out = _Exchange()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.thread_time()
     try:
         text = torch.frombuffer(bytearray(encode(snap.manifest)), dtype=torch.uint8)
         header = torch.tensor([text.numel(), snap.nbytes, snap.step], dtype=torch.int64)
@@ -96,6 +101,7 @@ def _exchange(
     except BaseException as exc:  # handed to the training thread by wait()
         out.error = exc
     out.seconds = time.perf_counter() - start
+    out.cpu_seconds = time.thread_time() - cpu
     return out
 
 
@@ -180,13 +186,14 @@ class ShardMirror:
                 f"ShardMirror.refresh: step must grow, got {step} after {self.own[-1].step}"
             )
         self.wait()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         reuse = self.own[0].buffer if len(self.own) == KEEP else None
         snap = pack(step, self.kind, sections_of(self.optimizer, self.model), reuse)
         self.own = [*self.own[-(KEEP - 1) :], snap]
         spare = self.mirrors[0].buffer if len(self.mirrors) == KEEP else None
         self.mirrors = self.mirrors[-(KEEP - 1) :]
         self.stats.copy_s += time.perf_counter() - start
+        self.stats.copy_cpu_s += time.thread_time() - cpu
         self.stats.refreshes += 1
         left = (self.rank - 1) % self.world
         args = (snap, self.group, left, self.neighbour, spare)
@@ -208,6 +215,7 @@ class ShardMirror:
         out, self._outcome = self._outcome, _Exchange()
         self.stats.wait_s += time.perf_counter() - start
         self.stats.exchange_s += out.seconds
+        self.stats.exchange_cpu_s += out.cpu_seconds
         if out.mirror is not None:
             self.mirrors = [*self.mirrors[-(KEEP - 1) :], out.mirror]
         return out.error
