@@ -14,6 +14,8 @@ it), and the survivors restore through the mirror at 3 ranks. Tolerances:
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -243,6 +245,35 @@ def test_rank_lost_before_its_last_refresh_restores_the_step_before() -> None:
         if rank != 3:  # rank 3's send to rank 2 may or may not have left before rank 2 ended
             assert out["exchange_failed"] == (rank == 1)  # rank 1 mirrors rank 2
         _assert_equal(out["got"], out["ref"], f"rank {rank}")
+
+
+def _killed(stage: int) -> dict[str, Any]:
+    """Rank 2 SIGKILLs itself right after starting its step-3 refresh (its exchange may or may
+    not have left); the survivors restore the newest step they all hold (2 or 3)."""
+    survivors = dist.new_group([0, 1, 3])  # made while rank 2 lives: every rank must call it
+    model, opt = _build(stage, None)
+    mirror = ShardMirror(opt, model if stage == 3 else None)
+    refs = {}
+    for step in range(1, STEPS + 1):
+        _step(model, opt, step, None)
+        refs[step] = _full(model, opt, stage, None)
+        mirror.after_step(step)
+    if dist.get_rank() == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    restored = restore_shards(mirror, [2], survivors)
+    new_model, new_opt = _build(stage, survivors)
+    restored.load(new_opt, new_model if stage == 3 else None)
+    got = _full(new_model, new_opt, stage, survivors)
+    return {"step": restored.step, "got": got, "ref": refs[restored.step]}
+
+
+def test_rank_killed_during_its_last_exchange_restores_a_common_step() -> None:
+    results = run_distributed(_killed, 2, world_size=4, timeout=60, may_die=[2])
+    assert results[2] is None
+    steps = {results[r]["step"] for r in (0, 1, 3)}
+    assert len(steps) == 1 and steps <= {STEPS - 1, STEPS}
+    for rank in (0, 1, 3):
+        _assert_equal(results[rank]["got"], results[rank]["ref"], f"rank {rank}")
 
 
 def _gather_odd_sizes() -> list[float]:
