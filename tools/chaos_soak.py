@@ -37,8 +37,20 @@ SCRIPT = ROOT / "tests" / "e2e" / "scripts" / "resume_job.py"
 
 
 def _cmd(nproc: int, ckpt: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "phalanx", "run", "--standalone", "--nproc-per-node",
-            str(nproc), "--max-restarts", "1", str(SCRIPT), str(ckpt), *extra]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "phalanx",
+        "run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        "1",
+        str(SCRIPT),
+        str(ckpt),
+        *extra,
+    ]
 
 
 def _steps(nproc: int) -> int:
@@ -61,8 +73,9 @@ def _workers(launcher: int) -> list[int]:
 
 
 def _run_time_mode(nproc: int, ckpt: Path, at: float, rng: random.Random) -> tuple[str, float]:
-    proc = subprocess.Popen(_cmd(nproc, ckpt), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        _cmd(nproc, ckpt), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.time() + 60
     while not _workers(proc.pid) and proc.poll() is None and time.time() < deadline:
         time.sleep(0.02)  # count from the workers' start, not the launcher's imports
@@ -99,9 +112,20 @@ def main(argv: list[str] | None = None) -> int:
             step, rank = rng.randrange(1, _steps(args.nproc)), rng.randrange(args.nproc)
             stamp = work / f"stamp-{run}"
             proc = subprocess.run(
-                _cmd(args.nproc, ckpt, "--kill-step", str(step), "--kill-rank", str(rank),
-                     "--stamp", str(stamp)), capture_output=True, text=True, timeout=300,
-            )  # fmt: skip
+                _cmd(
+                    args.nproc,
+                    ckpt,
+                    "--kill-step",
+                    str(step),
+                    "--kill-rank",
+                    str(rank),
+                    "--stamp",
+                    str(stamp),
+                ),
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
             out = proc.stdout + "\n" + proc.stderr if proc.returncode == 0 else proc.stderr
             killed_at = float(stamp.read_text()) if stamp.exists() else float("nan")
             what = f"rank {rank} before step {step}"
@@ -121,15 +145,22 @@ def main(argv: list[str] | None = None) -> int:
         if not ok:  # keep the evidence
             (work / f"run-{run}.log").write_text(out)
             shown += f"; output in {work / f'run-{run}.log'}: " + " | ".join(out.splitlines()[-3:])
-        print(f"run {run}: killed {what}: {'OK' if ok else 'WRONG'}"
-              f"{' (restarted)' if restarted else ' (no restart)'}{shown}", flush=True)  # fmt: skip
+        print(
+            f"run {run}: killed {what}: {'OK' if ok else 'WRONG'}"
+            f"{' (restarted)' if restarted else ' (no restart)'}{shown}",
+            flush=True,
+        )
     median = round(statistics.median(latencies), 3) if latencies else None
     result = {
-        "runs": args.runs, "correct": correct, "kills_that_restarted": landed,
-        "mode": args.mode, "nproc": args.nproc, "clean_run_s": round(clean_s, 2),
+        "runs": args.runs,
+        "correct": correct,
+        "kills_that_restarted": landed,
+        "mode": args.mode,
+        "nproc": args.nproc,
+        "clean_run_s": round(clean_s, 2),
         "kill_to_first_step_s_median": median,
         "kill_to_first_step_s_max": round(max(latencies), 3) if latencies else None,
-    }  # fmt: skip
+    }
     print(f"{correct} of {args.runs} runs finished with the fault-free parameters")
     print("RESULT " + json.dumps(result))
     return 0 if correct == args.runs else 1

@@ -35,8 +35,12 @@ def _all_shapes_and_ops(piece_bytes: int) -> list[str]:
     rank, ws = dist.get_rank(), dist.get_world_size()
     bad = []
     for shape in [(), (0,), (1,), (5,), (17,), (3, 41), (1003,)]:
-        for dtype, op in [(torch.float32, ReduceOp.SUM), (torch.int64, ReduceOp.MAX),
-                          (torch.int64, ReduceOp.BXOR), (torch.float32, ReduceOp.AVG)]:  # fmt: skip
+        for dtype, op in [
+            (torch.float32, ReduceOp.SUM),
+            (torch.int64, ReduceOp.MAX),
+            (torch.int64, ReduceOp.BXOR),
+            (torch.float32, ReduceOp.AVG),
+        ]:
             want = _native_all_reduce(_input(rank, shape, dtype), op)
             for fn in (alg.ring_all_reduce, alg.tree_all_reduce):
                 got = _input(rank, shape, dtype)

@@ -57,8 +57,11 @@ def _check_allreduce(r: int, n: int) -> None:
     _eq(hvd.allreduce(x, op=hvd.Min), torch.stack(xs).amin(0), "Min")
     _eq(hvd.allreduce(x, op=hvd.Max), torch.stack(xs).amax(0), "Max")
     _close(hvd.allreduce(x, op=hvd.Product), torch.stack(xs).prod(0), "Product")
-    _close(hvd.allreduce(x, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.25),
-           total * 0.5, "pre/postscale")  # fmt: skip
+    _close(
+        hvd.allreduce(x, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.25),
+        total * 0.5,
+        "pre/postscale",
+    )
     _close(hvd.allreduce(x, prescale_factor=3.0, postscale_factor=0.5), total * 1.5 / n, "avg")
     _eq(x, xs[r], "allreduce left its input unchanged")
     with warnings.catch_warnings():
@@ -116,15 +119,19 @@ def _check_gather_broadcast(r: int, n: int) -> None:
     hvd.synchronize(hvd.broadcast_async_(z, 0))
     _eq(z, torch.zeros(2, 2), "broadcast_async_")
     _eq(hvd.synchronize(hvd.broadcast_async(y * 0 + r, 0)), torch.zeros(3), "broadcast_async")
-    _raises(lambda: hvd.allgather(torch.zeros(1, 2 + r)), "rank 0 sent float32 [*, 2]",
-            "rank 1 sent float32 [*, 3]")  # fmt: skip
+    _raises(
+        lambda: hvd.allgather(torch.zeros(1, 2 + r)),
+        "rank 0 sent float32 [*, 2]",
+        "rank 1 sent float32 [*, 3]",
+    )
     _raises(lambda: hvd.broadcast(y, n), f"root_rank={n}")
 
 
 def _check_alltoall(r: int, n: int) -> None:
     x = torch.arange(2 * n, dtype=torch.float32) + 100 * r  # rows 2j, 2j+1 go to rank j
-    want = torch.cat([torch.arange(2 * r, 2 * r + 2, dtype=torch.float32) + 100 * s
-                      for s in range(n)])  # fmt: skip
+    want = torch.cat(
+        [torch.arange(2 * r, 2 * r + 2, dtype=torch.float32) + 100 * s for s in range(n)]
+    )
     _eq(hvd.alltoall(x), want, "alltoall, even splits")
     splits = [j + 1 for j in range(n)]  # j+1 rows for rank j, valued 100*r + j
     rows = torch.cat([torch.full((j + 1, 2), 100.0 * r + j) for j in range(n)])
@@ -156,8 +163,10 @@ def _check_objects_and_process(r: int, n: int) -> None:
     assert got["epoch"] == 3 and got["names"] == ["a", 1]
     _eq(got["t"], torch.tensor([1.5, 1.0]), "broadcast_object tensor")
     assert hvd.allgather_object({"rank": r}) == [{"rank": k} for k in range(n)]
-    _raises(lambda: hvd.allreduce(torch.ones(1), op=hvd.Adasum),
-            "Adasum is not supported, use Average or Sum")  # fmt: skip
+    _raises(
+        lambda: hvd.allreduce(torch.ones(1), op=hvd.Adasum),
+        "Adasum is not supported, use Average or Sum",
+    )
     _raises(lambda: hvd.allreduce(torch.ones(1), op=7), "op=7")
     _raises(lambda: hvd.synchronize(3), "handle")
     hvd.barrier()
@@ -189,8 +198,11 @@ def _check_hvd_process_set(r: int, n: int) -> None:
         x = torch.full((2,), float(r + 1))
         _eq(hvd.allreduce(x, op=hvd.Sum, process_set=pair), torch.full((2,), float(n + 1)), "sum")
         _eq(hvd.broadcast(x, n - 1, process_set=pair), torch.full((2,), float(n)), "broadcast")
-        _eq(hvd.reducescatter(torch.ones(4), op=hvd.Sum, process_set=pair), torch.full((2,), 2.0),
-            "reducescatter on a set")  # fmt: skip
+        _eq(
+            hvd.reducescatter(torch.ones(4), op=hvd.Sum, process_set=pair),
+            torch.full((2,), 2.0),
+            "reducescatter on a set",
+        )
         _raises(lambda: hvd.broadcast(x, 1, process_set=pair), "root_rank=1", "[0, 2]")
     hvd.barrier()
     assert hvd.remove_process_set(pair)
@@ -199,9 +211,16 @@ def _check_hvd_process_set(r: int, n: int) -> None:
 def _all_ops() -> bool:
     r, n = hvd.rank(), hvd.size()
     hvd.init()  # already initialised by the harness: a no-op
-    for check in (_check_allreduce, _check_async_and_grouped, _check_gather_broadcast,
-                  _check_alltoall, _check_autograd, _check_objects_and_process,
-                  _check_process_set, _check_hvd_process_set):  # fmt: skip
+    for check in (
+        _check_allreduce,
+        _check_async_and_grouped,
+        _check_gather_broadcast,
+        _check_alltoall,
+        _check_autograd,
+        _check_objects_and_process,
+        _check_process_set,
+        _check_hvd_process_set,
+    ):
         check(r, n)
     return True
 
@@ -388,8 +407,9 @@ def _mistakes() -> bool:
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     named = list(model.named_parameters())
     dist_opt = hvd.DistributedOptimizer
-    _raises(lambda: dist_opt(sgd, [*named, ("fc1.weight", named[0][1])]),
-            "duplicates ['fc1.weight']")  # fmt: skip
+    _raises(
+        lambda: dist_opt(sgd, [*named, ("fc1.weight", named[0][1])]), "duplicates ['fc1.weight']"
+    )
     _raises(lambda: dist_opt(sgd, named[1:]), "param_groups[0]['params'][0] (shape [16, 8])")
     _raises(lambda: dist_opt(sgd, op=hvd.Adasum), "Adasum is not supported, use Average or Sum")
     _raises(lambda: dist_opt(sgd, op=hvd.Max), "op=Max")
@@ -406,8 +426,12 @@ def _mistakes() -> bool:
     wrapped.zero_grad()
     wrapped._hvd_sync.remove_hooks()
     odd = nn.Linear(3, 2 + r)  # a different model on each rank
-    _raises(lambda: dist_opt(torch.optim.SGD(odd.parameters(), lr=0.1), odd.named_parameters()),
-            "the parameters on rank 1 differ", "'weight' [2, 3]", "[3, 3]")  # fmt: skip
+    _raises(
+        lambda: dist_opt(torch.optim.SGD(odd.parameters(), lr=0.1), odd.named_parameters()),
+        "the parameters on rank 1 differ",
+        "'weight' [2, 3]",
+        "[3, 3]",
+    )
     return True
 
 

@@ -72,8 +72,13 @@ def _joined_collectives(first: int) -> int:
 def _working(first: int) -> int:
     r = hvd.rank()
     x = torch.tensor([5, -3, 7])
-    ops = {hvd.Sum: x, hvd.Average: torch.tensor([2, -1, 3]), hvd.Min: x, hvd.Max: x,
-           hvd.Product: x}  # fmt: skip
+    ops = {
+        hvd.Sum: x,
+        hvd.Average: torch.tensor([2, -1, 3]),
+        hvd.Min: x,
+        hvd.Max: x,
+        hvd.Product: x,
+    }
     for op, want in ops.items():  # the joined rank contributes the neutral value of each
         assert torch.equal(hvd.allreduce(x, op=op), want), f"op {op}"
     got = hvd.grouped_allreduce([x.double(), torch.ones(2, 2)], op=hvd.Sum)

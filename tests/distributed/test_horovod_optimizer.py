@@ -45,8 +45,9 @@ def test_broadcast_optimizer_state_gives_a_fresh_optimizer_horovods_dummy_step()
 
 def _step_after_synchronize() -> list[int]:
     model = nn.Linear(2, 1)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters())  # fmt: skip
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
     counts = []
     for explicit, skip in ((True, False), (True, True), (False, False)):
         opt.zero_grad()
@@ -82,9 +83,11 @@ def _embedding() -> nn.Embedding:
 def _sparse_training(sparse_as_dense: bool) -> dict[str, Any]:
     emb = _embedding()
     base = torch.optim.SparseAdam if sparse_as_dense else torch.optim.SGD
-    opt = hvd.DistributedOptimizer(base(list(emb.parameters()), lr=1.0),
-                                   named_parameters=emb.named_parameters(),
-                                   sparse_as_dense=sparse_as_dense)  # fmt: skip
+    opt = hvd.DistributedOptimizer(
+        base(list(emb.parameters()), lr=1.0),
+        named_parameters=emb.named_parameters(),
+        sparse_as_dense=sparse_as_dense,
+    )
     for _ in range(2):
         opt.zero_grad()
         (emb(_inputs(hvd.rank())) * torch.arange(3.0)).sum().backward()
@@ -122,8 +125,9 @@ def test_sparse_gradients_are_all_gathered_like_horovod() -> None:
 
 def _backward_beside_another_operation() -> str:
     model = nn.Linear(4, 2)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters())  # fmt: skip
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
     assert opt is not None
     try:
         if hvd.rank() == 0:

@@ -118,8 +118,9 @@ def test_reducescatter_grouped_sparse_int16_and_process_sets() -> None:
 
 # ---- mismatched calls raise on every rank ------------------------------------------------------
 def _mismatch(fn: Callable[[], Any], *words: str) -> None:
-    message = _expect(CollectiveMismatchError, fn, f"[rank {hvd.rank()}]", "rank 0", "rank 1",
-                      *words)  # fmt: skip
+    message = _expect(
+        CollectiveMismatchError, fn, f"[rank {hvd.rank()}]", "rank 0", "rank 1", *words
+    )
     assert "Every rank must" in message or "every rank must" in message, message
 
 
@@ -128,17 +129,29 @@ def _mismatches() -> bool:
     assert issubclass(CollectiveMismatchError, RuntimeError)
     _mismatch(lambda: hvd.allreduce(torch.ones(3 + r)), "allreduce", "shapes", "[3]", "[4]")
     _mismatch(lambda: hvd.allreduce(torch.ones([2, 3] if r else [6])), "[2, 3]", "[6]")
-    _mismatch(lambda: hvd.allreduce(torch.ones(2, dtype=torch.int32 if r else torch.float32)),
-              "data types", "int32", "float32")  # fmt: skip
+    _mismatch(
+        lambda: hvd.allreduce(torch.ones(2, dtype=torch.int32 if r else torch.float32)),
+        "data types",
+        "int32",
+        "float32",
+    )
     _mismatch(lambda: hvd.broadcast(torch.ones(2), r), "broadcast", "root", "root 0", "root 1")
     _mismatch(lambda: hvd.allreduce(torch.ones(2), op=hvd.Max if r else hvd.Sum), "hvd.Max")
     _mismatch(lambda: hvd.allgather(torch.ones(1, 2 + r)), "allgather", "[*, 2]", "[*, 3]")
     _mismatch(lambda: hvd.alltoall(torch.ones(2, 1 + r)), "alltoall", "[*, 1]", "[*, 2]")
     _mismatch(lambda: hvd.reducescatter(torch.ones(4 + r)), "reducescatter", "[4]", "[5]")
-    _mismatch(lambda: hvd.allgather(torch.ones(1)) if r else hvd.allreduce(torch.ones(1)),
-              "different operations", "is in allgather", "is in allreduce")  # fmt: skip
-    _mismatch(lambda: hvd.allreduce(torch.ones(1), name=f"loss{r}"), "no operation can run",
-              "'loss0'", "'loss1'")  # fmt: skip
+    _mismatch(
+        lambda: hvd.allgather(torch.ones(1)) if r else hvd.allreduce(torch.ones(1)),
+        "different operations",
+        "is in allgather",
+        "is in allreduce",
+    )
+    _mismatch(
+        lambda: hvd.allreduce(torch.ones(1), name=f"loss{r}"),
+        "no operation can run",
+        "'loss0'",
+        "'loss1'",
+    )
     _eq(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), 2.0), "still healthy")
     return True
 

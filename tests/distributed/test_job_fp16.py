@@ -195,9 +195,12 @@ def _gpt_job(dp: int) -> dict[str, Any]:
     job.close()
     reference = _gpt_reference(ref) if dp == 1 else None
     return {
-        "losses": losses, "scales": scales, "skipped": skipped, "params": params,
+        "losses": losses,
+        "scales": scales,
+        "skipped": skipped,
+        "params": params,
         "ref": reference,
-    }  # fmt: skip
+    }
 
 
 def _gpt_reference(model: nn.Module) -> list[float]:

@@ -57,8 +57,12 @@ def _train(strategy: str, options: dict[str, Any]) -> dict[str, Any]:
         ref_losses.append(float(loss))
     groups = job.groups
     assert groups is not None
-    out = {"losses": losses, "ref": ref_losses, "dp": groups.topology.dp,
-           "lr": opt.param_groups[0]["lr"]}  # fmt: skip
+    out = {
+        "losses": losses,
+        "ref": ref_losses,
+        "dp": groups.topology.dp,
+        "lr": opt.param_groups[0]["lr"],
+    }
     job.close()
     return out
 

@@ -42,9 +42,12 @@ def _train(strategy: str | phalanx.train.Strategy, kwargs: dict) -> dict:
     report = job.server_report
     job.close()
     return {
-        "state": state, "batches": batches, "server": job.is_server, "report": report,
+        "state": state,
+        "batches": batches,
+        "server": job.is_server,
+        "report": report,
         "logged": logged,
-    }  # fmt: skip
+    }
 
 
 def test_ps_sync_job_equals_ddp_job() -> None:

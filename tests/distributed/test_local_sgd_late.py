@@ -211,9 +211,10 @@ def test_weighted_rounds_stall_at_most_about_one_slow_step(runs: list[dict[str, 
     assert all(c[1] < H for c in runs[0]["weighted"]["history"][:2])
 
 
-@pytest.mark.parametrize(("name", "outer", "codec"), [
-    ("weighted", True, "fp32"), ("localsgd", False, "fp32"), ("int8", True, "int8")
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "outer", "codec"),
+    [("weighted", True, "fp32"), ("localsgd", False, "fp32"), ("int8", True, "int8")],
+)
 def test_weighted_average_equals_a_simulation_of_the_same_rounds(
     name: str, outer: bool, codec: str, runs: list[dict[str, Any]]
 ) -> None:

@@ -314,8 +314,9 @@ def _authenticated() -> dict:
 
 
 def test_process_without_the_secret_can_neither_read_nor_write() -> None:
-    results = run_distributed(_authenticated, world_size=3, timeout=60,
-                              env={"PHALANX_JOB_SECRET": "s3cret"})  # fmt: skip
+    results = run_distributed(
+        _authenticated, world_size=3, timeout=60, env={"PHALANX_JOB_SECRET": "s3cret"}
+    )
     report = results[0]["report"]
     assert list(report.lost) == [1] and "failed authentication" in report.lost[1]
     assert results[2]["got_reply"] is False

@@ -82,8 +82,15 @@ def _run_case(
     kind: str, sched: str, chunks: int, m: int, p2p: str | None = None, group: Any = None
 ) -> dict[str, Any]:
     p = dist.get_world_size(group)
-    pipe = Pipeline(_layers(kind, p), group, schedule=sched, micro_batches=m,
-                    loss_fn=_loss_fn(kind), chunks=chunks, p2p=p2p)  # fmt: skip
+    pipe = Pipeline(
+        _layers(kind, p),
+        group,
+        schedule=sched,
+        micro_batches=m,
+        loss_fn=_loss_fn(kind),
+        chunks=chunks,
+        p2p=p2p,
+    )
     pipe.comm.trace = []  # the P2P groups this rank posts, for the NCCL-semantics check
     losses = []
     for step in range(2):
@@ -92,8 +99,13 @@ def _run_case(
     grads = {}
     for name, param in pipe.named_parameters():
         grads[name.split(".", 2)[2]] = param.grad.clone()  # stages.<chunk>.<layer>.<param>
-    return {"losses": losses, "grads": grads, "in_flight": pipe.max_in_flight,
-            "per_chunk": pipe.max_in_flight_per_chunk, "trace": pipe.comm.trace}  # fmt: skip
+    return {
+        "losses": losses,
+        "grads": grads,
+        "in_flight": pipe.max_in_flight,
+        "per_chunk": pipe.max_in_flight_per_chunk,
+        "trace": pipe.comm.trace,
+    }
 
 
 @functools.cache
@@ -135,9 +147,15 @@ def _cases(p: int) -> list[tuple[Any, ...]]:
     """MLP: every schedule and m; GPT and the tuple-passing model; two cases with grouped P2P
     (the non-gloo default)."""
     mlp = [("mlp", s, c, m) for s, c in SCHEDULES for m in (1, 4, 8)]
-    return [*mlp, *[("gpt", s, c, 4) for s, c in SCHEDULES], ("tuple", "interleaved", 2, 4),
-            ("tuple", "1f1b", 1, 8), ("gpt", "1f1b", 1, 8, "grouped"),
-            ("mlp", "gpipe", 1, 2, "grouped"), ("mlp", "interleaved", 2, 8, "grouped")]  # fmt: skip
+    return [
+        *mlp,
+        *[("gpt", s, c, 4) for s, c in SCHEDULES],
+        ("tuple", "interleaved", 2, 4),
+        ("tuple", "1f1b", 1, 8),
+        ("gpt", "1f1b", 1, 8, "grouped"),
+        ("mlp", "gpipe", 1, 2, "grouped"),
+        ("mlp", "interleaved", 2, 8, "grouped"),
+    ]
 
 
 def _nccl_safe(traces: list[list[list[tuple[str, int, int]]]]) -> bool:
@@ -158,8 +176,14 @@ def _nccl_safe(traces: list[list[list[tuple[str, int, int]]]]) -> bool:
             group = traces[a][pos[a]] if pos[a] < len(traces[a]) else []
             for i, (op, b, tag) in enumerate(group):
                 other = traces[b][pos[b]] if pos[b] < len(traces[b]) else []
-                j = next((j for j, (op2, c, t2) in enumerate(other) if j not in done[b]
-                          and (c, t2) == (a, tag) and op2 != op), None)  # fmt: skip
+                j = next(
+                    (
+                        j
+                        for j, (op2, c, t2) in enumerate(other)
+                        if j not in done[b] and (c, t2) == (a, tag) and op2 != op
+                    ),
+                    None,
+                )
                 if i not in done[a] and j is not None:
                     done[a].add(i)
                     done[b].add(j)
@@ -190,8 +214,9 @@ def test_parity_every_schedule(p: int) -> None:
             want = [min(interleaved_warmup(p, m, r, chunks) + 1, chunks * m) for r in range(p)]
             assert flights == want, (m, flights)
             if m % p == 0:
-                assert want == [min((chunks - 1) * p + 2 * (p - r - 1) + 1, chunks * m)
-                                for r in range(p)]  # fmt: skip
+                assert want == [
+                    min((chunks - 1) * p + 2 * (p - r - 1) + 1, chunks * m) for r in range(p)
+                ]
             assert all(len(res["per_chunk"]) == chunks for res in results)
 
 
@@ -199,9 +224,16 @@ def _misc_job() -> dict[str, Any]:
     """broadcast_loss, eval_step, balance agreement, errors: one 2-rank job."""
     out: dict[str, Any] = {}
     layers = _layers("mlp", 2)
-    pipe = Pipeline(layers, None, schedule="1f1b", micro_batches=4,
-                    loss_fn=nn.functional.mse_loss, broadcast_loss=True, balance="time",
-                    example_input=torch.randn(2, 6))  # fmt: skip
+    pipe = Pipeline(
+        layers,
+        None,
+        schedule="1f1b",
+        micro_batches=4,
+        loss_fn=nn.functional.mse_loss,
+        broadcast_loss=True,
+        balance="time",
+        example_input=torch.randn(2, 6),
+    )
     x, y = _batch("mlp", 0)
     out["loss"] = pipe.step(x, y)  # inputs/targets given everywhere: only the right rank uses them
     out["eval"] = pipe.eval_step(x)

@@ -136,8 +136,9 @@ def _vocab_checks(group: Any, vocab: int) -> dict[str, Any]:
     for reduction in ("mean", "sum", "none"):
         full, ref = logits.clone().requires_grad_(), logits.clone().requires_grad_()
         local = scatter_to_tp(full, group)  # uneven shards as shard_sizes lays them out
-        ours = vocab_parallel_cross_entropy(local, targets, group, vocab_size=vocab,
-                                            reduction=reduction)  # fmt: skip
+        ours = vocab_parallel_cross_entropy(
+            local, targets, group, vocab_size=vocab, reduction=reduction
+        )
         want = F.cross_entropy(ref.reshape(-1, vocab), targets.reshape(-1), reduction=reduction)
         want = want.reshape(targets.shape) if reduction == "none" else want
         (ours * weights if reduction == "none" else ours).sum().backward()

@@ -222,8 +222,9 @@ def _memory_and_volume(case: dict[str, Any]) -> dict[str, Any]:
         opt.step()
         opt.zero_grad(set_to_none=False)
     slots = [getattr(m, n) for u in model.units for e in u.entries for m, n in e.slots]
-    state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
-                if t.dim() > 0)  # fmt: skip
+    state = sum(
+        t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if t.dim() > 0
+    )
     return {
         "stats": stats,
         "param_bytes": model.param_bytes(),

@@ -74,8 +74,12 @@ def _against_torch(name: str, view: bool) -> dict[str, Any]:
                 return loss
 
             opt.step(closure)
-        diffs.append(max((a - b).abs().max().item() for a, b in zip(
-            theirs_model.parameters(), ours_model.parameters())))  # fmt: skip
+        diffs.append(
+            max(
+                (a - b).abs().max().item()
+                for a, b in zip(theirs_model.parameters(), ours_model.parameters())
+            )
+        )
     theirs.consolidate_state_dict(to=0)
     ours.consolidate_state_dict(to=0)
     states = (theirs.state_dict(), ours.state_dict()) if rank == 0 else None

@@ -34,9 +34,14 @@ def launcher_env(*, path: str = "", **extra: str) -> dict[str, str]:
 def start(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
     """Start ``cmd`` in its own session, from the repository root, output captured."""
     return subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         start_new_session=True,
-    )  # fmt: skip
+    )
 
 
 def finish(proc: subprocess.Popen[str], deadline: float = DEADLINE_S) -> tuple[str, str]:

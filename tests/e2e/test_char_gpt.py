@@ -15,8 +15,20 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_char_gpt_val_loss_falls_under_phalanx_run() -> None:
     script = str(ROOT / "examples" / "char_gpt.py")
-    cmd = [sys.executable, "-m", "phalanx", "run", "--standalone", "--nproc-per-node", "2",
-           script, "--steps", "20", "--eval-every", "10"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "phalanx",
+        "run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        script,
+        "--steps",
+        "20",
+        "--eval-every",
+        "10",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     vals = [float(v) for v in re.findall(r"\[rank 0\] step \d+: train \S+ val (\S+)", proc.stdout)]
@@ -30,9 +42,25 @@ def test_char_gpt_val_loss_falls_under_phalanx_run() -> None:
 @pytest.mark.parametrize("split", [["--pp", "2"], ["--tp", "2"]], ids=["dp2xpp2", "dp2xtp2"])
 def test_char_gpt_trains_split_over_four_ranks(split: list[str]) -> None:
     script = str(ROOT / "examples" / "char_gpt.py")
-    cmd = [sys.executable, "-m", "phalanx", "run", "--standalone", "--nproc-per-node", "4",
-           script, "--steps", "30", "--eval-every", "30", "--eval-batches", "2",
-           "--batch-size", "8", *split]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "phalanx",
+        "run",
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        script,
+        "--steps",
+        "30",
+        "--eval-every",
+        "30",
+        "--eval-batches",
+        "2",
+        "--batch-size",
+        "8",
+        *split,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"(pp {2 if split[0] == '--pp' else 1} x tp {2 if split[0] == '--tp' else 1})" in (

@@ -12,8 +12,17 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _start(script: str, *args: str, nproc: int = 2, cwd: Path = ROOT) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "phalanx", "run", "--standalone", "--nproc-per-node", str(nproc),
-           str(ROOT / "examples" / script), *args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "phalanx",
+        "run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        str(ROOT / "examples" / script),
+        *args,
+    ]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
 
 

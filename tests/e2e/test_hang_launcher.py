@@ -11,8 +11,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_launcher_output_carries_the_hang_report() -> None:
-    cmd = [sys.executable, "-m", "phalanx", "run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "tests" / "e2e" / "scripts" / "hang_rank1.py")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "phalanx",
+        "run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(ROOT / "tests" / "e2e" / "scripts" / "hang_rank1.py"),
+    ]
     env = {**os.environ, "PHALANX_HANG_TIMEOUT": "1.5"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr  # the job is not killed: rank 1 wakes, it ends

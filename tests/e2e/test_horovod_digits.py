@@ -23,8 +23,17 @@ SCRIPT = Path(__file__).resolve().parent / "scripts" / "horovod_digits.py"
 def _start(*extra: str) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "phalanx", "run", "--standalone", "--nproc-per-node", "2",
-           str(SCRIPT), *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "phalanx",
+        "run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(SCRIPT),
+        *extra,
+    ]
     return subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT
     )

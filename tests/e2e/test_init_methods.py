@@ -59,19 +59,36 @@ def test_env_init_method_without_launcher() -> None:
     port = str(_free_port())
     outs = _run_pair(
         lambda r: ["--init-method", "env://"],
-        lambda r: {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(r),
-                   "WORLD_SIZE": "2", "TORCHELASTIC_USE_AGENT_STORE": ""},
-    )  # fmt: skip
+        lambda r: {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "RANK": str(r),
+            "WORLD_SIZE": "2",
+            "TORCHELASTIC_USE_AGENT_STORE": "",
+        },
+    )
     assert all("sum=3" in o for o in outs)
 
 
 def test_unreachable_tcp_store_names_address() -> None:
     port = _free_port()
     proc = subprocess.run(
-        [sys.executable, EXAMPLE, "--init-method", f"tcp://127.0.0.1:{port}", "--rank", "1",
-         "--world-size", "2", "--timeout", "2"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            EXAMPLE,
+            "--init-method",
+            f"tcp://127.0.0.1:{port}",
+            "--rank",
+            "1",
+            "--world-size",
+            "2",
+            "--timeout",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode != 0
     assert f"127.0.0.1:{port}" in proc.stderr
 
@@ -81,10 +98,21 @@ def test_rank0_store_listens_on_given_address_only(scheme: str) -> None:
     # Rank 0 alone: it hosts the store, then waits for rank 1, which never comes.
     port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, EXAMPLE, "--init-method", f"{scheme}://127.0.0.1:{port}", "--rank", "0",
-         "--world-size", "2", "--timeout", "20"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            sys.executable,
+            EXAMPLE,
+            "--init-method",
+            f"{scheme}://127.0.0.1:{port}",
+            "--rank",
+            "0",
+            "--world-size",
+            "2",
+            "--timeout",
+            "20",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         addrs = _wait_listening(port)
         assert addrs == {"0100007F"}, addrs  # 127.0.0.1, not 00000000 (every interface)

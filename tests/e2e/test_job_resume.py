@@ -18,8 +18,20 @@ SCRIPT = str(ROOT / "tests" / "e2e" / "scripts" / "resume_job.py")
 def _run(
     ckpt: Path, *extra: str, nproc: int = 2, restarts: int = 0
 ) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "phalanx", "run", "--standalone", "--nproc-per-node", str(nproc),
-           "--max-restarts", str(restarts), SCRIPT, str(ckpt), *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "phalanx",
+        "run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        str(restarts),
+        SCRIPT,
+        str(ckpt),
+        *extra,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=180)
 
 
@@ -76,8 +88,15 @@ def test_max_restarts_resumes_by_itself_bit_identical(
         assert clean.returncode == 0, clean.stderr
         clean_out = clean.stdout
     stamp = tmp_path / "stamp"
-    killed = _run(tmp_path / "killed", "--kill-step", str(step), "--stamp", str(stamp),
-                  nproc=nproc, restarts=1)  # fmt: skip
+    killed = _run(
+        tmp_path / "killed",
+        "--kill-step",
+        str(step),
+        "--stamp",
+        str(stamp),
+        nproc=nproc,
+        restarts=1,
+    )
     assert killed.returncode == 0, killed.stderr
     assert "restarting all workers (restart 1 of 1" in killed.stderr
     digest, first_step = _digest_and_first_step(killed.stdout)

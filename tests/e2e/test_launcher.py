@@ -51,23 +51,45 @@ def _worker_env(stdout: str, rank: int) -> dict[str, str | None]:
 
 def test_two_workers_get_env_prefixes_and_all_reduce() -> None:
     script = str(SCRIPTS / "env_allreduce.py")
-    proc = _launch("--standalone", "--nproc-per-node", "2", "--backend", "gloo",
-                   "--rdzv-id", "job7", script, "x", "--lr", "1")  # fmt: skip
+    proc = _launch(
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--backend",
+        "gloo",
+        "--rdzv-id",
+        "job7",
+        script,
+        "x",
+        "--lr",
+        "1",
+    )
     assert proc.returncode == 0, proc.stderr
     for rank in (0, 1):
         assert f"[rank {rank}] SUM 3" in proc.stdout
         assert f'[rank {rank}] ARGS ["x", "--lr", "1"]' in proc.stdout
         env = _worker_env(proc.stdout, rank)
         expected = {
-            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-            "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
-            "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": "2", "ROLE_NAME": "default",
-            "MASTER_ADDR": "127.0.0.1", "TORCHELASTIC_USE_AGENT_STORE": "True",
-            "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
-            "TORCHELASTIC_RUN_ID": "job7", "PHALANX_RUN_ID": "job7",
-            "PHALANX_RESTART_COUNT": "0", "PHALANX_BACKEND": "gloo", "PYTHONUNBUFFERED": "1",
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "2",
+            "GROUP_RANK": "0",
+            "GROUP_WORLD_SIZE": "1",
+            "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": "2",
+            "ROLE_NAME": "default",
+            "MASTER_ADDR": "127.0.0.1",
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_RUN_ID": "job7",
+            "PHALANX_RUN_ID": "job7",
+            "PHALANX_RESTART_COUNT": "0",
+            "PHALANX_BACKEND": "gloo",
+            "PYTHONUNBUFFERED": "1",
             "OMP_NUM_THREADS": "1",
-        }  # fmt: skip
+        }
         assert {k: env[k] for k in expected} == expected
         loopback = interface_for("127.0.0.1")
         assert loopback is not None and env["GLOO_SOCKET_IFNAME"] == loopback[0]
@@ -87,8 +109,14 @@ def test_failing_rank_stops_the_job_within_5s(tmp_path: Path) -> None:
 
 
 def test_restart_after_sigkill_gets_a_fresh_store() -> None:
-    proc = _launch("--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-                   str(SCRIPTS / "kill_then_recover.py"))  # fmt: skip
+    proc = _launch(
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        str(SCRIPTS / "kill_then_recover.py"),
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "[rank 0] attempt 1: rank 0 all_reduce ok" in proc.stdout
     assert "[rank 1] attempt 1: rank 1 all_reduce ok" in proc.stdout
@@ -163,10 +191,18 @@ def test_missing_script_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
 def sleeping_job(tmp_path: Path) -> Iterator[SleepingJob]:
     """A launcher with 2 sleeping workers (each with a child); yields it, their pids, its port."""
     port = free_port()
-    cmd = [*LAUNCH, "--nproc-per-node", "2", "--master-port", str(port),
-           str(SCRIPTS / "sleeper.py"), str(tmp_path)]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env())  # fmt: skip
+    cmd = [
+        *LAUNCH,
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(port),
+        str(SCRIPTS / "sleeper.py"),
+        str(tmp_path),
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
+    )
     try:
         files = [tmp_path / f"rank{r}.json" for r in (0, 1)]
         deadline = time.monotonic() + 30

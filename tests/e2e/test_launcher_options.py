@@ -55,8 +55,15 @@ def test_signals_to_handle_are_forwarded_then_the_grace_ends(tmp_path: Path) -> 
 
 
 def test_role_virtual_local_rank_local_addr_and_events() -> None:
-    flags = ["--role", "trainer", "--virtual-local-rank", "--local-addr", "127.0.0.1",
-             "--event-log-handler", "console"]  # fmt: skip
+    flags = [
+        "--role",
+        "trainer",
+        "--virtual-local-rank",
+        "--local-addr",
+        "127.0.0.1",
+        "--event-log-handler",
+        "console",
+    ]
     out, err = run_ok([*LAUNCH, *flags, str(SCRIPTS / "show_env.py")], CUDA_VISIBLE_DEVICES="5,7")
     envs = worker_envs(out)
     assert [envs[r]["LOCAL_RANK"] for r in ("0", "1")] == ["0", "0"]
@@ -68,9 +75,15 @@ def test_role_virtual_local_rank_local_addr_and_events() -> None:
         (e["name"].rsplit(".", 1)[1], e["source"], e["metadata"]["global_rank"]) for e in events
     ]
     assert sorted(names, key=str) == sorted(
-        [("START", "WORKER", 0), ("START", "WORKER", 1), ("SUCCEEDED", "WORKER", 0),
-         ("SUCCEEDED", "WORKER", 1), ("SUCCEEDED", "AGENT", None)], key=str,
-    )  # fmt: skip
+        [
+            ("START", "WORKER", 0),
+            ("START", "WORKER", 1),
+            ("SUCCEEDED", "WORKER", 0),
+            ("SUCCEEDED", "WORKER", 1),
+            ("SUCCEEDED", "AGENT", None),
+        ],
+        key=str,
+    )
     assert {e["metadata"]["role"] for e in events} == {"trainer"}
 
 

@@ -46,8 +46,17 @@ def test_listeners_on_loopback_and_the_job_secret_only_in_the_environment(
     tmp_path: Path,
 ) -> None:
     secret = ""
-    cmd = [sys.executable, "-m", "phalanx", "run", "--standalone", "--nproc-per-node", "2",
-           str(SCRIPT), str(tmp_path)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "phalanx",
+        "run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(SCRIPT),
+        str(tmp_path),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60

@@ -12,8 +12,20 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_plan_char_gpt_json() -> None:
-    cmd = [sys.executable, "-m", "phalanx", "plan", "examples/char_gpt.py", "--batch-size", "4",
-           "--dp", "2", "--device-memory", "1GB", "--json"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "phalanx",
+        "plan",
+        "examples/char_gpt.py",
+        "--batch-size",
+        "4",
+        "--dp",
+        "2",
+        "--device-memory",
+        "1GB",
+        "--json",
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr

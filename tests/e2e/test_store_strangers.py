@@ -162,9 +162,12 @@ def _impostor(env: dict[str, str], secret: str | None) -> subprocess.Popen[str]:
     if secret is not None:
         env["PHALANX_JOB_SECRET"] = secret
     return subprocess.Popen(
-        [sys.executable, "-c", IMPOSTOR], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, env=env,
-    )  # fmt: skip
+        [sys.executable, "-c", IMPOSTOR],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
 
 
 def test_a_worker_with_a_wrong_secret_or_none_fails_at_rendezvous_naming_the_job(

@@ -45,9 +45,15 @@ class Terminal:
         self.master, slave = pty.openpty()
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
         self.proc = subprocess.Popen(
-            [*LAUNCH, str(SCRIPTS / script)], stdin=slave, stdout=slave, stderr=slave,
-            env=launcher_env(), cwd=ROOT, start_new_session=True, preexec_fn=_take_terminal,
-        )  # fmt: skip
+            [*LAUNCH, str(SCRIPTS / script)],
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            env=launcher_env(),
+            cwd=ROOT,
+            start_new_session=True,
+            preexec_fn=_take_terminal,
+        )
         os.close(slave)
         self.shown = b""
         self.typed_at = 0

@@ -37,10 +37,21 @@ def _start(tmp: Path, mode: str, rank: int) -> subprocess.Popen[bytes]:
         "TORCH_FR_DUMP_TEMP_FILE": str(out / "pickle" / "trace_"),
     }
     cmd = [
-        sys.executable, str(JOB), "--mode", mode, "--timeout", TIMEOUT_S[mode],
-        "--json-prefix", str(out / "json" / "trace_"),
-        "--init-method", f"file://{tmp}/rdv-{mode}", "--rank", str(rank), "--world-size", "2",
-    ]  # fmt: skip
+        sys.executable,
+        str(JOB),
+        "--mode",
+        mode,
+        "--timeout",
+        TIMEOUT_S[mode],
+        "--json-prefix",
+        str(out / "json" / "trace_"),
+        "--init-method",
+        f"file://{tmp}/rdv-{mode}",
+        "--rank",
+        str(rank),
+        "--world-size",
+        "2",
+    ]
     (out / "json").mkdir(parents=True, exist_ok=True)
     log = (out / f"log{rank}").open("wb")
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)

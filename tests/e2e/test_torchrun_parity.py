@@ -117,8 +117,21 @@ def test_module_run_path_and_no_python_start_the_script_as_torchrun(how: list[st
 
 def test_redirects_tee_filters_prefix_template_and_restarts_as_torchrun(tmp_path: Path) -> None:
     """stderr to files only, stdout tee'd, 'loss' lines duplicated, one restart: same files."""
-    flags = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--role", "w",
-             "--redirects", "2", "--tee", "1", "--duplicate-stdout-filters", "loss"]  # fmt: skip
+    flags = [
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--role",
+        "w",
+        "--redirects",
+        "2",
+        "--tee",
+        "1",
+        "--duplicate-stdout-filters",
+        "loss",
+    ]
     script = str(SCRIPTS / "chatty.py")
     template = {"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[${role_name}${local_rank}]:"}
     theirs, ours = run_ok_together(

@@ -59,8 +59,18 @@ def _stop(proc: subprocess.Popen[str]) -> None:
 
 
 def test_two_nodes_all_reduce_across_namespaces(pair: Link) -> None:
-    common = ["--nnodes", "2", "--nproc-per-node", "2", "--master-addr", pair.addr[0],
-              "--master-port", "29561", "--rdzv-timeout", "30"]  # fmt: skip
+    common = [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        pair.addr[0],
+        "--master-port",
+        "29561",
+        "--rdzv-timeout",
+        "30",
+    ]
     procs = []
     try:
         # Node 1 first: it must wait (connection refused) until node 0 is up.
@@ -96,10 +106,28 @@ sys.exit(code)
 def test_unreachable_network_fails_fast(pair: Link) -> None:
     # Namespace a has no route to 10.99.0.0/16: connect() fails with ENETUNREACH at once.
     proc = subprocess.run(
-        pair.command(0, [sys.executable, "-c", TIMED_MAIN, "--nnodes", "2",
-         "--node-rank", "1", "--master-addr", "10.99.0.1", "--master-port", "29561", SCRIPT]),
-        capture_output=True, text=True, timeout=60, env=_env(),
-    )  # fmt: skip
+        pair.command(
+            0,
+            [
+                sys.executable,
+                "-c",
+                TIMED_MAIN,
+                "--nnodes",
+                "2",
+                "--node-rank",
+                "1",
+                "--master-addr",
+                "10.99.0.1",
+                "--master-port",
+                "29561",
+                SCRIPT,
+            ],
+        ),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_env(),
+    )
     assert proc.returncode == 1
     assert "cannot reach the master 10.99.0.1:29561: network is unreachable" in proc.stderr
     assert float(proc.stdout.split("ELAPSED ")[1]) < 5.0
@@ -113,10 +141,24 @@ def test_node_loss_continues_on_the_remaining_node(pair: Link, tmp_path: Path) -
     # workers fail, node 0 restarts, closes the next rendezvous with itself alone after the
     # last call, and resumes from the newest checkpoint at world size 2 with ranks 0..1.
     ckpt = tmp_path / "ckpt"
-    common = ["--nnodes", "1:2", "--nproc-per-node", "2", "--master-addr", pair.addr[0],
-              "--master-port", "29563", "--rdzv-timeout", "30", "--max-restarts", "1"]  # fmt: skip
-    procs = [_start(pair, 0, *common, "--node-rank", "0", ELASTIC, str(ckpt)),
-             _start(pair, 1, *common, "--node-rank", "1", ELASTIC, str(ckpt))]  # fmt: skip
+    common = [
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        pair.addr[0],
+        "--master-port",
+        "29563",
+        "--rdzv-timeout",
+        "30",
+        "--max-restarts",
+        "1",
+    ]
+    procs = [
+        _start(pair, 0, *common, "--node-rank", "0", ELASTIC, str(ckpt)),
+        _start(pair, 1, *common, "--node-rank", "1", ELASTIC, str(ckpt)),
+    ]
     try:
         deadline = time.monotonic() + 60
         while not list(ckpt.glob("step-*")):  # training (at world size 4) has saved once

@@ -45,9 +45,23 @@ def test_quick_is_small_unless_told_otherwise() -> None:
 
 def test_flags() -> None:
     cfg = parse_args(
-        ["--world-size", "3", "--ops", "all_reduce, broadcast", "--min-bytes", "1K",
-         "--max-bytes", "16KiB", "--warmup", "0", "--dtype", "bfloat16", "--json", "x.json"]
-    )  # fmt: skip
+        [
+            "--world-size",
+            "3",
+            "--ops",
+            "all_reduce, broadcast",
+            "--min-bytes",
+            "1K",
+            "--max-bytes",
+            "16KiB",
+            "--warmup",
+            "0",
+            "--dtype",
+            "bfloat16",
+            "--json",
+            "x.json",
+        ]
+    )
     assert cfg.world_size == 3 and cfg.ops == ("all_reduce", "broadcast")
     assert cfg.sizes == (1024, 4096, 16384)
     assert (cfg.warmup, cfg.dtype, cfg.json_path) == (0, "bfloat16", "x.json")
@@ -83,8 +97,13 @@ def test_main_reports_bad_flags_with_exit_code_2(capsys: pytest.CaptureFixture[s
 
 def test_parse_bytes_units() -> None:
     assert [parse_bytes("--x", v) for v in ("4", "4b", "1k", "1KiB", "64MiB", "1G")] == [
-        4, 4, 1024, 1024, 64 * MiB, 1 << 30,
-    ]  # fmt: skip
+        4,
+        4,
+        1024,
+        1024,
+        64 * MiB,
+        1 << 30,
+    ]
 
 
 def test_size_list() -> None:
@@ -135,26 +154,53 @@ def test_rotation_interleaves_without_fixed_neighbours() -> None:
 
 
 def test_format_bytes_and_table() -> None:
-    assert [format_bytes(n) for n in (4, 1024, 3000, 64 * MiB)] == ["4 B", "1 KiB", "3000 B",
-                                                                    "64 MiB"]  # fmt: skip
+    assert [format_bytes(n) for n in (4, 1024, 3000, 64 * MiB)] == [
+        "4 B",
+        "1 KiB",
+        "3000 B",
+        "64 MiB",
+    ]
     rows = [
         Row("all_reduce", 4096, "native", 512.25, 900.0, 0.008, 0.008, 1.0),
         Row("all_reduce", 4096, "ring", 1024.5, 2000.0, 0.004, 0.004, 0.5),
     ]
     lines = format_table(rows).splitlines()
     assert lines[0].split()[:3] == ["op", "size", "impl"] and "vs native" in lines[0]
-    assert lines[2].split() == ["all_reduce", "4", "KiB", "ring", "1024.5", "2000.0", "0.004",
-                                "0.004", "0.50x"]  # fmt: skip
+    assert lines[2].split() == [
+        "all_reduce",
+        "4",
+        "KiB",
+        "ring",
+        "1024.5",
+        "2000.0",
+        "0.004",
+        "0.004",
+        "0.50x",
+    ]
     assert len({len(line) for line in lines}) == 1, "columns are aligned"
 
 
 def test_quick_run_end_to_end(tmp_path: Path) -> None:
     out = f"{tmp_path}/bench.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "phalanx.bench.comm", "--quick", "--max-bytes", "64KiB",
-         "--iters", "3", "--json", out],
-        capture_output=True, text=True, timeout=240, check=False, cwd=tmp_path,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "phalanx.bench.comm",
+            "--quick",
+            "--max-bytes",
+            "64KiB",
+            "--iters",
+            "3",
+            "--json",
+            out,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("RESULT ")
@@ -164,10 +210,18 @@ def test_quick_run_end_to_end(tmp_path: Path) -> None:
     assert result["config"]["world_size"] == 2
     rows = result["rows"]
     impls = {(r["op"], r["impl"]) for r in rows}
-    assert impls == {("all_reduce", "native"), ("all_reduce", "ring"), ("all_reduce", "tree"),
-                     ("reduce_scatter", "native"), ("reduce_scatter", "ring"),
-                     ("all_gather", "native"), ("all_gather", "ring"), ("broadcast", "native"),
-                     ("broadcast", "tree"), ("broadcast", "ring")}  # fmt: skip
+    assert impls == {
+        ("all_reduce", "native"),
+        ("all_reduce", "ring"),
+        ("all_reduce", "tree"),
+        ("reduce_scatter", "native"),
+        ("reduce_scatter", "ring"),
+        ("all_gather", "native"),
+        ("all_gather", "ring"),
+        ("broadcast", "native"),
+        ("broadcast", "tree"),
+        ("broadcast", "ring"),
+    }
     assert all(r["p50_us"] > 0 and r["busbw_gbps"] > 0 for r in rows)
     assert all(r["vs_native"] == 1.0 for r in rows if r["impl"] == "native")
     assert "busbw GB/s" in proc.stdout

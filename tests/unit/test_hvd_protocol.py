@@ -79,8 +79,17 @@ def test_full_pending_lists_replace_cut_ones() -> None:
 
 
 def _desc(dtype: str, shape: list[int], **kw: object) -> dict[str, object]:
-    base = {"kind": int(Kind.ALLREDUCE), "key": "allreduce.x", "tensors": [[dtype, shape, "cpu"]],
-            "root": -1, "op": 1, "pre": 1.0, "post": 1.0, "payload": [], "free": False}  # fmt: skip
+    base = {
+        "kind": int(Kind.ALLREDUCE),
+        "key": "allreduce.x",
+        "tensors": [[dtype, shape, "cpu"]],
+        "root": -1,
+        "op": 1,
+        "pre": 1.0,
+        "post": 1.0,
+        "payload": [],
+        "free": False,
+    }
     return {**base, **kw}
 
 

@@ -31,8 +31,19 @@ def test_script_arguments_are_not_parsed_by_the_launcher() -> None:
 
 
 def test_underscore_and_dash_spellings() -> None:
-    argv = ["--nnodes", "2", "--node_rank", "1", "--master_addr", "h", "--master_port", "1234",
-            "--max_restarts", "3", "x.py"]  # fmt: skip
+    argv = [
+        "--nnodes",
+        "2",
+        "--node_rank",
+        "1",
+        "--master_addr",
+        "h",
+        "--master_port",
+        "1234",
+        "--max_restarts",
+        "3",
+        "x.py",
+    ]
     cfg = parse_args(argv)
     assert (cfg.nnodes, cfg.node_rank, cfg.master_addr, cfg.master_port) == (2, 1, "h", 1234)
     assert cfg.max_restarts == 3
@@ -130,8 +141,11 @@ def test_worker_env_contract() -> None:
     env = _env({"PATH": "/bin", "RANK": "stale"}, restart=2)
     assert env["PATH"] == "/bin"
     assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")} == {
-        "RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"
-    }  # fmt: skip
+        "RANK": "5",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "8",
+        "LOCAL_WORLD_SIZE": "4",
+    }
     assert (env["GROUP_RANK"], env["GROUP_WORLD_SIZE"], env["ROLE_NAME"]) == ("1", "2", "default")
     assert (env["ROLE_RANK"], env["ROLE_WORLD_SIZE"]) == ("5", "8")
     assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("10.0.0.1", "4242")

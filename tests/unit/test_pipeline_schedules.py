@@ -82,8 +82,10 @@ def test_interleaved_with_one_chunk_is_1f1b() -> None:
 
 def test_deadlock_names_rank_and_action() -> None:
     # Rank 1 wants micro-batch 1 first; rank 0 sends it only after B0, which needs rank 1.
-    bad = [[Action("F", 0), Action("B", 0), Action("F", 1), Action("B", 1)],
-           [Action("F", 1), Action("F", 0), Action("B", 0), Action("B", 1)]]  # fmt: skip
+    bad = [
+        [Action("F", 0), Action("B", 0), Action("F", 1), Action("B", 1)],
+        [Action("F", 1), Action("F", 0), Action("B", 0), Action("B", 1)],
+    ]
     with pytest.raises(DeadlockError, match=r"rank 0 at B0; rank 1 at F1"):
         simulate(bad)
     with pytest.raises(DeadlockError, match=r"rank 0 at B0"):
@@ -184,7 +186,9 @@ def test_header_round_trip() -> None:
     ts = [torch.zeros(2, 3, requires_grad=True), torch.zeros(4, dtype=torch.int64)]
     metas = decode_header(encode_header(ts))
     assert [(m.shape, m.dtype, m.requires_grad) for m in metas] == [
-        ((2, 3), torch.float32, True), ((4,), torch.int64, False)]  # fmt: skip
+        ((2, 3), torch.float32, True),
+        ((4,), torch.int64, False),
+    ]
     many = [torch.zeros(1, 2, 3, 4, dtype=torch.bfloat16)] * 5  # longer than one message
     values = encode_header(many)
     assert len(values) > HEADER_CAP and values[0] == len(values)
@@ -218,8 +222,9 @@ def test_one_process_pipeline_matches_the_model(name: str, v: int) -> None:
     ref = Chunk(_mlp(), range(5))
     loss = nn.functional.mse_loss(ref(x), y)
     loss.backward()
-    pipe = Pipeline(_mlp(), None, schedule=name, micro_batches=3,
-                    loss_fn=nn.functional.mse_loss, chunks=v)  # fmt: skip
+    pipe = Pipeline(
+        _mlp(), None, schedule=name, micro_batches=3, loss_fn=nn.functional.mse_loss, chunks=v
+    )
     assert pipe.is_first and pipe.is_last and len(pipe.stages) == v
     # Micro-batching reassociates sums: equal up to float32 rounding.
     torch.testing.assert_close(pipe.step(x, y), loss.detach(), rtol=1e-5, atol=1e-6)

@@ -18,16 +18,23 @@ def test_paper_worked_example_7_5b_params_on_64_gpus() -> None:
 def test_communication_volume_ddp_zero12_2psi_zero3_3psi() -> None:
     rows = {r.strategy: r for r in estimate(1e6, 8)}
     assert [rows[s].comm_elements for s in ("ddp", "zero1", "zero2", "zero3")] == [
-        2e6, 2e6, 2e6, 3e6,
-    ]  # fmt: skip
+        2e6,
+        2e6,
+        2e6,
+        3e6,
+    ]
     assert rows["ddp"].comm_bytes == 2e6 * 2  # fp16 gradients
 
 
 @pytest.mark.parametrize(
     ("optimizer", "precision", "expected"),
-    [("adam", "mixed", (2, 2, 12)), ("adam", "fp32", (4, 4, 8)), ("sgd", "fp32", (4, 4, 0)),
-     ("sgd-momentum", "mixed", (2, 2, 8))],
-)  # fmt: skip
+    [
+        ("adam", "mixed", (2, 2, 12)),
+        ("adam", "fp32", (4, 4, 8)),
+        ("sgd", "fp32", (4, 4, 0)),
+        ("sgd-momentum", "mixed", (2, 2, 8)),
+    ],
+)
 def test_bytes_per_param(optimizer: str, precision: str, expected: tuple[int, int, int]) -> None:
     assert bytes_per_param(optimizer, precision) == expected
 

@@ -50,8 +50,10 @@ def test_dp_4_formulas_with_the_measured_psi(char_gpt: dict[str, Any]) -> None:
     rows = {r.strategy: r for r in estimate(psi, 4, "adam", "fp32")}
     assert rows["ddp"].total == 16 * psi
     assert (rows["zero1"].params, rows["zero1"].grads, rows["zero1"].optimizer) == (
-        4 * psi, 4 * psi, 8 * psi / 4,
-    )  # fmt: skip
+        4 * psi,
+        4 * psi,
+        8 * psi / 4,
+    )
     assert (rows["zero2"].grads, rows["zero2"].optimizer) == (4 * psi / 4, 8 * psi / 4)
     assert rows["zero3"].total == 16 * psi / 4
 
@@ -126,14 +128,16 @@ def test_script_protocol_does_not_run_main(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        ([str(CHAR_GPT), "--batch-size", "2", "--device-memory", "16XB"],
-         "argument --device-memory: '16XB' is not a size"),
+        (
+            [str(CHAR_GPT), "--batch-size", "2", "--device-memory", "16XB"],
+            "argument --device-memory: '16XB' is not a size",
+        ),
         ([str(CHAR_GPT)], "needs --batch-size"),
         (["--params", "1e6", "--batch-size", "2"], "--batch-size needs a script"),
         ([str(CHAR_GPT), "--params", "1e6"], "either a script or --params"),
         ([], "either a script or --params"),
     ],
-)  # fmt: skip
+)
 def test_cli_errors_name_the_flag(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

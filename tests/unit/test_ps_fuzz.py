@@ -28,8 +28,15 @@ def _frame(rng: random.Random) -> torch.Tensor:
         dtype = rng.choice([torch.int64, torch.int32, torch.float32, torch.uint8])
         return torch.randint(-100, 100, (n,)).to(dtype)
     shard = rng.randrange(2)
-    t = encode_header(Kind.PUSH, worker=1, step=3, version=2, shard=shard,
-                      numel=PLAN.numel(shard), dtype=torch.float32)  # fmt: skip
+    t = encode_header(
+        Kind.PUSH,
+        worker=1,
+        step=3,
+        version=2,
+        shard=shard,
+        numel=PLAN.numel(shard),
+        dtype=torch.float32,
+    )
     for _ in range(rng.randint(1, 3)):
         i = rng.randrange(HEADER_LEN)
         t[i] = rng.choice(EXTREMES) if rng.random() < 0.5 else rng.randrange(-(2**40), 2**40)
@@ -58,9 +65,11 @@ def test_ten_thousand_fuzzed_updates_raise_only_malformed_update() -> None:
     for _ in range(10_000):
         shard = rng.randrange(2)
         header = decode_header(
-            encode_header(Kind.PUSH, worker=0, shard=shard, numel=PLAN.numel(shard),
-                          dtype=torch.float32), PLAN,
-        )  # fmt: skip
+            encode_header(
+                Kind.PUSH, worker=0, shard=shard, numel=PLAN.numel(shard), dtype=torch.float32
+            ),
+            PLAN,
+        )
         n = rng.choice([0, PLAN.numel(shard), PLAN.numel(shard) + 1, 11])
         payload = torch.randn(n) * rng.choice([1.0, 1e38, 1e39])
         if n and rng.random() < 0.3:

@@ -21,8 +21,9 @@ from phalanx.data import DistributedSampler
 pytestmark = pytest.mark.filterwarnings("ignore:DistributedSampler. drop_last=True drops all")
 
 
-def _same(n: int, replicas: int, rank: int, shuffle: bool, seed: int, drop_last: bool,
-          epoch: int) -> None:  # fmt: skip
+def _same(
+    n: int, replicas: int, rank: int, shuffle: bool, seed: int, drop_last: bool, epoch: int
+) -> None:
     ours = DistributedSampler(range(n), replicas, rank, shuffle, seed, drop_last)
     theirs = TorchSampler(range(n), replicas, rank, shuffle, seed, drop_last)  # type: ignore[arg-type]
     ours.set_epoch(epoch)
@@ -39,8 +40,17 @@ def _random_cases(count: int) -> list[tuple[Any, ...]]:
     for _ in range(count):
         replicas = rng.randint(1, 9)
         n = rng.choice([rng.randint(0, 2 * replicas), rng.randint(0, 300)])
-        cases.append((n, replicas, rng.randrange(replicas), rng.random() < 0.5,
-                      rng.randrange(2**31), rng.random() < 0.5, rng.randint(0, 50)))  # fmt: skip
+        cases.append(
+            (
+                n,
+                replicas,
+                rng.randrange(replicas),
+                rng.random() < 0.5,
+                rng.randrange(2**31),
+                rng.random() < 0.5,
+                rng.randint(0, 50),
+            )
+        )
     return cases
 
 
@@ -55,9 +65,12 @@ def test_every_edge_case_yields_torchs_indices() -> None:
     for replicas in (1, 2, 3, 4, 7):
         lengths = {0, 1, replicas - 1, replicas, replicas + 1, 2 * replicas - 1, 2 * replicas + 1}
         for n, rank, shuffle, drop_last, epoch in itertools.product(
-            sorted(x for x in lengths if x >= 0), range(replicas), (True, False), (True, False),
+            sorted(x for x in lengths if x >= 0),
+            range(replicas),
+            (True, False),
+            (True, False),
             (0, 3),
-        ):  # fmt: skip
+        ):
             _same(n, replicas, rank, shuffle, 5, drop_last, epoch)
 
 

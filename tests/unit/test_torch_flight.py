@@ -31,15 +31,29 @@ def _entry(
     frames = [*TORCH_FRAMES, {"name": site[0], "filename": "/job/train.py", "line": site[1]}]
     frames.append({"name": "<module>", "filename": "/job/train.py", "line": 99})
     entry = {
-        "record_id": seq, "pg_id": 0, "process_group": ("0", "default_pg"),
-        "collective_seq_id": seq, "p2p_seq_id": 0, "op_id": seq, "profiling_name": f"nccl:{op}",
-        "time_created_ns": T0 + seq * 1000, "input_sizes": [size], "input_dtypes": [dtype],
-        "output_sizes": [size], "output_dtypes": [dtype], "state": "completed",
+        "record_id": seq,
+        "pg_id": 0,
+        "process_group": ("0", "default_pg"),
+        "collective_seq_id": seq,
+        "p2p_seq_id": 0,
+        "op_id": seq,
+        "profiling_name": f"nccl:{op}",
+        "time_created_ns": T0 + seq * 1000,
+        "input_sizes": [size],
+        "input_dtypes": [dtype],
+        "output_sizes": [size],
+        "output_dtypes": [dtype],
+        "state": "completed",
         "time_discovered_started_ns": T0 + seq * 1000 + 10,
-        "time_discovered_completed_ns": T0 + seq * 1000 + 500, "retired": True,
-        "timeout_ms": 600000, "is_p2p": False, "thread_id": "1", "thread_name": "python",
-        "duration_ms": 0.4, "frames": frames,
-    }  # fmt: skip
+        "time_discovered_completed_ns": T0 + seq * 1000 + 500,
+        "retired": True,
+        "timeout_ms": 600000,
+        "is_p2p": False,
+        "thread_id": "1",
+        "thread_name": "python",
+        "duration_ms": 0.4,
+        "frames": frames,
+    }
     return {**entry, **kw}
 
 
@@ -56,12 +70,19 @@ def _nccl_dump(rank: int) -> dict[str, Any]:
         _entry(3, "all_reduce", [1024], last_dtype, ("sync", 40 + rank), **unfinished),
     ]
     return {
-        "version": "2.10", "comm_lib_version": "2.27.5",
+        "version": "2.10",
+        "comm_lib_version": "2.27.5",
         "pg_config": {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1]"}},
-        "pg_status": {"0": {"last_enqueued_collective": 3, "last_started_collective": 3,
-                            "last_completed_collective": 2}},
-        "nccl_comm_state": {}, "entries": entries,
-    }  # fmt: skip
+        "pg_status": {
+            "0": {
+                "last_enqueued_collective": 3,
+                "last_started_collective": 3,
+                "last_completed_collective": 2,
+            }
+        },
+        "nccl_comm_state": {},
+        "entries": entries,
+    }
 
 
 def _as_json(doc: dict[str, Any]) -> bytes:

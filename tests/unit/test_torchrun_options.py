@@ -53,7 +53,7 @@ MEANING: dict[str, tuple[str | None, list[str], Check]] = {
     "signals_to_handle": ("SIGUSR1,SIGHUP", [], lambda c: c.signals_to_handle == (USR1, HUP)),
     "shutdown_timeout": ("7", [], lambda c: c.shutdown_timeout == 7.0),
     "virtual_local_rank": (None, [], lambda c: c.virtual_local_rank),
-}  # fmt: skip
+}
 
 
 def _probe(kind: str) -> int | None:

@@ -24,9 +24,14 @@ def _horovodrun_env() -> None:
     env = os.environ
     rank, size = env["RANK"], env["WORLD_SIZE"]
     local_rank, local_size = env.get("LOCAL_RANK", rank), env.get("LOCAL_WORLD_SIZE", size)
-    env.update(HOROVOD_RANK=rank, HOROVOD_SIZE=size, HOROVOD_LOCAL_RANK=local_rank,
-               HOROVOD_LOCAL_SIZE=local_size, HOROVOD_CROSS_RANK=env.get("GROUP_RANK", "0"),
-               HOROVOD_CROSS_SIZE=str(int(size) // int(local_size)))  # fmt: skip
+    env.update(
+        HOROVOD_RANK=rank,
+        HOROVOD_SIZE=size,
+        HOROVOD_LOCAL_RANK=local_rank,
+        HOROVOD_LOCAL_SIZE=local_size,
+        HOROVOD_CROSS_RANK=env.get("GROUP_RANK", "0"),
+        HOROVOD_CROSS_SIZE=str(int(size) // int(local_size)),
+    )
     env.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", "60")
 
 
@@ -99,8 +104,15 @@ def main() -> int:
     _hide_optimizers(args.hide_optimizer)
     recorder = Recorder(Path(args.out_dir) / f"rank{os.environ['RANK']}.json")
     test_file = str(Path(args.test_file).resolve())
-    argv = [test_file, "-c", os.devnull, "-q", "-p", "no:cacheprovider",
-            f"--timeout={args.per_test_timeout}"]  # fmt: skip
+    argv = [
+        test_file,
+        "-c",
+        os.devnull,
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        f"--timeout={args.per_test_timeout}",
+    ]
     argv += [f"--deselect={test_file}::TorchTests::{name}" for name in args.deselect]
     if args.k:
         argv += ["-k", args.k]

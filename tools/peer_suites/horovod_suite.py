@@ -50,8 +50,10 @@ def read_rules(path: Path) -> tuple[dict[str, str], dict[str, str]]:
         elif name.startswith("test") and sep and reason:
             exclusions[name] = reason
         else:
-            raise ValueError(f"{path}:{n}: expected 'test_name: reason' or "
-                             f"'hide torch.optim.Name: reason', got {raw!r}")  # fmt: skip
+            raise ValueError(
+                f"{path}:{n}: expected 'test_name: reason' or "
+                f"'hide torch.optim.Name: reason', got {raw!r}"
+            )
     return exclusions, hidden
 
 
@@ -64,8 +66,11 @@ def merge(per_rank: list[dict[str, Any]], nproc: int) -> dict[str, dict[str, str
         got = [outcomes.get(name) for outcomes in per_rank]
         missing = [r for r, g in enumerate(got) if g is None]
         kinds = {g["outcome"] for g in got if g is not None}
-        failed = [f"rank {r}: {g['reason']}" for r, g in enumerate(got)
-                  if g is not None and g["outcome"] == "failed"]  # fmt: skip
+        failed = [
+            f"rank {r}: {g['reason']}"
+            for r, g in enumerate(got)
+            if g is not None and g["outcome"] == "failed"
+        ]
         if missing:
             failed.append(f"no outcome from rank(s) {missing} (crashed or past the deadline)")
         if failed:
@@ -82,10 +87,19 @@ def merge(per_rank: list[dict[str, Any]], nproc: int) -> dict[str, dict[str, str
 def _launch(
     args: argparse.Namespace, out_dir: Path, excluded: list[str], hidden: list[str]
 ) -> tuple[int, float]:
-    cmd = [sys.executable, "-m", "phalanx", "run", "--standalone",
-           "--nproc-per-node", str(args.nproc), str(HERE / "horovod_rank.py"),
-           str(Path(args.test_file).resolve()), str(out_dir),
-           f"--per-test-timeout={args.per_test_timeout}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "phalanx",
+        "run",
+        "--standalone",
+        "--nproc-per-node",
+        str(args.nproc),
+        str(HERE / "horovod_rank.py"),
+        str(Path(args.test_file).resolve()),
+        str(out_dir),
+        f"--per-test-timeout={args.per_test_timeout}",
+    ]
     cmd += [f"--deselect={name}" for name in excluded]
     cmd += [f"--hide-optimizer={name}" for name in hidden]
     if args.k:
@@ -110,8 +124,9 @@ def _launch(
 def _report(
     merged: dict[str, dict[str, str]], exclusions: dict[str, str], hidden: dict[str, str]
 ) -> dict[str, Any]:
-    counts = {k: sum(v["outcome"] == k for v in merged.values())
-              for k in ("passed", "failed", "skipped")}  # fmt: skip
+    counts = {
+        k: sum(v["outcome"] == k for v in merged.values()) for k in ("passed", "failed", "skipped")
+    }
     counts["excluded"] = len(exclusions)
     for kind in ("skipped", "failed"):
         rows = [(n, v["reason"]) for n, v in merged.items() if v["outcome"] == kind]
@@ -151,12 +166,21 @@ def main() -> int:
     counts = _report(merged, exclusions, hidden)
     status = "deadline" if code == -1 else f"exit {code}"
     print(f"job: {status} after {wall:.0f} s; logs: {out_dir / 'log.txt'}")
-    by_kind = {k: {n: v["reason"] for n, v in merged.items() if v["outcome"] == k}
-               for k in ("failed", "skipped")}  # fmt: skip
-    result = {"suite": "horovod/test/parallel/test_torch.py", "nproc": args.nproc, **counts,
-              "wall_s": round(wall, 1), "job": status, "failed_tests": by_kind["failed"],
-              "skipped_tests": by_kind["skipped"], "excluded_tests": exclusions,
-              "hidden_optimizers": hidden}  # fmt: skip
+    by_kind = {
+        k: {n: v["reason"] for n, v in merged.items() if v["outcome"] == k}
+        for k in ("failed", "skipped")
+    }
+    result = {
+        "suite": "horovod/test/parallel/test_torch.py",
+        "nproc": args.nproc,
+        **counts,
+        "wall_s": round(wall, 1),
+        "job": status,
+        "failed_tests": by_kind["failed"],
+        "skipped_tests": by_kind["skipped"],
+        "excluded_tests": exclusions,
+        "hidden_optimizers": hidden,
+    }
     print("RESULT " + json.dumps(result))
     if not args.keep and counts["failed"] == 0 and code == 0:
         shutil.rmtree(out_dir, ignore_errors=True)

@@ -34,8 +34,9 @@ def main() -> None:
     torch.use_deterministic_algorithms(True)
     job = phalanx.Job(strategy="ddp", checkpoint_dir=args.ckpt, seed=3, grad_accum=2)
     g = torch.Generator().manual_seed(0)
-    data = torch.utils.data.TensorDataset(torch.randn(200, 10, generator=g),
-                                          torch.randint(0, 4, (200,), generator=g))  # fmt: skip
+    data = torch.utils.data.TensorDataset(
+        torch.randn(200, 10, generator=g), torch.randint(0, 4, (200,), generator=g)
+    )
     model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 4))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)

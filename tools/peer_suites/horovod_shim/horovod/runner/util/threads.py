@@ -8,9 +8,12 @@ from typing import Any
 
 
 def in_thread(
-    target: Callable[..., Any], args: tuple[Any, ...] = (), name: str | None = None,
-    daemon: bool = True, silent: bool = False,
-) -> threading.Thread:  # fmt: skip
+    target: Callable[..., Any],
+    args: tuple[Any, ...] = (),
+    name: str | None = None,
+    daemon: bool = True,
+    silent: bool = False,
+) -> threading.Thread:
     """Run ``target(*args)`` in a started background thread (exceptions swallowed if silent)."""
     if not isinstance(args, tuple):
         raise ValueError(f"args must be a tuple, not {type(args).__name__}")
