@@ -31,15 +31,13 @@ from torch import nn
 from phalanx.comm import group as pg
 from phalanx.data.elastic_sampler import ElasticSampler
 from phalanx.data.sampler import DistributedSampler
-from phalanx.mesh.groups import ParallelGroups
-from phalanx.parameter_server import ServerReport
-from phalanx.recovery.startup import live_mode
 from phalanx.train import job_checkpoint, job_clip, job_data
 from phalanx.train.gather import Number
 from phalanx.train.job_args import check_epochs, check_job_args, check_slow_down
 from phalanx.train.job_data import DATA_SEED
 from phalanx.train.job_phases import JobPhases
-from phalanx.train.live import LiveTraining
+from phalanx.train.job_reports import JobReports
+from phalanx.train.live import LiveTraining, live_recovery
 from phalanx.train.loop_helpers import (
     Timer,
     configure_logging,
@@ -47,16 +45,13 @@ from phalanx.train.loop_helpers import (
 )
 from phalanx.train.lr_schedule import check_schedule
 from phalanx.train.metrics import MetricsLogger
-from phalanx.train.phases import PhaseClock
 from phalanx.train.precision import Precision
 from phalanx.train.profiling import profile
 from phalanx.train.resume_point import ResumePoint
 from phalanx.train.slowdown import Slowdown
-from phalanx.train.straggler_rule import StragglerFinding, StragglerRule
+from phalanx.train.straggler_rule import StragglerRule
 from phalanx.train.strategies import JobOptions, Runner, Strategy, resolve
 from phalanx.train.strategies.base import LossFn, Scheduler, Stateful
-from phalanx.train.strategies.mesh import MeshRunner
-from phalanx.train.strategies.ps import PSRunner
 
 __all__ = ["DATA_SEED", "Job"]
 
@@ -64,7 +59,7 @@ __all__ = ["DATA_SEED", "Job"]
 log = logging.getLogger(__name__)
 
 
-class Job:
+class Job(JobReports):
     """One distributed training job: process group, strategy, data, steps, metrics, checkpoints.
 
     Args:
@@ -119,25 +114,18 @@ class Job:
         recovery: str | None = None,
     ) -> None:
         chosen = resolve(strategy)  # a preset's own errors come before any process group
-        self.live: LiveTraining | None = None
-        """Live recovery at work (``recovery="live"``), else None: its ``regroups`` and
-        ``ledger`` say what happened."""
-        recovery = recovery or ("live" if live_mode() else "restart")
-        live = recovery != "restart"
-        if live:
+        mode = live_recovery(recovery)
+        if mode is not None:
             chosen = LiveTraining.strategy(chosen, grad_accum)
             straggler_check_every = 0  # its asynchronous gathers would outlive a group
         self.strategy = chosen
         """The strategy's options (a preset name resolved: ``Job("zero2").strategy`` is
         ``Zero(stage=2)``)."""
         self.owns_group = not pg.is_initialized()
-        if live:
-            if not self.owns_group:
-                raise ValueError(
-                    "Job(recovery='live') builds the default process group itself (a "
-                    "phalanx.recovery.LiveGroup); do not call init_process_group() before it"
-                )
-            self.live = LiveTraining.start(exact=recovery == "live-exact")
+        self.live = None if mode is None else LiveTraining.start(mode == "live-exact")
+        """Live recovery at work (``recovery="live"``), else None: its ``regroups`` and
+        ``ledger`` say what happened."""
+        if self.live is not None:
             self.world = self.live.world()
         else:
             self.world = pg.init_process_group(backend) if self.owns_group else pg.world()
@@ -382,45 +370,6 @@ class Job:
             shown = " ".join(f"{k}={v:.4g}" for k, v in averaged.items())
             log.info("epoch %d step %d: %s", self.epoch, self.step_count, shown)
         return averaged
-
-    def summary(self) -> dict[str, float]:
-        """Samples/s over the job, this rank's seconds waiting for communication
-        (``comm_wait_seconds``) and their share of its time (``comm_share``; :meth:`phase_shares`
-        has each phase's). Both are NaN where the strategy's wait is not measured, never a
-        silent 0."""
-        times = self._timer.summary(self.world.world_size)
-        return {**times, **self.timing.comm_summary(self.runner.comm_measured)}
-
-    def phase_shares(self) -> dict[str, float]:
-        """Each phase's share of this rank's measured time (``data_share``, ...,
-        ``communication_share``): compute phases exclude the communication waited inside them."""
-        return self.timing.shares()
-
-    @property
-    def phases(self) -> PhaseClock:
-        """This rank's time per phase (see :mod:`phalanx.train.phases`)."""
-        return self.timing.clock
-
-    @property
-    def straggler_finding(self) -> StragglerFinding | None:
-        """The latest rank (and phase) found consistently slower than the others; every rank
-        knows it. ``finding.phase`` is one of ``phalanx.train.phases.PHASES``."""
-        return self.timing.finding
-
-    @property
-    def groups(self) -> ParallelGroups | None:
-        """Process groups along dp / pp / tp of a ``phalanx.Mesh`` (None for others)."""
-        return self.runner.groups if isinstance(self.runner, MeshRunner) else None
-
-    @property
-    def is_server(self) -> bool:
-        """True on a parameter-server rank (which serves instead of training)."""
-        return isinstance(self.runner, PSRunner) and self.runner.is_server
-
-    @property
-    def server_report(self) -> ServerReport | None:
-        """What this parameter server did (server ranks, once served); None elsewhere."""
-        return self.runner.report if isinstance(self.runner, PSRunner) else None
 
     def close(self) -> None:
         """Wait for a background checkpoint write (raising its error); flush metrics; leave

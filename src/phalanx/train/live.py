@@ -45,6 +45,7 @@ from phalanx.data.elastic_plan import StepPlan
 from phalanx.data.elastic_sampler import ElasticSampler
 from phalanx.data.ledger import SampleLedger
 from phalanx.recovery import JobFinished, LiveGroup, RecoveryError
+from phalanx.recovery.startup import live_mode
 from phalanx.train.live_shards import (
     ShardBatches,
     exact_average,
@@ -59,7 +60,7 @@ from phalanx.train.strategies.ddp import DDP
 if TYPE_CHECKING:  # the job calls these with itself; no import at run time
     from phalanx.train.job import Job
 
-__all__ = ["LiveTraining", "Regroup", "is_peer_failure"]
+__all__ = ["LiveTraining", "Regroup", "is_peer_failure", "live_recovery"]
 
 log = logging.getLogger(__name__)
 _END = object()
@@ -71,6 +72,13 @@ def is_peer_failure(exc: BaseException) -> bool:
     if isinstance(exc, dist.DistError):
         return True
     return isinstance(exc, RuntimeError) and any(w in str(exc).lower() for w in _PEER_WORDS)
+
+
+def live_recovery(recovery: str | None) -> str | None:
+    """``Job(recovery=)`` resolved: "live" or "live-exact", or None for the restart path
+    (``recovery=None`` follows the launcher's ``--recovery``)."""
+    chosen = recovery or ("live" if live_mode() else "restart")
+    return None if chosen == "restart" else chosen
 
 
 @dataclass(frozen=True)
@@ -125,6 +133,11 @@ class LiveTraining:
         A replacement that arrives after the others finished exits with success (status 0):
         there is no training left for it, and the launcher counts the slot as finished.
         """
+        if dist.is_initialized():
+            raise ValueError(
+                "Job(recovery='live') builds the default process group itself (a "
+                "phalanx.recovery.LiveGroup); do not call init_process_group() before it"
+            )
         try:
             return cls(LiveGroup.from_env("gloo"), discover_env().world_size, exact)
         except JobFinished as exc:
