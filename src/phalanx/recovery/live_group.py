@@ -249,7 +249,10 @@ class LiveGroup:
     def close(self) -> None:
         """Stop the heartbeat and destroy the default group (at the end of training); a
         replacement still waiting to be admitted then learns that the job finished."""
-        self._live.put(FINISHED, self._generation)
+        try:
+            self._live.put(FINISHED, self._generation)
+        except (RuntimeError, OSError) as exc:  # the store is gone: nobody is left to tell
+            log.info("member %s could not say the job finished: %s", self.me, exc)
         self._heartbeat.stop()
         self._teardown()
 
