@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 DEADLINE_S = 90
+
+
+PHALANX_RUN = [sys.executable, "-m", "phalanx", "run"]
+"""The real launcher's command line, as a user types ``phalanx run``."""
+
+
+def standalone(nproc: int) -> list[str]:
+    """``phalanx run --standalone --nproc-per-node NPROC``: one node, a local store."""
+    return [*PHALANX_RUN, "--standalone", "--nproc-per-node", str(nproc)]
 
 
 def launcher_env(*, path: str = "", **extra: str) -> dict[str, str]:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import math
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.e2e.launching import standalone
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -16,13 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_char_gpt_val_loss_falls_under_phalanx_run() -> None:
     script = str(ROOT / "examples" / "char_gpt.py")
     cmd = [
-        sys.executable,
-        "-m",
-        "phalanx",
-        "run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
+        *standalone(2),
         script,
         "--steps",
         "20",
@@ -43,13 +38,7 @@ def test_char_gpt_val_loss_falls_under_phalanx_run() -> None:
 def test_char_gpt_trains_split_over_four_ranks(split: list[str]) -> None:
     script = str(ROOT / "examples" / "char_gpt.py")
     cmd = [
-        sys.executable,
-        "-m",
-        "phalanx",
-        "run",
-        "--standalone",
-        "--nproc-per-node",
-        "4",
+        *standalone(4),
         script,
         "--steps",
         "30",

@@ -8,18 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.launching import standalone
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _start(script: str, *args: str, nproc: int = 2, cwd: Path = ROOT) -> subprocess.Popen[str]:
     cmd = [
-        sys.executable,
-        "-m",
-        "phalanx",
-        "run",
-        "--standalone",
-        "--nproc-per-node",
-        str(nproc),
+        *standalone(nproc),
         str(ROOT / "examples" / script),
         *args,
     ]

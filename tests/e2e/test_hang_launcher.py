@@ -4,21 +4,16 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
+
+from tests.e2e.launching import standalone
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_launcher_output_carries_the_hang_report() -> None:
     cmd = [
-        sys.executable,
-        "-m",
-        "phalanx",
-        "run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
+        *standalone(2),
         str(ROOT / "tests" / "e2e" / "scripts" / "hang_rank1.py"),
     ]
     env = {**os.environ, "PHALANX_HANG_TIMEOUT": "1.5"}

@@ -9,10 +9,11 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.e2e.launching import standalone
 
 pytest.importorskip("sklearn")
 
@@ -24,13 +25,7 @@ def _start(*extra: str) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     cmd = [
-        sys.executable,
-        "-m",
-        "phalanx",
-        "run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
+        *standalone(2),
         str(SCRIPT),
         *extra,
     ]

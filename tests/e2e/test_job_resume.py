@@ -6,10 +6,11 @@ import json
 import math
 import random
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.e2e.launching import standalone
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "tests" / "e2e" / "scripts" / "resume_job.py")
@@ -19,13 +20,7 @@ def _run(
     ckpt: Path, *extra: str, nproc: int = 2, restarts: int = 0
 ) -> subprocess.CompletedProcess[str]:
     cmd = [
-        sys.executable,
-        "-m",
-        "phalanx",
-        "run",
-        "--standalone",
-        "--nproc-per-node",
-        str(nproc),
+        *standalone(nproc),
         "--max-restarts",
         str(restarts),
         SCRIPT,

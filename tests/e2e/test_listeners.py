@@ -7,9 +7,10 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
+
+from tests.e2e.launching import standalone
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "e2e" / "scripts" / "gloo_sleeper.py"
@@ -47,13 +48,7 @@ def test_listeners_on_loopback_and_the_job_secret_only_in_the_environment(
 ) -> None:
     secret = ""
     cmd = [
-        sys.executable,
-        "-m",
-        "phalanx",
-        "run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
+        *standalone(2),
         str(SCRIPT),
         str(tmp_path),
     ]

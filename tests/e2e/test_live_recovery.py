@@ -11,16 +11,14 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.e2e.launching import SCRIPTS, alive, finish, free_port, launcher_env, start
+from tests.e2e.launching import PHALANX_RUN, SCRIPTS, alive, finish, free_port, launcher_env, start
 
-PHALANX_RUN = [sys.executable, "-m", "phalanx", "run"]
 SCRIPT = str(SCRIPTS / "live_slot.py")
 
 pytestmark = pytest.mark.timeout(200)
