@@ -5,8 +5,8 @@
 
 Not part of ``make test`` (minutes). Each run starts ``phalanx run --recovery live`` on
 ``tools/chaos_live/worker.py`` (a 2-epoch DDP ``phalanx.Job`` of 40 steps that checkpoints
-every 5) and kills one random rank once, in a random step, at a random phase: forward,
-backward, all-reduce (plain live only), optimizer step, checkpoint save, or a random moment.
+every 5) and kills one random rank once, in a random step, at each phase in turn: forward,
+backward, all-reduce (plain live only), optimizer step, checkpoint save, a random moment.
 Half the runs give the launcher a replacement (``--max-restarts 1``), half none.
 
 A run is correct when the launcher exits 0 and every member that ran to the end (survivors
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     correct, latencies = 0, []
     for run in range(args.runs):
         rank, step = rng.randrange(args.nproc), rng.randrange(2, STEPS - 3)
-        phase = rng.choice(phases)
+        phase = phases[run % len(phases)]  # every phase as often, in turn
         replacements = run % 2
         folder = work / f"run-{run}"
         problem = _run(folder, args.nproc, args.recovery, f"{rank}:{step}:{phase}", replacements)
