@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     for run in range(args.runs):
         rank, step = rng.randrange(args.nproc), rng.randrange(2, STEPS - 3)
         phase = phases[run % len(phases)]  # every phase as often, in turn
-        replacements = run % 2
+        replacements = run // len(phases) % 2  # each phase with and without
         folder = work / f"run-{run}"
         problem = _run(folder, args.nproc, args.recovery, f"{rank}:{step}:{phase}", replacements)
         problem = problem or _judge(folder, reference, exact)
