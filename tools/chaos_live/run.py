@@ -7,7 +7,7 @@ Not part of ``make test`` (minutes). Each run starts ``phalanx run --recovery li
 ``tools/chaos_live/worker.py`` (a 2-epoch DDP ``phalanx.Job`` of 40 steps that checkpoints
 every 5) and kills one random rank once, in a random step, at each phase in turn: forward,
 backward, all-reduce (plain live only), optimizer step, checkpoint save, a random moment.
-Half the runs give the launcher a replacement (``--max-restarts 1``), half none.
+Each phase runs with a replacement for the launcher (``--max-restarts 1``) and without.
 
 A run is correct when the launcher exits 0 and every member that ran to the end (survivors
 with their first pid, replacements) holds the same parameters, trained all 40 steps, and its
