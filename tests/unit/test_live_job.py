@@ -46,3 +46,39 @@ def test_peer_failures_are_told_from_bugs() -> None:
     assert is_peer_failure(RuntimeError("[pair.cc:537] Read error: Connection reset by peer"))
     assert not is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     assert not is_peer_failure(ValueError("Connection"))
+
+
+class _Group:
+    """What ``LiveTraining._recover`` uses of a LiveGroup: recover() that may lose members."""
+
+    def __init__(self, losses: list[bool]) -> None:
+        self.members, self.losses = ("a", "b", "c"), list(losses)
+        self.rank, self.generation = 0, 0
+
+    def recover(self, error: BaseException) -> None:
+        self.generation += 1
+        if self.losses.pop(0):
+            self.members = self.members[:-1]
+
+
+class _Job:
+    step_count = 7
+
+
+def test_a_failure_that_loses_nobody_is_redone_twice_then_raised() -> None:
+    from phalanx.recovery import RecoveryError
+    from phalanx.train.live import MAX_IDLE_RECOVERIES, LiveTraining
+
+    failure = RuntimeError("Connection reset by peer")
+    live = LiveTraining(_Group([True, False, False, True, False, False, False]), 3)  # type: ignore[arg-type]
+    job = _Job()
+    live._recover(job, failure)  # type: ignore[arg-type]  # a member lost
+    for _ in range(MAX_IDLE_RECOVERIES - 1):
+        live._recover(job, failure)  # type: ignore[arg-type]  # nobody lost: redo
+    live._recover(job, failure)  # type: ignore[arg-type]  # a loss resets the count
+    live._recover(job, failure)  # type: ignore[arg-type]
+    live._recover(job, failure)  # type: ignore[arg-type]
+    with pytest.raises(RecoveryError, match=r"step 7 failed 3 times in a row.*Connection reset"):
+        live._recover(job, failure)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="a bug"):
+        live._recover(job, ValueError("a bug"))  # type: ignore[arg-type]

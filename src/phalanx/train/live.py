@@ -64,6 +64,9 @@ __all__ = ["LiveTraining", "Regroup", "is_peer_failure", "live_recovery"]
 
 log = logging.getLogger(__name__)
 _END = object()
+MAX_IDLE_RECOVERIES = 3
+"""Recoveries in a row at one step that lose nobody before the job gives up (a collective that
+fails for another reason than a lost member would otherwise be redone forever)."""
 _PEER_WORDS = ("connection", "gloo", "timed out", "timeout", "closed", "broken pipe", "peer")
 
 
@@ -117,6 +120,7 @@ class LiveTraining:
         self.shards: ShardBatches | None = None
         self._slots: list[torch.Tensor] = []  # exact: this step's shard gradients so far
         self._micro = 0  # index of the shard in training among this member's
+        self._idle = (-1, 0)  # (step, recoveries in a row at it that lost nobody)
         self.regroups: list[Regroup] = []
         """Every membership change this member went through, in order."""
         self.failed = False
@@ -254,9 +258,7 @@ class LiveTraining:
                 if not self.group.admit():
                     return
             except Exception as exc:
-                if not is_peer_failure(exc):
-                    raise
-                self.group.recover(exc)
+                self._recover(job, exc)
                 self._regroup(job, "lost", started)
                 continue
             self._regroup(job, "joined", started)
@@ -309,9 +311,7 @@ class LiveTraining:
             what()
             return True
         except Exception as exc:
-            if not is_peer_failure(exc):
-                raise
-            self.group.recover(exc)
+            self._recover(job, exc)
             self._regroup(job, "lost", started)
             return False
 
@@ -337,6 +337,24 @@ class LiveTraining:
             self.held.ledger = SampleLedger.from_dict(ledger)
 
     # ---- membership changes ------------------------------------------------------------------
+    def _recover(self, job: Job, exc: Exception) -> None:
+        """Form the next generation after ``exc``, or raise it: when no peer failed (a bug of
+        this rank), or when the same step keeps failing with nobody lost (the failure is not a
+        lost member's: ``MAX_IDLE_RECOVERIES`` in a row)."""
+        if not is_peer_failure(exc) or isinstance(exc, RecoveryError):
+            raise exc
+        before = self.group.members
+        self.group.recover(exc)
+        idle = self.group.members == before
+        step, count = self._idle
+        self._idle = (job.step_count, count + 1 if idle and step == job.step_count else int(idle))
+        if self._idle[1] >= MAX_IDLE_RECOVERIES:
+            raise RecoveryError(
+                f"live recovery: step {job.step_count} failed {self._idle[1]} times in a row "
+                f"although no member was lost (rank {self.group.rank}, generation "
+                f"{self.group.generation}); the last error: {exc}"
+            ) from exc
+
     def _regroup(self, job: Job, kind: str, started: float) -> None:
         """Settle a new generation: worlds, the committed step, the model's group, the sampler."""
         self.failed = self.changed = True
@@ -347,9 +365,7 @@ class LiveTraining:
                 stateful = self.group.rank not in self.group.newcomers
                 moved = exchange(job, stateful, self.held)
             except Exception as exc:
-                if not is_peer_failure(exc) or isinstance(exc, RecoveryError):
-                    raise
-                self.group.recover(exc)
+                self._recover(job, exc)
                 continue
             break
         if moved is not None and self.group.rank in moved[1]:
