@@ -74,3 +74,12 @@ def test_plain_live_recovery_drifts_only_by_reassociation(
     # DDP's all-reduce at 4 and 3 members against the fixed-order sum: reassociation only.
     drift = max(abs(a - b) for a, b in zip(run["0.0.0"]["params"], reference["params"]))
     assert 0 < drift < 1e-5, drift
+
+
+def test_a_rank_lost_before_the_job_formed_is_replaced_in_the_first_generation(
+    tmp_path: Path, reference: dict[str, Any]
+) -> None:
+    run = _job(tmp_path / "faults", "2@start", "live-exact", 1)
+    assert set(run) == {"0.0.0", "0.1.0", "0.3.0", "0.2.1"}  # the replacement took slot 0.2
+    assert all(r["regroups"] == [] for r in run.values())  # it started with the others
+    assert run["0.0.0"]["digest"] == reference["digest"]

@@ -138,11 +138,16 @@ class LiveGroup:
         if incarnation == 0:
             startup.check_start(self.me, rank, world_size)
         self._heartbeat.start()
+        self.joined = False
+        """True on a replacement admitted into the running job (it receives the state); False
+        on a member of the first generation, which a replacement is too when it took the start
+        slot of a process that died before the first generation formed."""
         try:
-            if incarnation == 0:
+            if incarnation == 0 or startup.claim_start(self._live, self.me, rank, world_size):
                 first = startup.gather(self._live, self.me, rank, world_size, self._join_timeout)
                 self._advance(0, first, first)
             else:
+                self.joined = True
                 self._join()
         except BaseException:
             self._heartbeat.stop()  # a process that failed to join must not look alive

@@ -25,7 +25,7 @@ from phalanx.recovery.errors import RecoveryError
 from phalanx.recovery.keys import INCARNATION_ENV, MEMBER_ENV, RECOVERY_ENV
 from phalanx.recovery.membership import Member, parse_members, sort_members
 
-__all__ = ["LiveEnv", "gather", "live_mode", "read_env"]
+__all__ = ["LiveEnv", "claim_start", "gather", "live_mode", "read_env"]
 
 
 def live_mode() -> bool:
@@ -47,6 +47,17 @@ def check_start(me: Member, rank: int | None, world_size: int | None) -> tuple[i
     return rank, world_size
 
 
+def claim_start(live: SignedStore, me: Member, rank: int | None, world_size: int | None) -> bool:
+    """A replacement takes its slot's place in the first generation, if that has not formed
+    and its first process died before it said it started (else it joins the running job)."""
+    if rank is None or world_size is None or not 0 <= rank < world_size:
+        return False
+    if live.get("current") is not None:
+        return False
+    claimed = live.first(f"start/{rank}", [me.to_json()], parse_members)
+    return bool(claimed) and claimed[0] == me
+
+
 def gather(
     live: SignedStore, me: Member, rank: int | None, world_size: int | None, timeout: float
 ) -> list[Member]:
@@ -57,7 +68,8 @@ def gather(
         RecoveryError: not every rank started within ``timeout`` seconds (names the missing).
     """
     rank, world_size = check_start(me, rank, world_size)
-    live.put(f"start/{rank}", [me.to_json()])
+    if me.incarnation == 0:  # a replacement claimed its slot already
+        live.put(f"start/{rank}", [me.to_json()])
     found: dict[int, Member] = {}
     deadline = time.monotonic() + timeout
     while len(found) < world_size:

@@ -192,12 +192,14 @@ class LiveTraining:
         """The first generation takes rank 0's model; a replacement receives the state."""
         model = job.runner.model
         assert model is not None
-        if self.group.rank in self.group.newcomers:  # a replacement
+        if self.group.joined:  # a replacement admitted into the running job
             self._regroup(job, "joined", time.monotonic())
             return
         tensors = [p.detach() for p in model.parameters()] + list(model.buffers())
         for t in tensors:
             dist.broadcast(t, 0)
+        if self.group.rank in self.group.newcomers:  # it took a dead first process's place
+            self.group.state_received()
 
     def _shard_count(self) -> int:
         return self.launch_world_size if self.exact else self.group.world_size

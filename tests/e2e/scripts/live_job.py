@@ -4,7 +4,8 @@ argv: OUT KILLS [STEP_SLEEP_S [RECOVERY]]   (RECOVERY: Job's recovery=, default 
 
 KILLS is a comma-separated list of ``RANK@STEP`` (the first process of launcher rank RANK
 SIGKILLs itself just before the forward of step STEP) or ``RANK@wSIZE`` (... of the first step
-it trains in a generation of SIZE members); "-" kills nobody.
+it trains in a generation of SIZE members) or ``RANK@start`` (before it makes its Job); "-"
+kills nobody.
 
 Every process writes ``OUT/<member>.<incarnation>.json`` when it ends: its pid at start and
 end, the job's membership changes, its committed steps, a SHA-256 of the final parameters (and
@@ -39,6 +40,8 @@ member, incarnation = os.environ["PHALANX_MEMBER_ID"], int(os.environ["PHALANX_I
 started_pid = os.getpid()
 torch.set_num_threads(1)
 
+if incarnation == 0 and [os.environ["RANK"], "start"] in kills:  # before it joins the job
+    os.kill(os.getpid(), signal.SIGKILL)
 job = phalanx.Job("ddp", seed=0, recovery=recovery)
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
