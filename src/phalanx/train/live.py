@@ -44,6 +44,7 @@ from phalanx.comm.env import discover_env
 from phalanx.data.elastic_plan import StepPlan
 from phalanx.data.elastic_sampler import ElasticSampler
 from phalanx.data.ledger import SampleLedger
+from phalanx.data_parallel.module_state import broadcast_coalesced
 from phalanx.recovery import JobFinished, LiveGroup, RecoveryError
 from phalanx.recovery.startup import live_mode
 from phalanx.train.live_shards import (
@@ -196,8 +197,7 @@ class LiveTraining:
             self._regroup(job, "joined", time.monotonic())
             return
         tensors = [p.detach() for p in model.parameters()] + list(model.buffers())
-        for t in tensors:
-            dist.broadcast(t, 0)
+        broadcast_coalesced(tensors, 0, None)
         if self.group.rank in self.group.newcomers:  # it took a dead first process's place
             self.group.state_received()
 
@@ -319,9 +319,9 @@ class LiveTraining:
 
     def sync_buffers(self, job: Job) -> None:
         """Rank 0's buffers to everyone (what DDP's forward would have broadcast)."""
-        model = job.runner.model
-        for b in [] if model is None else list(model.buffers()):
-            dist.broadcast(b, 0)
+        buffers = [] if job.runner.model is None else list(job.runner.model.buffers())
+        if buffers:
+            broadcast_coalesced(buffers, 0, None)
 
     def commit(self, job: Job) -> None:
         """The step committed: move the sampler on and record every rank's samples."""
