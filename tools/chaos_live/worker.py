@@ -10,7 +10,8 @@ STEP at PHASE, one of
 - ``backward``: as the backward reaches the last layer (the first gradients);
 - ``allreduce``: as DDP hands its first bucket to the communication hook (plain DDP only);
 - ``optimizer``: as the optimizer starts its step (the others' all-reduce is complete);
-- ``save``: inside ``job.save()`` (a checkpoint every 5 steps; STEP is rounded up to one);
+- ``save``: inside ``job.save()``, while the checkpoint is written (one every 5 steps; STEP is
+  rounded up to one);
 - ``random``: at a random moment up to 0.2 s into step STEP (a thread).
 
 Before it dies the victim writes ``OUT/kill.json`` (the wall-clock time, its generation).
@@ -81,12 +82,14 @@ if recovery == "live" and hasattr(model, "register_comm_hook"):
 
 
 class SaveCue:
-    """A tracked object whose state is read only inside ``job.save()`` while ``saving``."""
+    """A tracked object; ``job.save()`` reads its state twice: when it checks the tracked
+    objects, then while the checkpoint is written (after the ranks met): the kill is there."""
 
-    saving = False
+    reads = 0
 
     def state_dict(self) -> dict[str, int]:
-        if self.saving:
+        self.reads += 1
+        if self.reads == 2:
             cue("save")
         return {"n": 1}
 
@@ -113,9 +116,8 @@ for _epoch in job.epochs(2):
             with steps_file.open("a") as f:
                 f.write(f"{job.step_count} {time.time()} {job.live.group.generation}\n")
             if job.step_count % 5 == 0:
-                save_cue.saving = True
+                save_cue.reads = 0
                 job.save()
-                save_cue.saving = False
         time.sleep(0.02)
 
 params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -26,9 +27,25 @@ import torch.distributed as dist
 from phalanx.checkpoint.manifest import CheckpointError
 from phalanx.comm.signed import SignedStore
 
-__all__ = ["Session", "group_rank", "open_session"]
+__all__ = ["Session", "group_rank", "open_session", "set_peer_check"]
 
 TIMEOUT_ENV = "PHALANX_CHECKPOINT_TIMEOUT"
+CHECK_EVERY_S = 0.25
+"""How often a waiting rank asks :func:`set_peer_check`'s function whether a peer is lost."""
+_PEER_CHECK: Callable[[], None] | None = None
+
+
+def set_peer_check(check: Callable[[], None] | None) -> None:
+    """Let store waits give up early: ``check()`` raises when a peer of the job is lost.
+
+    A live job (``phalanx.Job`` under ``--recovery live``) sets it, so that a checkpoint whose
+    writer died fails within ``CHECK_EVERY_S`` and the job regroups, instead of waiting out
+    ``PHALANX_CHECKPOINT_TIMEOUT``; None removes it.
+    """
+    global _PEER_CHECK
+    _PEER_CHECK = check
+
+
 _SHARED = ("committed", "tmpdir", "chosen")
 _PER_RANK = ("written", "loaded", "closed")
 
@@ -80,14 +97,25 @@ class Session:
         KeyError): a value it refuses, or a forged one, is skipped like an absent one.
         """
         assert self.store is not None
-        try:
-            return self.store.wait_get(self._key(name), _timeout(), _answer(parse))
-        except Exception as exc:
-            raise CheckpointError(
-                f"rank {self.rank}: gave up waiting for {name!r} of checkpoint "
-                f"session {self.token} after {_timeout()} ({exc}); a peer "
-                f"died or is stuck (raise {TIMEOUT_ENV} for huge checkpoints)"
-            ) from exc
+        limit = _timeout()
+        deadline = time.monotonic() + limit.total_seconds()
+        while True:
+            left = deadline - time.monotonic()
+            part = left if _PEER_CHECK is None else min(left, CHECK_EVERY_S)
+            try:
+                return self.store.wait_get(
+                    self._key(name), timedelta(seconds=max(part, 0.001)), _answer(parse)
+                )
+            except TimeoutError as exc:
+                if left > part:  # a slice ran out: ask whether a peer is lost, wait on
+                    assert _PEER_CHECK is not None
+                    _PEER_CHECK()
+                    continue
+                raise CheckpointError(
+                    f"rank {self.rank}: gave up waiting for {name!r} of checkpoint "
+                    f"session {self.token} after {limit} ({exc}); a peer "
+                    f"died or is stuck (raise {TIMEOUT_ENV} for huge checkpoints)"
+                ) from exc
 
     def share(self, name: str, compute: Callable[[], Any]) -> Any:
         """Rank 0 computes a plain value and every rank returns it (through the store).

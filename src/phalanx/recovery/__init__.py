@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from phalanx.recovery.errors import Excluded, JobFinished, RecoveryError
+from phalanx.recovery.errors import Excluded, JobFinished, PeerLost, RecoveryError
 from phalanx.recovery.keys import live_signer, report_death
 from phalanx.recovery.live_group import LiveGroup
 from phalanx.recovery.membership import Member
@@ -26,6 +26,7 @@ __all__ = [
     "JobFinished",
     "LiveGroup",
     "Member",
+    "PeerLost",
     "RecoveryError",
     "RestoredShards",
     "ShardMirror",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["Excluded", "JobFinished", "RecoveryError"]
+__all__ = ["Excluded", "JobFinished", "PeerLost", "RecoveryError"]
 
 
 class RecoveryError(RuntimeError):
@@ -19,3 +19,8 @@ class Excluded(RecoveryError):
 
 class JobFinished(RecoveryError):
     """A replacement arrived after the job's members finished: there is nothing to join."""
+
+
+class PeerLost(RuntimeError):
+    """A member of the current generation died while this one waited for it outside any
+    collective (e.g. in a checkpoint's store waits): recover as after a failed collective."""

@@ -380,8 +380,7 @@ class Job(JobReports):
         self.metrics.close()
         self.profiler.stop()
         if self.live is not None:
-            self.live.group.close()
-            pg.adopt_world(None)
+            self.live.close()
         elif self.owns_group:
             pg.destroy_process_group()
 

@@ -39,13 +39,14 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from phalanx.checkpoint.sync import set_peer_check
 from phalanx.comm import group as pg
 from phalanx.comm.env import discover_env
 from phalanx.data.elastic_plan import StepPlan
 from phalanx.data.elastic_sampler import ElasticSampler
 from phalanx.data.ledger import SampleLedger
 from phalanx.data_parallel.module_state import broadcast_coalesced
-from phalanx.recovery import JobFinished, LiveGroup, RecoveryError
+from phalanx.recovery import JobFinished, LiveGroup, PeerLost, RecoveryError
 from phalanx.recovery.startup import live_mode
 from phalanx.train.live_shards import (
     ShardBatches,
@@ -73,7 +74,7 @@ _PEER_WORDS = ("connection", "gloo", "timed out", "timeout", "closed", "broken p
 
 def is_peer_failure(exc: BaseException) -> bool:
     """Whether ``exc`` says a collective failed because of a peer (not a bug of this rank)."""
-    if isinstance(exc, dist.DistError):
+    if isinstance(exc, dist.DistError | PeerLost):
         return True
     return isinstance(exc, RuntimeError) and any(w in str(exc).lower() for w in _PEER_WORDS)
 
@@ -144,10 +145,18 @@ class LiveTraining:
                 "phalanx.recovery.LiveGroup); do not call init_process_group() before it"
             )
         try:
-            return cls(LiveGroup.from_env("gloo"), discover_env().world_size, exact)
+            made = cls(LiveGroup.from_env("gloo"), discover_env().world_size, exact)
         except JobFinished as exc:
             log.warning("%s", exc)
             raise SystemExit(0) from exc
+        set_peer_check(made.group.check_peers)  # a checkpoint's store waits see deaths
+        return made
+
+    def close(self) -> None:
+        """Leave the job (``Job.close``): no more peer checks, the group closed."""
+        set_peer_check(None)
+        self.group.close()
+        pg.adopt_world(None)
 
     @property
     def ledger(self) -> SampleLedger | None:
