@@ -381,9 +381,7 @@ class LiveTraining:
             break
         if moved is not None and self.group.rank in moved[1]:
             self.group.state_received()
-        regroup = getattr(job.runner.model, "regroup", None)
-        if regroup is not None:
-            regroup()
+        job.runner.regroup()
         if job.optimizer is not None:
             job.optimizer.zero_grad(set_to_none=True)
         self._slots = []

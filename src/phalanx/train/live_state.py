@@ -13,8 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 
+from phalanx.checkpoint.sections import unwrap
 from phalanx.data.ledger import SampleLedger
 from phalanx.recovery import rng_state, set_rng_state
 from phalanx.recovery.transfer import receive_state, send_state
@@ -49,9 +51,11 @@ class Held:
             job.tracked[name].load_state_dict(self.tracked.pop(name))
 
 
-def _module(job: Job) -> Any:
+def _module(job: Job) -> torch.nn.Module:
+    """The model without its wrapper (DDP's), as checkpoints save it."""
     model, _ = job.runner.checkpointed(saving=True)
-    return getattr(model, "module", model)
+    assert model is not None, "the live job's model is set up before any exchange"
+    return unwrap(model)
 
 
 def collect(job: Job, held: Held) -> dict[str, object]:

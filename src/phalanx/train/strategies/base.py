@@ -154,6 +154,10 @@ class Strategy:
         """
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
 
+    def regroup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        """Bind ``model`` / ``optimizer`` to the current default group, which live recovery
+        replaced (``train/live.py``); the default: nothing holds a group."""
+
     def grad_shards(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, world: World
     ) -> GradShards | None:
@@ -259,6 +263,11 @@ class Runner:
         over every rank's part of it; return that norm. Collective where parameters are split."""
         assert self.model is not None
         return self.strategy.clip_grad_norm_(self.model, self.optimizer, max_norm, norm_type)
+
+    def regroup(self) -> None:
+        """After live recovery replaced the default group: rebind the strategy's objects."""
+        if self.model is not None:
+            self.strategy.regroup(self.model, self.optimizer)
 
     def check_schedule(self, schedule: str) -> None:
         """Refuse a learning-rate ``schedule`` ("step", "epoch", "manual") this strategy

@@ -66,6 +66,12 @@ class DDP(Strategy):
             forward_sync_buffers=self.forward_sync_buffers,
         )
 
+    def regroup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        from phalanx.data_parallel import DistributedDataParallel
+
+        if isinstance(model, DistributedDataParallel):
+            model.regroup()
+
     def sync_owners(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None
     ) -> list[SyncOwner]:
