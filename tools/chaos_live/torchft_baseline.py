@@ -293,7 +293,7 @@ def main() -> None:
     rng = random.Random(args.seed)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     results = []
-    print(f"torchft {info['torchft']}, torch {info['torch']}, restart {args.restart}", flush=True)
+    print(f"{info['torchft']}, torch {info['torch']}, restart {args.restart}", flush=True)
     header = ["replicas", "victim", "kill->commit", "first commit", "rejoin", "stop", "load"]
     print("run " + " ".join(f"{c:>14}" for c in header), flush=True)
     for n in args.replicas:
