@@ -5,6 +5,8 @@
 #
 #   bash tools/chaos_live/make_torchft_venv.sh [VENV] [PACKAGE]
 #
+# BASE_PY (default: this checkout's .venv/bin/python) is the interpreter whose torch is reused;
+# from a worktree without .venv: BASE_PY=/work/main/.venv/bin/python bash ...
 # VENV defaults to /work/tftvenv, PACKAGE to torchft==0.2.0 (torchft-nightly also works: its
 # DDP comm hook survives a replica killed during the gradient all-reduce, 0.2.0's does not).
 set -euo pipefail

@@ -19,6 +19,12 @@ new process for the same replica group (``--restart after-recovery``; ``immediat
 right after the kill, as a supervisor would), waits until it commits, sets a stop step and
 checks correctness: every live replica ends at the stop step with bit-identical parameters.
 Prints a table, the load average and ``RESULT {json}``.
+
+Known: in torchft 0.2.0 a replica killed during the gradient all-reduce makes the survivors'
+``backward()`` fail (``assert fut._fut`` in ``torchft/ddp.py``'s comm hook: the failed work never
+built its future), so they die too and the run counts as incorrect. torchft-nightly 2026.10.26
+hands DDP the bucket and skips the step instead: ``make_torchft_venv.sh VENV
+torchft-nightly==2026.10.26`` and ``--venv VENV`` measure it.
 """
 
 from __future__ import annotations
