@@ -14,7 +14,8 @@ Each run starts a lighthouse on 127.0.0.1 with the settings of torchft's README
 by default) and N replica groups of one gloo process each. Once every group has committed steps
 at N participants, it waits a random delay, SIGKILLs a random replica (never the lighthouse)
 and measures, from the wall-clock commit log of each survivor, kill -> the first step committed
-in a new quorum (the slowest survivor counts, as in ``tools/recovery_latency``). It then starts a
+in a new quorum: the slowest survivor counts, as in ``tools/recovery_latency`` (``fastest_*``:
+the first survivor, as in ``tools/chaos_live/run.py``). It then starts a
 new process for the same replica group (``--restart after-recovery``; ``immediate`` starts it
 right after the kill, as a supervisor would), waits until it commits, sets a stop step and
 checks correctness: every live replica ends at the stop step with bit-identical parameters.
@@ -206,6 +207,7 @@ def one_run(args: argparse.Namespace, n: int, rng: random.Random, out: Path) -> 
         wait_for("recovery", job, ready, deadline)
         recovered = [after_kill(job, g, t_kill) for g in survivors]
         row["latency_s"] = max(c["t"] for c in recovered if c) - t_kill
+        row["fastest_s"] = min(c["t"] for c in recovered if c) - t_kill  # as chaos_live/run.py
         row["participants"] = min(c["participants"] for c in recovered if c)
         firsts = [first_commit_after(job, g, t_kill) for g in survivors]
         row["first_commit_s"] = min(t for t in firsts if t) - t_kill
@@ -221,6 +223,7 @@ def one_run(args: argparse.Namespace, n: int, rng: random.Random, out: Path) -> 
         for pt in out.glob("final.*.pt"):
             pt.unlink()
     row["correct"] = row["problem"] == ""
+    (out / "row.json").write_text(json.dumps(row))
     return row
 
 
@@ -244,6 +247,7 @@ def p90(values: list[float]) -> float:
 
 def summary(n: int, rows: list[dict[str, object]]) -> dict[str, object]:
     latencies = [float(r["latency_s"]) for r in rows if "latency_s" in r]  # type: ignore[arg-type]
+    fastest = [float(r["fastest_s"]) for r in rows if "fastest_s" in r]  # type: ignore[arg-type]
     return {
         "replicas": n,
         "runs": len(rows),
@@ -251,6 +255,8 @@ def summary(n: int, rows: list[dict[str, object]]) -> dict[str, object]:
         "measured": len(latencies),
         "median_s": statistics.median(latencies) if latencies else None,
         "p90_s": p90(latencies) if latencies else None,
+        "fastest_survivor_median_s": statistics.median(fastest) if fastest else None,
+        "fastest_survivor_p90_s": p90(fastest) if fastest else None,
         "load_mean": statistics.mean(float(r["load"]) for r in rows),  # type: ignore[arg-type]
         "problems": sorted({str(r["problem"]) for r in rows if r["problem"]}),
     }
