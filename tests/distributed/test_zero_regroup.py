@@ -91,7 +91,7 @@ def _check_grads(model: nn.Module, opt: ZeroRedundancyOptimizer, step: int) -> f
     params = list(model.parameters())
     world = dist.get_world_size()
     grads = [torch.autograd.grad(_loss(model, step, r), params) for r in range(world)]
-    expected = [sum(g[i] for g in grads) / world for i in range(len(params))]
+    expected = [torch.stack([g[i] for g in grads]).sum(0) / world for i in range(len(params))]
     opt.zero_grad(set_to_none=True)
     _loss(model, step, dist.get_rank()).backward()
     opt.owned_grads()
@@ -208,9 +208,10 @@ def _bad_input() -> list[str]:
     plain.step()
     before = [p.detach().clone() for p in model.parameters()]
     errors = []
-    for bad in (plain.state_dict(), {"state": {}}, "state"):
+    bads: list[Any] = [plain.state_dict(), {"state": {}}, "state"]
+    for bad in bads:
         try:
-            opt.regroup(full_state=bad)  # type: ignore[arg-type]
+            opt.regroup(full_state=bad)
         except (TypeError, ValueError) as exc:
             errors.append(f"{type(exc).__name__}: {exc}")
     _train(model, opt, range(1, 2))  # untouched: still trains over the old layout
