@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx.sharding import ZeroRedundancyOptimizer
+from phalanx.sharding.zero3 import FullyShardedDataParallel
 from phalanx.testing import run_distributed
 
 CAP = 0.0001  # MiB: about 26 floats a bucket, so ranges split parameters across buckets
@@ -226,3 +227,151 @@ def test_zero_regroup_refuses_the_state_of_another_model() -> None:
         assert "[2]" in errors[0] and "[4]" in errors[0], errors[0]
         assert errors[1].startswith("TypeError") and "full_state" in errors[1]
         assert errors[2].startswith("TypeError") and "got str" in errors[2]
+
+
+# ---- ZeRO-3 ------------------------------------------------------------------------------------
+def _fsdp(model: nn.Module) -> tuple[FullyShardedDataParallel, torch.optim.Optimizer]:
+    fsdp = FullyShardedDataParallel(model, wrap=nn.Linear)
+    return fsdp, torch.optim.Adam(fsdp.parameters(), lr=0.01)
+
+
+def _fsdp_grad_err(fsdp: FullyShardedDataParallel, sd: dict, step: int) -> float:
+    """Backward once; the largest error of this rank's gradient shards against the average of
+    every rank's gradient, computed on a plain copy of the model."""
+    plain = _model()
+    plain.load_state_dict(sd)
+    named = dict(plain.named_parameters())
+    world = dist.get_world_size()
+    grads = [torch.autograd.grad(_loss(plain, step, r), list(named.values())) for r in range(world)]
+    expected = {k: torch.stack([g[i] for g in grads]).sum(0) / world for i, k in enumerate(named)}
+    _loss(fsdp, step, dist.get_rank()).backward()
+    err = 0.0
+    for unit in fsdp.units:
+        grad = unit.flat_param.grad
+        assert grad is not None and grad.numel() == unit.chunk
+        for piece in unit.pieces:
+            diff = piece.held_in(grad) - piece.of_full(expected[piece.key])
+            err = max(err, diff.abs().max().item())
+    return err
+
+
+def _fsdp_after_regroup(
+    fsdp: FullyShardedDataParallel, opt: torch.optim.Optimizer, model_sd: dict, optim_sd: dict
+) -> dict[str, Any]:
+    opt.zero_grad(set_to_none=True)
+    err = _fsdp_grad_err(fsdp, fsdp.state_dict(), 3)
+    opt.step()
+    _train(fsdp, opt, range(4, 5))
+    params, state = fsdp.state_dict(), fsdp.full_optim_state_dict(opt)
+    ref_model = _model()
+    ref_model.load_state_dict(model_sd)
+    ref, ref_opt = _fsdp(ref_model)
+    ref.load_full_optim_state_dict(ref_opt, optim_sd)
+    _train(ref, ref_opt, range(3, 5))
+    return {
+        "grad_err": err,
+        "params": _same(params, ref.state_dict()),
+        "state": _same(state, ref.full_optim_state_dict(ref_opt)),
+        "moved": not _same(params, model_sd),
+        "shards": [u.flat_param.numel() for u in fsdp.units],
+    }
+
+
+def _fsdp_shrink(folder: str) -> dict[str, Any] | None:
+    rank = dist.get_rank()
+    fsdp, opt = _fsdp(_model())
+    idents = [id(fsdp), id(opt), *map(id, fsdp.parameters())]
+    _train(fsdp, opt, range(3))
+    model_sd, optim_sd = fsdp.state_dict(), fsdp.full_optim_state_dict(opt)
+    dist.destroy_process_group()
+    if rank == 3:
+        return None
+    _new_group(folder, "g3", rank, 3)
+    fsdp.regroup(full_state=model_sd, optimizer=opt, optim_state=optim_sd)
+    out = _fsdp_after_regroup(fsdp, opt, model_sd, optim_sd)
+    out["same_objects"] = [id(fsdp), id(opt), *map(id, fsdp.parameters())] == idents
+    out["in_optimizer"] = [p is q for p, q in zip(opt.param_groups[0]["params"], fsdp.parameters())]
+    return out
+
+
+def test_fsdp_regroup_after_a_lost_rank_matches_a_fresh_fsdp() -> None:
+    folder = tempfile.mkdtemp(prefix="phalanx-zero3-regroup-")
+    results = run_distributed(_fsdp_shrink, folder, world_size=4, timeout=90, may_die=(3,))
+    assert results[3] is None
+    for out in results[:3]:
+        assert out is not None
+        assert out["same_objects"] and out["in_optimizer"] == [True, True], out
+        assert out["shards"] == [14, 8], out  # 42 and 24 elements over 3 ranks (4: 11 and 6)
+        assert out["grad_err"] < 1e-6, out["grad_err"]
+        assert out["moved"] and out["params"] and out["state"], out
+
+
+def _fsdp_grow(folder: str) -> dict[str, Any]:
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    if rank == 3:  # the newcomer wraps its model in a world of its own, then joins
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        fsdp, opt = _fsdp(_model())
+        model_sd, optim_sd = None, None
+    else:
+        _new_group(folder, "g3", rank, 3)
+        fsdp, opt = _fsdp(_model())
+        _train(fsdp, opt, range(3))
+        model_sd, optim_sd = fsdp.state_dict(), fsdp.full_optim_state_dict(opt)
+    idents = [id(fsdp), id(opt), *map(id, fsdp.parameters())]
+    dist.destroy_process_group()
+    _new_group(folder, "g4", rank, 4)
+    shared = [model_sd, optim_sd]
+    dist.broadcast_object_list(shared, src=0)  # stands in for the peer recovery's hand-over
+    model_sd, optim_sd = shared
+    assert model_sd is not None and optim_sd is not None
+    fsdp.regroup(full_state=model_sd, optimizer=opt, optim_state=optim_sd)
+    out = _fsdp_after_regroup(fsdp, opt, model_sd, optim_sd)
+    out["same_objects"] = [id(fsdp), id(opt), *map(id, fsdp.parameters())] == idents
+    return out
+
+
+def test_fsdp_regroup_grows_from_three_to_four_ranks() -> None:
+    folder = tempfile.mkdtemp(prefix="phalanx-zero3-grow-")
+    # The newcomer's private world of one makes it rank 0 there, and the mismatch check's
+    # per-host call ring (keyed by rank) would then compare it with the real rank 0.
+    off = {"PHALANX_MISMATCH_CHECK": "0"}
+    for out in run_distributed(_fsdp_grow, folder, world_size=4, timeout=90, env=off):
+        assert out["same_objects"] and out["shards"] == [11, 6], out
+        assert out["grad_err"] < 1e-6, out["grad_err"]
+        assert out["moved"] and out["params"] and out["state"], out
+
+
+def _fsdp_bad_input() -> list[str]:
+    fsdp, opt = _fsdp(_model())
+    _train(fsdp, opt, range(1))
+    model_sd, optim_sd = fsdp.state_dict(), fsdp.full_optim_state_dict(opt)
+    other = nn.Linear(5, 7)
+    plain = torch.optim.Adam(other.parameters())
+    other(torch.ones(1, 5)).sum().backward()
+    plain.step()
+    wrong_shape = {**model_sd, "2.weight": torch.zeros(4, 7)}
+    calls: list[dict[str, Any]] = [
+        {"full_state": other.state_dict()},
+        {"full_state": wrong_shape},
+        {"full_state": None},
+        {"full_state": model_sd, "optimizer": opt, "optim_state": plain.state_dict()},
+    ]
+    errors = []
+    for kwargs in calls:
+        try:
+            fsdp.regroup(**kwargs)
+        except (TypeError, ValueError) as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+    _train(fsdp, opt, range(1, 2))  # untouched: still trains over the old shards
+    assert not _same(fsdp.state_dict(), model_sd) and optim_sd["state"]
+    return errors
+
+
+def test_fsdp_regroup_refuses_the_state_of_another_model() -> None:
+    for errors in run_distributed(_fsdp_bad_input, world_size=2, timeout=60):
+        assert len(errors) == 4, errors
+        assert "full_state is of another model" in errors[0] and "2.weight" in errors[0]
+        assert "'2.weight' has shape (4, 7)" in errors[1], errors[1]
+        assert "full_state is required" in errors[2], errors[2]
+        assert "optim_state is of another model" in errors[3], errors[3]
