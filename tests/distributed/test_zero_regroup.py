@@ -274,6 +274,9 @@ def _fsdp_after_regroup(
         "state": _same(state, ref.full_optim_state_dict(ref_opt)),
         "moved": not _same(params, model_sd),
         "shards": [u.flat_param.numel() for u in fsdp.units],
+        "hooks": [
+            len(u.module._forward_pre_hooks) + len(u.module._forward_hooks) for u in fsdp.units
+        ],
     }
 
 
@@ -302,6 +305,7 @@ def test_fsdp_regroup_after_a_lost_rank_matches_a_fresh_fsdp() -> None:
         assert out is not None
         assert out["same_objects"] and out["in_optimizer"] == [True, True], out
         assert out["shards"] == [14, 8], out  # 42 and 24 elements over 3 ranks (4: 11 and 6)
+        assert out["hooks"] == [2, 2], out  # the old runtime's hooks are gone
         assert out["grad_err"] < 1e-6, out["grad_err"]
         assert out["moved"] and out["params"] and out["state"], out
 
@@ -337,7 +341,7 @@ def test_fsdp_regroup_grows_from_three_to_four_ranks() -> None:
     # per-host call ring (keyed by rank) would then compare it with the real rank 0.
     off = {"PHALANX_MISMATCH_CHECK": "0"}
     for out in run_distributed(_fsdp_grow, folder, world_size=4, timeout=90, env=off):
-        assert out["same_objects"] and out["shards"] == [11, 6], out
+        assert out["same_objects"] and out["shards"] == [11, 6] and out["hooks"] == [2, 2], out
         assert out["grad_err"] < 1e-6, out["grad_err"]
         assert out["moved"] and out["params"] and out["state"], out
 
