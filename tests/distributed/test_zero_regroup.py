@@ -76,6 +76,16 @@ def _new_group(folder: str, name: str, rank: int, world: int) -> None:
     )
 
 
+def _join_four(folder: str, rank: int, model_sd: Any, full: Any) -> tuple[dict, dict]:
+    """All four ranks form the next group; rank 0's full states reach every rank (this stands
+    in for the peer recovery's hand-over)."""
+    _new_group(folder, "g4", rank, 4)
+    shared = [model_sd, full]
+    dist.broadcast_object_list(shared, src=0)
+    assert shared[0] is not None and shared[1] is not None
+    return shared[0], shared[1]
+
+
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
@@ -177,11 +187,7 @@ def _grow(folder: str) -> dict[str, Any]:
         full = _full_state(opt)
         model_sd = {k: v.clone() for k, v in model.state_dict().items()}
         dist.destroy_process_group()
-    _new_group(folder, "g4", rank, 4)
-    shared = [model_sd, full]
-    dist.broadcast_object_list(shared, src=0)  # stands in for the peer recovery's hand-over
-    model_sd, full = shared
-    assert model_sd is not None and full is not None
+    model_sd, full = _join_four(folder, rank, model_sd, full)
     model.load_state_dict(model_sd)
     opt.regroup(full_state=full)
     out = _after_regroup(model, opt, 2, full, model_sd)
@@ -324,11 +330,7 @@ def _fsdp_grow(folder: str) -> dict[str, Any]:
         model_sd, optim_sd = fsdp.state_dict(), fsdp.full_optim_state_dict(opt)
     idents = [id(fsdp), id(opt), *map(id, fsdp.parameters())]
     dist.destroy_process_group()
-    _new_group(folder, "g4", rank, 4)
-    shared = [model_sd, optim_sd]
-    dist.broadcast_object_list(shared, src=0)  # stands in for the peer recovery's hand-over
-    model_sd, optim_sd = shared
-    assert model_sd is not None and optim_sd is not None
+    model_sd, optim_sd = _join_four(folder, rank, model_sd, optim_sd)
     fsdp.regroup(full_state=model_sd, optimizer=opt, optim_state=optim_sd)
     out = _fsdp_after_regroup(fsdp, opt, model_sd, optim_sd)
     out["same_objects"] = [id(fsdp), id(opt), *map(id, fsdp.parameters())] == idents
