@@ -223,6 +223,10 @@ def _bad_input() -> list[str]:
             errors.append(f"{type(exc).__name__}: {exc}")
     _train(model, opt, range(1, 2))  # untouched: still trains over the old layout
     assert opt.world == 2 and not _same(before, [p.detach() for p in model.parameters()])
+    assert opt.state_bytes() > 0
+    opt.param_groups[0]["lr"] = 0.5
+    opt.regroup()  # the same group, no state: the state starts empty, the options stay
+    assert opt.state_bytes() == 0 and opt.optim.param_groups[0]["lr"] == 0.5
     return errors
 
 
@@ -371,6 +375,9 @@ def _fsdp_bad_input() -> list[str]:
             errors.append(f"{type(exc).__name__}: {exc}")
     _train(fsdp, opt, range(1, 2))  # untouched: still trains over the old shards
     assert not _same(fsdp.state_dict(), model_sd) and optim_sd["state"]
+    assert all(u.flat_param in opt.state for u in fsdp.units)
+    fsdp.regroup(full_state=model_sd, optimizer=opt)  # no optim_state: the state starts empty
+    assert not opt.state and _same(fsdp.state_dict(), model_sd)
     return errors
 
 
