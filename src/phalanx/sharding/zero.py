@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx._check import check_group
 from phalanx.data_parallel.sync_flag import sync_off
 from phalanx.sharding import zero_pieces, zero_state
 from phalanx.sharding.bucket_storage import broadcast_from_rank0, place
@@ -119,6 +120,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, JoinableZero):
         self._notified = False
         self._reducer: GradReducer | None = None
         self._own_new_buckets(0)
+        self._build_inner(optimizer_class, defaults)
+        self._wire()
+        self._initialized = True
+
+    def _build_inner(self, optimizer_class: type[torch.optim.Optimizer], defaults: Any) -> None:
+        """The inner optimizer over this rank's ranges (its state starts empty)."""
         inner = [
             {**{k: v for k, v in g.items() if k != "params"}, "params": self._tensors_of(gi)}
             for gi, g in enumerate(self.param_groups)
@@ -126,8 +133,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, JoinableZero):
         self.optim = optimizer_class(inner, **defaults)
         sync_options(self.optim.param_groups, self.param_groups)
         self.state = self.optim.state  # this rank's state, keyed by what it steps
-        self._wire()
-        self._initialized = True
 
     # ---- layout --------------------------------------------------------------------------------
     def _plan(self) -> ShardLayout:
@@ -139,14 +144,15 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, JoinableZero):
         reverse, flags = self.stage == 2, self.stage is not None
         return plan_shards(sizes, self.world, size, cap, reverse=reverse, flags=flags)
 
-    def _own_new_buckets(self, first: int) -> None:
-        """Storage, ownership and (stages 1/2) rank 0's values for buckets ``first`` onwards."""
+    def _own_new_buckets(self, first: int, broadcast: bool = True) -> None:
+        """Storage, ownership and (stages 1/2, with ``broadcast``) rank 0's values for buckets
+        ``first`` onwards."""
         for b in range(first, len(self.layout.buckets)):
             bucket = self.layout.buckets[b]
             buf = place(self.params, bucket, self.buffers is not None)
             if self.buffers is not None and buf is not None:
                 self.buffers.append(buf)
-            if self.stage is not None and self.world > 1:
+            if broadcast and self.stage is not None and self.world > 1:
                 broadcast_from_rank0(self.params, bucket, buf, self.process_group)
         self.owned += owned_ranges(
             self.params, self.layout, self.rank, step_params=self.stage is None, first_bucket=first
@@ -203,6 +209,53 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, JoinableZero):
         )
         sync_options(self.optim.param_groups, self.param_groups)
         self._wire()
+
+    def regroup(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        full_state: dict[str, Any] | None = None,
+    ) -> None:
+        """Shard over ``process_group`` from now on (None: the current default group), in place.
+
+        For live recovery, which replaces the default group when ranks are lost or join: this
+        same object re-plans its buckets for the new world size and rank, re-places the bucket
+        views (the parameters stay the same ``Parameter`` objects), rebuilds its inner
+        optimizer over its new ranges and its gradient hooks (the old ones are removed), and
+        keeps its ranges of ``full_state``: a ``torch.optim``-format state dict of the whole
+        optimizer, as :meth:`state_dict` gives after :meth:`consolidate_state_dict` (None: the
+        state starts empty, the hyperparameters stay). Collective over the new group.
+
+        The caller guarantees that every rank of the new group holds the same parameter
+        values and passes the same ``full_state`` (nothing is broadcast), and that no step is
+        half done: gradients not yet stepped are dropped. A rank joining the group builds its
+        optimizer first (before joining, when no default group exists, the constructor
+        communicates nothing) and calls this with the others.
+
+        Raises:
+            TypeError, ValueError: ``full_state`` is not such a dict or is of another model
+                (other parameter groups, a parameter or state of another shape), checked
+                before anything changes.
+        """
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "ZeroRedundancyOptimizer.regroup: no default process group; init the new "
+                "group first"
+            )
+        check_group("process_group", process_group, where="ZeroRedundancyOptimizer.regroup")
+        zero_state.check_full_state(self, full_state)
+        for p in self.params:  # a step in flight is dropped (its reduction is lost anyway)
+            p.grad = None
+        self.process_group = process_group
+        self.world, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+        self.layout = self._plan()
+        self.buffers = [] if self.parameters_as_bucket_view else None
+        self.owned = []
+        self._own_new_buckets(0, broadcast=False)  # the caller made the replicas equal
+        self._build_inner(type(self.optim), self.defaults)
+        self._consolidated, self._notified = None, False
+        self._wire()  # closes the old reducer: its hooks go
+        if full_state is not None:
+            zero_state.load_full_state_dict(self, full_state)
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:

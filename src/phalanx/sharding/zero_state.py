@@ -26,6 +26,7 @@ from phalanx.sharding.pieces import dtype_name
 
 __all__ = [
     "ZeroShards",
+    "check_full_state",
     "consolidate",
     "groups_meta",
     "install",
@@ -217,3 +218,38 @@ def load_full_state_dict(opt: ZeroShards, sd: dict[str, Any]) -> None:
                 st = {k: _cut(v, r, p, k) for k, v in saved[r.param].items()}
                 states.append((r.tensor, st))
     install(opt, states)
+
+
+def check_full_state(opt: ZeroShards, sd: Any) -> None:
+    """Refuse a ``regroup`` ``full_state`` that is not this model's optimizer state, before
+    anything changes (None passes: the state starts empty)."""
+    if sd is None:
+        return
+    where = "ZeroRedundancyOptimizer.regroup"
+    if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
+        raise TypeError(
+            f"{where}: full_state must be a torch.optim state dict with 'state' and "
+            f"'param_groups' (as state_dict() gives after consolidate_state_dict), got "
+            f"{type(sd).__name__}"
+            + (f" with keys {sorted(map(str, sd))}" if isinstance(sd, dict) else "")
+        )
+    saved = [len(g["params"]) for g in sd["param_groups"]]
+    here = [len(g["params"]) for g in opt.param_groups]
+    if saved != here:
+        raise ValueError(
+            f"{where}: full_state is of another model: its parameter groups hold {saved} "
+            f"parameters, this optimizer's hold {here}"
+        )
+    for i, state in sd["state"].items():
+        if not 0 <= int(i) < len(opt.params):
+            raise ValueError(
+                f"{where}: full_state is of another model: it has state for parameter {i}, "
+                f"this optimizer has {len(opt.params)} parameters"
+            )
+        p = opt.params[int(i)]
+        for k, v in (state or {}).items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() != p.numel():
+                raise ValueError(
+                    f"{where}: full_state is of another model: its state {k!r} of parameter "
+                    f"{i} has shape {tuple(v.shape)}, the parameter {tuple(p.shape)}"
+                )

@@ -22,6 +22,7 @@ from phalanx.comm import collectives as c
 from phalanx.data_parallel.sync_flag import sync_off
 from phalanx.sharding.clip import clip_pieces_
 from phalanx.sharding.pieces import HeldPieces, PieceReader, ShardedState
+from phalanx.sharding.zero3 import optim_state as ostate
 from phalanx.sharding.zero3 import state_dict as st
 from phalanx.sharding.zero3.plan import WrapPolicy, assign_params, normalize_wrap, select_units
 from phalanx.sharding.zero3.runtime import Runtime
@@ -175,6 +176,71 @@ class FullyShardedDataParallel(nn.Module):
             )
         self.load_full_state_dict({k: v for k, v in state_dict.items() if k in known})
         return _IncompatibleKeys(missing, unexpected)
+
+    def full_optim_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The whole state of ``optimizer`` (built over :meth:`parameters`) on every rank, in
+        ``torch.optim`` format, numbered by original parameter: each unit's in order, the root
+        unit last. A collective."""
+        return ostate.full_optim_state_dict(optimizer, self.units)
+
+    def load_full_optim_state_dict(
+        self, optimizer: torch.optim.Optimizer, optim_state_dict: dict[str, Any]
+    ) -> None:
+        """Keep this rank's shards of a :meth:`full_optim_state_dict` (from any world size)."""
+        ostate.load_full_optim_state_dict(optimizer, self.units, optim_state_dict)
+
+    def regroup(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        full_state: Mapping[str, torch.Tensor] | None = None,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+        optim_state: dict[str, Any] | None = None,
+    ) -> None:
+        """Shard over ``process_group`` from now on (None: the current default group), in place.
+
+        For live recovery, which replaces the default group when ranks are lost or join. Each
+        unit's ``flat_param`` stays the same ``Parameter`` object (so an optimizer built over
+        :meth:`parameters` keeps stepping it) and its data becomes this rank's shard, at the
+        new size, of ``full_state`` (the model's full state dict, as :meth:`state_dict`
+        gives; required: a rank holds only its own shard). Gathered buffers, gradients and the
+        forward hooks are rebuilt. With ``optimizer``, its state is replaced, in place, by its
+        shards of ``optim_state`` (:meth:`full_optim_state_dict`'s format; None: its state
+        starts empty). Local: nothing is communicated.
+
+        The caller guarantees that every rank of the new group passes the same states and that
+        no step is half done (gradients not yet stepped are dropped). A joining rank wraps
+        its model first (before joining, when no default group exists, the constructor
+        communicates nothing) and calls this with the others.
+
+        Raises:
+            TypeError, ValueError: ``full_state`` or ``optim_state`` is not such a dict or is
+                of another model (a key missing, a shape differing), before anything changes.
+        """
+        where = "FullyShardedDataParallel.regroup"
+        if not dist.is_initialized():
+            raise RuntimeError(f"{where}: no default process group; init the new group first")
+        check_group("process_group", process_group, where=where)
+        if full_state is None:
+            raise ValueError(
+                f"{where}: full_state is required (the model's full state dict): this rank "
+                f"holds only its own shard of the parameters"
+            )
+        st.check_full_state(self._layout, full_state, where)
+        if optimizer is not None and optim_state is not None:
+            ostate.check_full_optim_state(optimizer, self.units, optim_state, where)
+        for handle in self._runtime.handles:
+            handle.remove()
+        self.process_group, self._info = process_group, _group_info(process_group)
+        for unit in self.units:
+            unit.reshard(self._info)
+        st.load_full_state_dict(self._layout, self.units, full_state, self._info.rank)
+        self._runtime = Runtime(self._root, self._units, self._runtime.prefetch, self.param_dtype)
+        if optimizer is not None and optim_state is not None:
+            self.load_full_optim_state_dict(optimizer, optim_state)
+        elif optimizer is not None:  # shaped like the old shards: of no use any more
+            for unit in self.units:
+                optimizer.state.pop(unit.flat_param, None)
 
     def sharded_state(self) -> ShardedState:
         """This rank's pieces of every parameter, keyed by the original state-dict keys."""

@@ -20,7 +20,9 @@ from phalanx.sharding.zero3.unit import Entry, FlatUnit, GroupInfo
 
 __all__ = [
     "StateLayout",
+    "check_full_state",
     "full_state_dict",
+    "gather_flat_tensor",
     "load_full_state_dict",
     "load_sharded_state",
     "sharded_state",
@@ -65,11 +67,17 @@ class StateLayout:
 
 
 @torch.no_grad()
+def gather_flat_tensor(unit: FlatUnit, shard: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``shard`` (shaped like the unit's flat shard) laid end to end: the unit's
+    padded flat layout (a collective: every rank calls it)."""
+    out = torch.empty(unit.padded, dtype=shard.dtype, device=shard.device)
+    c.all_gather_into_tensor(out, shard.detach().reshape(-1), group=unit.info.group)
+    return out
+
+
 def gather_flat(unit: FlatUnit) -> torch.Tensor:
     """The unit's full flat tensor in its original dtype (a collective: every rank calls it)."""
-    out = torch.empty(unit.padded, dtype=unit.dtype, device=unit.device)
-    c.all_gather_into_tensor(out, unit.flat_param.detach(), group=unit.info.group)
-    return out
+    return gather_flat_tensor(unit, unit.flat_param)
 
 
 def full_state_dict(
@@ -120,6 +128,25 @@ def _held(
             key = _pick(entry.keys, available)
             assert key is not None
             yield piece.held_in(shard), piece, entry, key
+
+
+def check_full_state(layout: StateLayout, state: Any, where: str) -> None:
+    """Refuse a full state of another model (a key missing, a shape differing), naming it."""
+    if not isinstance(state, Mapping):
+        raise TypeError(
+            f"{where}: full_state must be the model's full state dict (as state_dict() gives), "
+            f"got {type(state).__name__}"
+        )
+    missing = missing_keys(layout, state)
+    if missing:
+        raise ValueError(f"{where}: full_state is of another model: it lacks keys {missing}")
+    for key, (_, entry) in layout.params.items():
+        value = state.get(key)
+        if isinstance(value, torch.Tensor) and tuple(value.shape) != entry.shape:
+            raise ValueError(
+                f"{where}: full_state is of another model: {key!r} has shape "
+                f"{tuple(value.shape)}, the model's is {entry.shape}"
+            )
 
 
 @torch.no_grad()

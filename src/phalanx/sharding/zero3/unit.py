@@ -110,7 +110,14 @@ class FlatUnit:
             self.entries.append(Entry(ref.keys, ref.slots, tuple(ref.param.shape), n, offset))
             offset += n
         self.total = offset
-        self.padded = padded_size(offset, info.world)
+        self._split(info)
+        self.flat_param = nn.Parameter(self._initial_shard(sync_states), first.requires_grad)
+        self._fresh_buffer()
+
+    def _split(self, info: GroupInfo) -> None:
+        """Shard sizes and this rank's pieces for the group ``info``."""
+        self.info = info
+        self.padded = padded_size(self.total, info.world)
         self.chunk = self.padded // info.world
         pad = self.padded - self.total
         self.split_sizes = [e.numel for e in self.entries] + ([pad] if pad else [])
@@ -119,7 +126,9 @@ class FlatUnit:
             [(e.keys[0], e.shape, e.offset) for e in self.entries], lo, lo + self.chunk
         )
         """The parts of the original parameters this rank's shard holds (offsets in it)."""
-        self.flat_param = nn.Parameter(self._initial_shard(sync_states), first.requires_grad)
+
+    def _fresh_buffer(self) -> None:
+        """A freed gather buffer, the views on it, no gradient in flight."""
         self._buffer = torch.empty(self.padded, dtype=self.compute_dtype, device=self.device)
         self.state = GATHERED
         self._work: Any = None
@@ -129,6 +138,16 @@ class FlatUnit:
         self._full: torch.Tensor | None = None
         self._grad_accum: torch.Tensor | None = None
         self.reduced = False
+
+    @torch.no_grad()
+    def reshard(self, info: GroupInfo) -> None:
+        """Shard over the group ``info`` from now on: ``flat_param`` stays the same object, its
+        data becomes a zeroed shard of the new size (fill it with ``load_full_state_dict``),
+        its gradient and any gathered or accumulated full tensor are dropped."""
+        self._split(info)
+        self.flat_param.grad = None
+        self.flat_param.data = torch.zeros(self.chunk, dtype=self.dtype, device=self.device)
+        self._fresh_buffer()
 
     def _initial_shard(self, sync_states: bool) -> torch.Tensor:
         with torch.no_grad():
