@@ -215,26 +215,19 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, JoinableZero):
         process_group: dist.ProcessGroup | None = None,
         full_state: dict[str, Any] | None = None,
     ) -> None:
-        """Shard over ``process_group`` from now on (None: the current default group), in place.
+        """Shard over ``process_group`` (None: the default group) from now on, in place.
 
-        For live recovery, which replaces the default group when ranks are lost or join: this
-        same object re-plans its buckets for the new world size and rank, re-places the bucket
-        views (the parameters stay the same ``Parameter`` objects), rebuilds its inner
-        optimizer over its new ranges and its gradient hooks (the old ones are removed), and
-        keeps its ranges of ``full_state``: a ``torch.optim``-format state dict of the whole
-        optimizer, as :meth:`state_dict` gives after :meth:`consolidate_state_dict` (None: the
-        state starts empty, the hyperparameters stay). Collective over the new group.
-
-        The caller guarantees that every rank of the new group holds the same parameter
-        values and passes the same ``full_state`` (nothing is broadcast), and that no step is
-        half done: gradients not yet stepped are dropped. A rank joining the group builds its
-        optimizer first (before joining, when no default group exists, the constructor
-        communicates nothing) and calls this with the others.
+        For live recovery, which replaces the default group: this object re-plans its buckets
+        for the new size and rank (parameters stay the same objects), rebuilds its inner
+        optimizer and gradient hooks, and keeps its ranges of ``full_state`` (the whole
+        optimizer's ``torch.optim`` state, as :meth:`state_dict` gives after
+        :meth:`consolidate_state_dict`; None: empty state, same hyperparameters). The caller
+        guarantees equal parameters and the same ``full_state`` on every rank, and no half-done
+        step (unstepped gradients are dropped); a joining rank builds its optimizer before it
+        joins (then the constructor communicates nothing). Collective over the new group.
 
         Raises:
-            TypeError, ValueError: ``full_state`` is not such a dict or is of another model
-                (other parameter groups, a parameter or state of another shape), checked
-                before anything changes.
+            TypeError, ValueError: ``full_state`` is not such a dict, or of another model.
         """
         if not dist.is_initialized():
             raise RuntimeError(
