@@ -230,10 +230,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, JoinableZero):
             TypeError, ValueError: ``full_state`` is not such a dict, or of another model.
         """
         if not dist.is_initialized():
-            raise RuntimeError(
-                "ZeroRedundancyOptimizer.regroup: no default process group; init the new "
-                "group first"
-            )
+            raise RuntimeError("ZeroRedundancyOptimizer.regroup: init the new group first")
         check_group("process_group", process_group, where="ZeroRedundancyOptimizer.regroup")
         zero_state.check_full_state(self, full_state)
         for p in self.params:  # a step in flight is dropped (its reduction is lost anyway)
