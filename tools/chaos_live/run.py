@@ -4,13 +4,14 @@
     python tools/chaos_live/run.py --runs 20 --nproc 2 --recovery live-exact
 
 Not part of ``make test`` (minutes). Each run starts ``phalanx run --recovery live`` on
-``tools/chaos_live/worker.py`` (a 2-epoch DDP ``phalanx.Job`` of 40 steps that checkpoints
-every 5) and kills one random rank once, in a random step, at each phase in turn: forward,
-backward, all-reduce (plain live only), optimizer step, checkpoint save, a random moment.
+``tools/chaos_live/worker.py`` (a 2-epoch DDP ``phalanx.Job``, 40 steps at 4 ranks, that
+checkpoints every 5) and kills one random rank once, in a random step, at each phase in turn:
+forward, backward, all-reduce (plain live only), optimizer step, checkpoint save, a random
+moment.
 Each phase runs with a replacement for the launcher (``--max-restarts 1``) and without.
 
 A run is correct when the launcher exits 0 and every member that ran to the end (survivors
-with their first pid, replacements) holds the same parameters, trained all 40 steps, and its
+with their first pid, replacements) holds the same parameters, trained all its steps, and its
 ledger shows every sample exactly once per epoch; and the parameters equal the fault-free
 run's: bit-identical with ``--recovery live-exact``, within 1e-5 with ``live`` (its average
 over fewer members reassociates). Reported: correct runs and the time from the kill to the
@@ -33,7 +34,13 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tools" / "chaos_live" / "worker.py"
-STEPS = 40
+
+
+def _steps(nproc: int) -> int:
+    """Steps of worker.py's job: 2 epochs of 640 samples in global batches of 8 per rank."""
+    return 2 * 640 // (8 * nproc)
+
+
 PHASES = ("forward", "backward", "allreduce", "optimizer", "save", "random")
 
 
@@ -52,13 +59,13 @@ def _records(folder: Path) -> dict[str, dict[str, Any]]:
     return {p.stem: json.loads(p.read_text()) for p in folder.glob("*.json") if p.stem != "kill"}
 
 
-def _judge(folder: Path, reference: dict[str, Any], exact: bool) -> str:
+def _judge(folder: Path, reference: dict[str, Any], exact: bool, steps: int) -> str:
     """What is wrong with the run in ``folder`` ("" when it is correct)."""
     records = _records(folder)
     if not records:
         return "no member ran to the end"
     for name, r in records.items():
-        if r["pid"] != r["started_pid"] or r["step"] != STEPS or r["problems"]:
+        if r["pid"] != r["started_pid"] or r["step"] != steps or r["problems"]:
             kept = r["pid"] == r["started_pid"]
             return f"{name}: pid kept {kept}, step {r['step']}, ledger {r['problems'][:2]}"
     digests = {r["digest"] for r in records.values()}
@@ -109,12 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     phases = [p for p in PHASES if not (exact and p == "allreduce")]
     correct, latencies = 0, []
     for run in range(args.runs):
-        rank, step = rng.randrange(args.nproc), rng.randrange(2, STEPS - 3)
+        rank, step = rng.randrange(args.nproc), rng.randrange(2, _steps(args.nproc) - 3)
         phase = phases[run % len(phases)]  # every phase as often, in turn
         replacements = run // len(phases) % 2  # each phase with and without
         folder = work / f"run-{run}"
         problem = _run(folder, args.nproc, args.recovery, f"{rank}:{step}:{phase}", replacements)
-        problem = problem or _judge(folder, reference, exact)
+        problem = problem or _judge(folder, reference, exact, _steps(args.nproc))
         latency = _latency(folder)
         correct += not problem
         if latency is not None:
