@@ -285,8 +285,9 @@ class LiveJob:
                 except EOFError:
                     dead = next(m for m, c in self.conns.items() if c is conn)
                     self.conns.pop(dead)
-                    if dead in self.failed:
-                        continue  # it reported its error (expected by the caller), then ended
+                    finished = any(e[0] == "done" and e[1] == dead for e in self.events)
+                    if dead in self.failed or finished:
+                        continue  # it reported its result or error (as expected), then ended
                     raise RuntimeError(
                         f"member {dead} ended without a result; events: {self.events}"
                     ) from None
