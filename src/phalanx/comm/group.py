@@ -22,12 +22,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx._check import check_bool, check_choice, check_group, check_int, check_timeout
+from phalanx._check import check_bool, check_choice, check_int, check_timeout
 from phalanx.comm import join, tracking
 from phalanx.comm.auth import job_secret
 from phalanx.comm.env import LaunchEnv, discover_env
 from phalanx.comm.flags import tracking_flags
 from phalanx.comm.init_method import InitMethod, parse_init_method
+from phalanx.comm.main_first import main_first
 from phalanx.comm.signed import SignedStore
 from phalanx.comm.store import connect_store, host_store
 
@@ -387,24 +388,3 @@ def process_group(
         yield w
     finally:
         destroy_process_group()
-
-
-@contextlib.contextmanager
-def main_first(group: dist.ProcessGroup | None = None) -> Iterator[None]:
-    """Rank 0 runs the block first; the others wait, then run it (seed 004's barrier pattern).
-
-    Typical use: download or preprocess a data set once, then let every rank read the cache.
-    Without an initialised group the block simply runs.
-    """
-    check_group("group", group, where="main_first")
-    if not dist.is_initialized():
-        yield
-        return
-    first = dist.get_rank(group) == 0
-    if not first:
-        dist.barrier(group)
-    try:
-        yield
-    finally:
-        if first:
-            dist.barrier(group)

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from phalanx.comm.signed import SignedStore
+from phalanx.recovery.errors import PeerLost
 from phalanx.recovery.heartbeat import StaleWatch
 from phalanx.recovery.keys import _as_incarnation, dead_key, report_death
 from phalanx.recovery.membership import Member, is_dead, parse_members, survivors
@@ -70,6 +71,16 @@ class Board:
             if died is not None:
                 out[m.member_id] = died
         return out
+
+    def check_alive(self, members: Sequence[Member], where: str) -> None:
+        """Raise :class:`PeerLost` when one of ``members`` is recorded dead (``where``: who
+        asks, for the message)."""
+        dead = self.dead(members)
+        lost = [m for m in members if is_dead(m, dead)]
+        if lost:
+            raise PeerLost(
+                f"{where}: {', '.join(map(str, lost))} died; recover() forms the next generation"
+            )
 
     def _arrived(self, k: int, members: Sequence[Member]) -> list[Member]:
         return [m for m in members if self.live.get(f"g{k}/here/{m.member_id}") == m.incarnation]

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from phalanx.comm.signed import SignedStore
 from phalanx.recovery import startup
 from phalanx.recovery.agree import POLL_S, Board, members_key
-from phalanx.recovery.errors import Excluded, JobFinished, PeerLost, RecoveryError
+from phalanx.recovery.errors import Excluded, JobFinished, RecoveryError
 from phalanx.recovery.heartbeat import Heartbeat
 from phalanx.recovery.keys import PREFIX, _as_incarnation, dead_key, live_signer
 from phalanx.recovery.membership import Member, admissible, is_dead, parse_members, sort_members
@@ -246,18 +246,10 @@ class LiveGroup:
         return True
 
     def check_peers(self) -> None:
-        """Raise :class:`PeerLost` when a member of the current generation is recorded dead.
-
-        For waits that no collective cuts short (a checkpoint's store waits): a dead peer's
-        record comes from the launcher within about 0.1 s of its death.
-        """
-        dead = self._watch_board.dead(self._members)
-        lost = [m for m in self._members if is_dead(m, dead)]
-        if lost:
-            raise PeerLost(
-                f"member {self.me} (rank {self._rank} of generation {self._generation}): "
-                f"{', '.join(map(str, lost))} died; recover() forms the next generation"
-            )
+        """Raise :class:`PeerLost` when a member of the current generation is recorded dead
+        (the launcher's record, within about 0.1 s): for waits no collective cuts short."""
+        where = f"member {self.me} (rank {self._rank} of generation {self._generation})"
+        self._watch_board.check_alive(self._members, where)
 
     def state_received(self) -> None:
         """Record that this replacement now holds the training state (``share_state`` calls it)."""

@@ -33,7 +33,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sized
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -46,8 +45,13 @@ from phalanx.data.elastic_plan import StepPlan
 from phalanx.data.elastic_sampler import ElasticSampler
 from phalanx.data.ledger import SampleLedger
 from phalanx.data_parallel.module_state import broadcast_coalesced
-from phalanx.recovery import JobFinished, LiveGroup, PeerLost, RecoveryError
-from phalanx.recovery.startup import live_mode
+from phalanx.recovery import JobFinished, LiveGroup, RecoveryError
+from phalanx.train.live_rules import (
+    MAX_IDLE_RECOVERIES,
+    Regroup,
+    is_peer_failure,
+    live_recovery,
+)
 from phalanx.train.live_shards import (
     ShardBatches,
     exact_average,
@@ -62,46 +66,10 @@ from phalanx.train.strategies.ddp import DDP
 if TYPE_CHECKING:  # the job calls these with itself; no import at run time
     from phalanx.train.job import Job
 
-__all__ = ["LiveTraining", "Regroup", "is_peer_failure", "live_recovery"]
+__all__ = ["MAX_IDLE_RECOVERIES", "LiveTraining", "Regroup", "is_peer_failure", "live_recovery"]
 
 log = logging.getLogger(__name__)
 _END = object()
-MAX_IDLE_RECOVERIES = 3
-"""Recoveries in a row at one step that lose nobody before the job gives up (a collective that
-fails for another reason than a lost member would otherwise be redone forever)."""
-_PEER_WORDS = ("connection", "gloo", "timed out", "timeout", "closed", "broken pipe", "peer")
-
-
-def is_peer_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` says a collective failed because of a peer (not a bug of this rank)."""
-    if isinstance(exc, dist.DistError | PeerLost):
-        return True
-    return isinstance(exc, RuntimeError) and any(w in str(exc).lower() for w in _PEER_WORDS)
-
-
-def live_recovery(recovery: str | None) -> str | None:
-    """``Job(recovery=)`` resolved: "live" or "live-exact", or None for the restart path
-    (``recovery=None`` follows the launcher's ``--recovery``)."""
-    chosen = recovery or ("live" if live_mode() else "restart")
-    return None if chosen == "restart" else chosen
-
-
-@dataclass(frozen=True)
-class Regroup:
-    """One membership change of a live job, as this member saw it."""
-
-    kind: str
-    """"lost" (a collective failed), or "joined" (replacements admitted at a boundary)."""
-    generation: int
-    """The generation formed."""
-    world_size: int
-    """Members of that generation."""
-    step: int
-    """Committed steps when it formed (after the exchange)."""
-    seconds: float
-    """From noticing the change to the new group's state being settled."""
-    source: int | None
-    """Rank that sent the state to the members behind (None: everyone was at that step)."""
 
 
 class LiveTraining:
