@@ -98,28 +98,7 @@ def test_with_no_replacement_left_the_survivors_finish_and_the_lost_is_named(
 def test_two_agents_each_replace_their_own_workers(tmp_path: Path) -> None:
     # Two agents on one machine (nodes 0 and 1 over loopback): node 1's worker dies, node 1's
     # agent replaces it and writes the death marker through node 0's worker store.
-    port = free_port()
-    common = [
-        "--nnodes",
-        "2",
-        "--nproc-per-node",
-        "1",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(port),
-        "--recovery",
-        "live",
-        "--max-restarts",
-        "1",
-    ]
-    env = launcher_env(PHALANX_JOB_SECRET="ab" * 32)
-    procs = [
-        start(
-            [*PHALANX_RUN, *common, "--node-rank", str(n), SCRIPT, str(tmp_path), "1.0", "1"], env
-        )
-        for n in (0, 1)
-    ]
+    procs = _two_agents(tmp_path, "--max-restarts", "1", wait="1.0", replace="1", secret="ab")
     outputs = [finish(p) for p in procs]
     text = "".join(out + err for out, err in outputs)
     assert [p.returncode for p in procs] == [0, 0], text
@@ -160,25 +139,18 @@ def _wait_started(proc: subprocess.Popen[str], folder: Path, count: int) -> None
         time.sleep(0.05)
 
 
-def _two_agents(folder: Path) -> list[subprocess.Popen[str]]:
-    """Nodes 0 and 1 (one worker each, over loopback) whose workers wait until stopped."""
+def _two_agents(
+    folder: Path, *flags: str, wait: str = "9.9", replace: str = "0", secret: str = "cd"
+) -> list[subprocess.Popen[str]]:
+    """Nodes 0 and 1 (one worker each, over loopback) of a ``--recovery live`` job running
+    ``live_slot.py`` with WAIT and WAIT_FOR_REPLACEMENT; ``flags`` go to both agents."""
     common = [
-        "--nnodes",
-        "2",
-        "--nproc-per-node",
-        "1",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        "--recovery",
-        "live",
+        *("--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1"),
+        *("--master-port", str(free_port()), "--recovery", "live", *flags),
     ]
-    env = launcher_env(PHALANX_JOB_SECRET="cd" * 32)
-    return [
-        start([*PHALANX_RUN, *common, "--node-rank", str(n), SCRIPT, str(folder), "9.9", "0"], env)
-        for n in (0, 1)
-    ]
+    env = launcher_env(PHALANX_JOB_SECRET=secret * 32)
+    args = [SCRIPT, str(folder), wait, replace]
+    return [start([*PHALANX_RUN, *common, "--node-rank", str(n), *args], env) for n in (0, 1)]
 
 
 @pytest.mark.parametrize("lost", [0, 1])
