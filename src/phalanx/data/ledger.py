@@ -205,6 +205,21 @@ class SampleLedger:
         for key, entries in other._steps.items():
             self._steps[key].extend((rank, list(runs)) for rank, runs in entries)
 
+    def forget_from(self, epoch: int, step: int) -> None:
+        """Drop the records of step ``step`` of ``epoch`` and of every later step: live
+        recovery rolled the job back to before them (they will be trained and recorded again).
+
+        Raises:
+            ValueError: a negative ``epoch`` or ``step``.
+        """
+        where = "SampleLedger.forget_from"
+        at = (
+            check_int("epoch", epoch, min=0, where=where),
+            check_int("step", step, min=0, where=where),
+        )
+        for s, e in [k for k in self._steps if (k[1], k[0]) >= at]:
+            del self._steps[(s, e)]
+
     def _config(self) -> dict[str, Any]:
         return {
             "dataset_len": self.dataset_len,

@@ -74,6 +74,31 @@ class RestoredShards:
         _load_zero_params(optimizer, *self.sections["model"])
         optimizer.load_sharded_state(*self.sections["optimizer"])
 
+    def regroup(
+        self, optimizer: torch.optim.Optimizer, model: FullyShardedDataParallel | None = None
+    ) -> None:
+        """Re-shard ``optimizer`` (ZeRO-3: and ``model``) in place over the current default
+        group, which live recovery replaced, and fill them with the restored state: the same
+        objects go on (``regroup`` of each), holding this step's shards at the new size.
+        Collective over the new group (ZeRO-1/2's re-planning)."""
+        where = "RestoredShards.regroup"
+        if self.kind == "zero3":
+            if not isinstance(model, FullyShardedDataParallel):
+                what = "the FullyShardedDataParallel model (the state is ZeRO-3's)"
+                raise fail("model", model, what, where=where, error=TypeError)
+            _, reader = self.sections["model"]
+            full = {key: reader.full(key) for key in reader.keys()}  # noqa: SIM118 (a method)
+            model.regroup(None, full, optimizer=optimizer)
+            view = optimizer_view(model, optimizer)
+            assert view is not None
+            view.load_sharded_state(*self.sections["optimizer"])
+            return
+        if model is not None or not isinstance(optimizer, ZeroRedundancyOptimizer):
+            what = "a ZeroRedundancyOptimizer, with model=None (the state is ZeRO-1/2's)"
+            raise fail("optimizer", optimizer, what, where=where, error=TypeError)
+        optimizer.regroup(None)
+        self.load(optimizer)
+
 
 @torch.no_grad()
 def _load_zero_params(
@@ -173,51 +198,82 @@ def _gather(
 
 
 def restore_shards(
-    mirror: ShardMirror, lost: Collection[int], group: dist.ProcessGroup | None
+    mirror: ShardMirror | None, lost: Collection[int], group: dist.ProcessGroup | None
 ) -> RestoredShards:
     """Gather every old rank's pieces of the newest common step from the survivors' memory.
 
-    Collective over ``group``: call it on every survivor, with the same ``lost``.
+    Collective over ``group``: call it on every member, survivors with the same ``lost``.
 
     Args:
-        mirror: This survivor's mirror (it knows the old world size and this rank's old rank).
-        lost: The old ranks (of the mirror's ZeRO group) that were lost.
-        group: The survivors' new group, in any order (None: the default group).
+        mirror: This survivor's mirror (it knows the old world size and this rank's old rank),
+            or None on a member that held no shards (a replacement that joined): it
+            contributes nothing, receives every piece, and its ``lost`` is not read.
+        lost: The old ranks (of the mirrors' ZeRO group) that were lost.
+        group: The new group: the survivors, and any newcomers, in any order (None: the
+            default group).
 
     Returns:
         The state, and its step; load it with :meth:`RestoredShards.load` into a ZeRO
-        optimizer (ZeRO-3: a model and optimizer) built over ``group``.
+        optimizer (ZeRO-3: a model and optimizer) built over ``group``, or re-shard the same
+        objects in place with :meth:`RestoredShards.regroup`.
 
     Raises:
         ShardsLost: two adjacent old ranks were lost, or no step is held by all (the message
             says so and names the ranks): restore from the newest checkpoint instead.
     """
     where = "restore_shards"
-    _check_mirror(mirror)
-    lost_ranks = _check_lost(lost, mirror.world, mirror.rank)
     group = check_group("group", group, where=where)
-    size, expected = dist.get_world_size(group), mirror.world - len(lost_ranks)
-    if size != expected:
-        raise fail(
-            "group", group, f"the {expected} survivors' group, not one of {size} ranks", where=where
+    size = dist.get_world_size(group)
+    report: dict[str, Any] | None = None
+    if mirror is not None:
+        _check_mirror(mirror)
+        lost_ranks = _check_lost(lost, mirror.world, mirror.rank)
+        expected = mirror.world - len(lost_ranks)
+        if size < expected:
+            what = f"a group of the {expected} survivors (and any newcomers), not of {size} ranks"
+            raise fail("group", group, what, where=where)
+        mirror.settle()  # an exchange with a lost peer fails; what arrived is kept
+        report = {
+            "rank": mirror.rank,
+            "world": mirror.world,
+            "lost": lost_ranks,
+            "own": [s.step for s in mirror.own],
+            "mirror": [s.step for s in mirror.mirrors],
+        }
+    everyone: list[Any] = [None] * size
+    all_gather_object(everyone, report, group)
+    reports = [r for r in everyone if r is not None]
+    world, lost_ranks = _agreed(reports)
+    step = common_step(reports, lost_ranks, world)
+    mine: list[tuple[int, Snapshot]] = []
+    if mirror is not None:
+        own = mirror.own_at(step)
+        assert own is not None
+        mine.append((mirror.rank, own))
+        if mirror.neighbour in lost_ranks:
+            held = mirror.mirror_at(step)
+            assert held is not None
+            mine.append((mirror.neighbour, held))
+    pairs = _gather(mine, group)  # not empty: some member reported
+    return RestoredShards(step, str(pairs[0][1].manifest["kind"]), readers(pairs))
+
+
+def _agreed(reports: list[dict[str, Any]]) -> tuple[int, list[int]]:
+    """The old world size and lost ranks every survivor reported (they must agree)."""
+    if not reports:
+        raise ShardsLost(
+            "restore_shards: no member of the group holds shards (every holder was lost, or "
+            "only newcomers called it); restore from the newest checkpoint"
         )
-    mirror.settle()  # an exchange with a lost peer fails; what arrived is kept
-    report = {
-        "rank": mirror.rank,
-        "own": [s.step for s in mirror.own],
-        "mirror": [s.step for s in mirror.mirrors],
-    }
-    reports: list[Any] = [None] * size
-    all_gather_object(reports, report, group)
-    step = common_step(reports, lost_ranks, mirror.world)
-    own = mirror.own_at(step)
-    assert own is not None
-    mine = [(mirror.rank, own)]
-    if mirror.neighbour in lost_ranks:
-        held = mirror.mirror_at(step)
-        assert held is not None
-        mine.append((mirror.neighbour, held))
-    return RestoredShards(step, mirror.kind, readers(_gather(mine, group)))
+    first = reports[0]
+    for r in reports[1:]:
+        if (r["world"], r["lost"]) != (first["world"], first["lost"]):
+            raise RecoveryError(
+                f"restore_shards: survivors disagree on what was lost: old rank "
+                f"{first['rank']} says {first['lost']} of {first['world']}, old rank "
+                f"{r['rank']} says {r['lost']} of {r['world']}"
+            )
+    return int(first["world"]), list(first["lost"])
 
 
 def _check_mirror(mirror: object) -> None:

@@ -114,6 +114,7 @@ class ShardMirror:
         model: A :class:`~phalanx.sharding.zero3.FullyShardedDataParallel` (ZeRO-3), or None.
         every: Refresh every this many optimizer steps (an int >= 1): fewer copies and
             less traffic, an older restore point.
+            A group of one rank keeps its own snapshots only (no neighbour to send them to).
         exchange_group: A gloo group over the same ranks as the ZeRO group, in the same order,
             for the exchange only. None: one is made with ``dist.new_group`` — collective over
             the default group, so every rank of it must build its mirror at the same time.
@@ -140,10 +141,6 @@ class ShardMirror:
         self.kind = "zero3" if model is not None else "zero"
         self.world = dist.get_world_size(zero_group)
         self.rank = dist.get_rank(zero_group)
-        if self.world < 2:
-            raise ValueError(
-                f"{where}: the ZeRO group has {self.world} rank; a mirror needs at least 2"
-            )
         if exchange_group is None:
             ranks = dist.get_process_group_ranks(zero_group) if zero_group is not None else None
             exchange_group = dist.new_group(ranks, backend="gloo")
@@ -195,12 +192,28 @@ class ShardMirror:
         self.stats.copy_s += time.perf_counter() - start
         self.stats.copy_cpu_s += time.thread_time() - cpu
         self.stats.refreshes += 1
+        if self.world == 1:
+            return
         left = (self.rank - 1) % self.world
         args = (snap, self.group, left, self.neighbour, spare)
         self._thread = threading.Thread(
             target=self._run, args=args, name=f"phalanx-shard-mirror-{self.rank}", daemon=True
         )
         self._thread.start()
+
+    def take(self, step: int) -> None:
+        """Snapshot this rank's pieces as of ``step`` without sending them, keeping the older
+        snapshots: a restore that lost nobody (a replacement admitted) needs only own
+        snapshots, and then loses no step. Nothing happens if the newest is of ``step``."""
+        step = check_int("step", step, min=0, where="ShardMirror.take")
+        if self.own and step <= self.own[-1].step:
+            if step == self.own[-1].step:
+                return
+            raise ValueError(
+                f"ShardMirror.take: step must grow, got {step} after {self.own[-1].step}"
+            )
+        self.settle()
+        self.own = [*self.own, pack(step, self.kind, sections_of(self.optimizer, self.model))]
 
     def _run(self, *args: object) -> None:
         self._outcome = _exchange(*args)  # type: ignore[arg-type]

@@ -74,6 +74,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, JoinableZero):
             1 or 2: this optimizer averages them itself (no DDP) at ``step()`` or during
             backward; it then also broadcasts rank 0's parameters at construction.
         bucket_cap_mb: Bucket size for the reduce-scatter / all-gather pipeline.
+        broadcast_params: With ``stage`` 1 or 2, broadcast rank 0's parameters at
+            construction (default True). False communicates nothing: the caller makes the
+            replicas equal (live recovery's newcomer, which receives the state after it joins).
         **defaults: Passed to ``optimizer_class``.
 
     ``step(closure, **kwargs)``, ``zero_grad``, ``add_param_group``, ``consolidate_state_dict``
@@ -95,6 +98,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, JoinableZero):
         *,
         stage: int | None = None,
         bucket_cap_mb: float = 25.0,
+        broadcast_params: bool = True,
         **defaults: Any,
     ) -> None:
         check_options(optimizer_class, stage, defaults)
@@ -119,7 +123,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, JoinableZero):
         self._consolidated: dict[int, dict[str, Any]] | None = None
         self._notified = False
         self._reducer: GradReducer | None = None
-        self._own_new_buckets(0)
+        self._own_new_buckets(0, broadcast=broadcast_params)
         self._build_inner(optimizer_class, defaults)
         self._wire()
         self._initialized = True

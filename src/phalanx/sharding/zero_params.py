@@ -151,6 +151,7 @@ check_zero_args = checked(
     process_group=GROUP,
     parameters_as_bucket_view=FLAG,
     overlap_with_ddp=FLAG,
+    broadcast_params=FLAG,
     bucket_cap_mb=rule(check_float, above=0, fix="a size in MiB, e.g. 25"),
 )
 """Decorates ``ZeroRedundancyOptimizer.__init__``: the types and ranges of its arguments."""

@@ -116,15 +116,15 @@ class Job(JobReports):
         chosen = resolve(strategy)  # a preset's own errors come before any process group
         mode = live_recovery(recovery)
         if mode is not None:
-            chosen = LiveTraining.strategy(chosen, grad_accum)
+            LiveTraining.check(chosen, grad_accum, mode == "live-exact")
             straggler_check_every = 0  # its asynchronous gathers would outlive a group
-        self.strategy = chosen
-        """The strategy's options (a preset name resolved: ``Job("zero2").strategy`` is
-        ``Zero(stage=2)``)."""
         self.owns_group = not pg.is_initialized()
         self.live = None if mode is None else LiveTraining.start(mode == "live-exact")
         """Live recovery at work (``recovery="live"``), else None: its ``regroups`` and
         ``ledger`` say what happened."""
+        self.strategy = chosen if self.live is None else self.live.strategy(chosen)
+        """The strategy's options (a preset name resolved: ``Job("zero2").strategy`` is
+        ``Zero(stage=2)``)."""
         if self.live is not None:
             self.world = self.live.world()
         else:
@@ -136,7 +136,7 @@ class Job(JobReports):
         options = JobOptions(precision, grad_accum, checkpoint_dir)
         try:  # a mistake in any option leaves no half-made job (nor its process group) behind
             self.precision = Precision(precision, self.world.device)
-            self.runner: Runner = chosen.start(self.world, options)
+            self.runner: Runner = self.strategy.start(self.world, options)
             """The strategy at work: the protocol this job calls (see ``strategies/base.py``)."""
         except ValueError:
             if self.owns_group:
@@ -285,7 +285,10 @@ class Job(JobReports):
         """
         if self.model is None or self.loss_fn is None:
             raise ValueError("Job.forward_backward() needs Job.setup(model, ..., loss_fn=...)")
-        loss = self.runner.forward_backward(inputs, targets, self.loss_fn, self.backward)
+        if self.live is not None:
+            loss = self.live.forward_backward(self, inputs, targets)
+        else:
+            loss = self.runner.forward_backward(inputs, targets, self.loss_fn, self.backward)
         self.timing.enter("optimizer")
         return loss
 
@@ -322,16 +325,19 @@ class Job(JobReports):
         self.timing.enter("optimizer")
         if self.slowdown is not None:
             self.slowdown.end(self.step_count)
-        live = self.live
-        if live is not None and not live.ready_to_step(self, opt):
-            return False
         # Parameter servers step the optimizer (and the scheduler) on the servers.
-        stepped_here = self.runner.step(opt, self.precision)
-        if live is not None:
-            live.commit(self)
+        stepped_here = (
+            self.runner.step(opt, self.precision)
+            if self.live is None
+            else self.live.step(self, opt)
+        )
+        if stepped_here is None:
+            return False  # a live job's failed step: redone
         if stepped_here and self.schedule == "step" and self.scheduler is not None:
             self.scheduler.step()
         self.step_count += 1
+        if self.live is not None:
+            self.live.after_step(self)
         self.timing.end_step(self.step_count, self.metrics)
         return True
 

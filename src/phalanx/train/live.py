@@ -46,6 +46,7 @@ from phalanx.data.elastic_sampler import ElasticSampler
 from phalanx.data.ledger import SampleLedger
 from phalanx.data_parallel.module_state import broadcast_coalesced
 from phalanx.recovery import JobFinished, LiveGroup, RecoveryError
+from phalanx.sharding.zero3 import FullyShardedDataParallel
 from phalanx.train.live_rules import (
     MAX_IDLE_RECOVERIES,
     Regroup,
@@ -60,8 +61,10 @@ from phalanx.train.live_shards import (
     set_grads,
 )
 from phalanx.train.live_state import Held, exchange
+from phalanx.train.live_zero import LiveShards
 from phalanx.train.strategies.base import Strategy
 from phalanx.train.strategies.ddp import DDP
+from phalanx.train.strategies.zero import Zero
 
 if TYPE_CHECKING:  # the job calls these with itself; no import at run time
     from phalanx.train.job import Job
@@ -99,6 +102,9 @@ class LiveTraining:
         """The membership changed since ``job.progress`` opened its loader iterator."""
         self.plan: StepPlan | None = None
         """The step in progress (its global batch and this membership's split)."""
+        self.zero: LiveShards | None = None
+        """ZeRO's shard mirrors and restores (:mod:`.live_zero`); None under DDP."""
+        self._in_forward_backward = False
 
     @classmethod
     def start(cls, exact: bool = False) -> LiveTraining:
@@ -122,6 +128,8 @@ class LiveTraining:
 
     def close(self) -> None:
         """Leave the job (``Job.close``): no more peer checks, the group closed."""
+        if self.zero is not None:
+            self.zero.close()
         set_peer_check(None)
         self.group.close()
         pg.adopt_world(None)
@@ -151,32 +159,58 @@ class LiveTraining:
 
     # ---- set-up ------------------------------------------------------------------------------
     @staticmethod
-    def strategy(chosen: Strategy, grad_accum: int) -> Strategy:
-        """The strategy a live job runs: phalanx's DDP, without its broadcasts of construction
-        and forward (this module makes the replicas equal; buffers sync at the step)."""
-        if not isinstance(chosen, DDP):
+    def check(chosen: Strategy, grad_accum: int, exact: bool) -> None:
+        """Refuse what live recovery cannot run (before any process group exists)."""
+        if not isinstance(chosen, (DDP, Zero)) or (exact and not isinstance(chosen, DDP)):
             raise ValueError(
-                f"Job(recovery='live'): strategy={chosen!r} cannot recover live yet; live "
-                f"recovery supports phalanx.DDP() (use recovery='restart' for the others)"
+                f"Job(recovery={'live-exact' if exact else 'live'!r}): strategy={chosen!r} "
+                f"cannot recover live yet; live recovery supports phalanx.DDP() and "
+                f"phalanx.Zero(stage=1|2|3), live-exact only DDP (use recovery='restart' for "
+                f"the others)"
             )
         if grad_accum != 1:
             raise ValueError(
                 f"Job(recovery='live', grad_accum={grad_accum}): live recovery redoes whole "
                 f"steps of one batch; use grad_accum=1 and a larger batch_size"
             )
+
+    def strategy(self, chosen: Strategy) -> Strategy:
+        """The strategy a live job runs: without the broadcasts of construction (this module
+        makes the replicas equal: rank 0's at the start, a live member's for a replacement)
+        and, for DDP, of forward (buffers sync at the step)."""
+        if isinstance(chosen, Zero):
+            self.zero = LiveShards()
+            return dataclasses.replace(chosen, init_sync=not self.group.joined)
+        assert isinstance(chosen, DDP), "LiveTraining.check refused the others"
         return dataclasses.replace(chosen, init_sync=False, forward_sync_buffers=False)
 
     def after_setup(self, job: Job) -> None:
         """The first generation takes rank 0's model; a replacement receives the state."""
         model = job.runner.model
         assert model is not None
+        if self.zero is not None and isinstance(model, FullyShardedDataParallel):
+            model.register_forward_pre_hook(self._check_forward)
         if self.group.joined:  # a replacement admitted into the running job
             self._regroup(job, "joined", time.monotonic())
             return
-        tensors = [p.detach() for p in model.parameters()] + list(model.buffers())
+        # ZeRO's constructors broadcast rank 0's parameters (ZeRO-3's its buffers too).
+        tensors = [] if self.zero is not None else [p.detach() for p in model.parameters()]
+        if not isinstance(model, FullyShardedDataParallel):
+            tensors += list(model.buffers())
         broadcast_coalesced(tensors, 0, None)
         if self.group.rank in self.group.newcomers:  # it took a dead first process's place
             self.group.state_received()
+        if self.zero is not None:
+            self.zero.start(job, self.group, self.held)
+
+    def _check_forward(self, module: torch.nn.Module, args: object) -> None:
+        if module.training and not self._in_forward_backward:
+            raise ValueError(
+                "Job(recovery='live') with phalanx.Zero(stage=3): train with "
+                "loss = job.forward_backward(inputs, targets), not model(inputs): ZeRO-3's "
+                "forward gathers parameters from every member, and only the job can redo it "
+                "when a member is lost (evaluation in model.eval() may call the model)"
+            )
 
     def _shard_count(self) -> int:
         return self.launch_world_size if self.exact else self.group.world_size
@@ -201,6 +235,8 @@ class LiveTraining:
         )
         job.sampler = made
         self.held.settle(job)
+        if self.zero is not None:
+            self.zero.sampler_built(made.state_dict())
         if self.held.ledger is None:
             self.held.ledger = SampleLedger.for_sampler(made)
         self.shards = ShardBatches(made, owned)
@@ -264,17 +300,46 @@ class LiveTraining:
         shards, size = self._shard_count(), self.group.world_size
         self.guard(job, lambda: set_grads(params, exact_average(slots, shards, size)))
 
-    def ready_to_step(self, job: Job, optimizer: torch.optim.Optimizer | None) -> bool:
-        """Whether ``job.step`` steps now: not between shards, nor after a failure (then the
-        step's gradients are dropped: the loader redoes it)."""
+    def forward_backward(self, job: Job, inputs: object, targets: object) -> torch.Tensor:
+        """``job.forward_backward``, guarded (ZeRO-3's forward communicates); a failed step's
+        loss is NaN (the step is redone)."""
+        loss_fn = job.loss_fn
+        assert loss_fn is not None
+        loss: list[torch.Tensor] = []
+        self._in_forward_backward = True
+        try:
+            self.guard(
+                job,
+                lambda: loss.append(
+                    job.runner.forward_backward(inputs, targets, loss_fn, job.backward)
+                ),
+            )
+        finally:
+            self._in_forward_backward = False
+        return loss[0] if loss and not self.failed else torch.full((), float("nan"))
+
+    def step(self, job: Job, optimizer: torch.optim.Optimizer | None) -> bool | None:
+        """``job.step``'s optimizer step: None when it does not step now (between shards, or
+        the step failed: its gradients are dropped and the loader redoes it); else whether
+        the job's scheduler steps too. A stepped step is committed."""
         if self.exact and not self.failed and self._micro + 1 < len(self._owned()):
-            return False
-        if self.guard(job, lambda: self.sync_buffers(job)):
-            return True
+            return None
+        stepped: list[bool] = []
+        if self.guard(job, lambda: self.sync_buffers(job)) and self.guard(
+            job, lambda: stepped.append(job.runner.step(optimizer, job.precision))
+        ):
+            self.commit(job)
+            return stepped[0]
         self._slots = []
         if optimizer is not None:
             optimizer.zero_grad(set_to_none=True)
-        return False
+        return None
+
+    def after_step(self, job: Job) -> None:
+        """The step is counted: ZeRO refreshes its neighbour's copy when due."""
+        zero = self.zero
+        if zero is not None:
+            self.guard(job, lambda: zero.after_step(job, self.held))
 
     @staticmethod
     def _params(job: Job) -> list[torch.Tensor]:
@@ -323,6 +388,8 @@ class LiveTraining:
         if not is_peer_failure(exc) or isinstance(exc, RecoveryError):
             raise exc
         before = self.group.members
+        if self.zero is not None:
+            self.zero.settle()  # its exchange thread uses the group torn down next
         self.group.recover(exc)
         idle = self.group.members == before
         step, count = self._idle
@@ -334,6 +401,19 @@ class LiveTraining:
                 f"{self.group.generation}); the last error: {exc}"
             ) from exc
 
+    def _settle(self, job: Job) -> tuple[int, list[int]] | None:
+        """The new generation's state: ZeRO's shards restored (and its next mirror), everyone
+        at the highest committed step; the strategy's objects on the new group."""
+        stateful = self.group.rank not in self.group.newcomers
+        if self.zero is None:
+            moved = exchange(job, stateful, self.held)
+            job.runner.regroup()
+            return moved
+        self.zero.restore(job, self.group, self.held)
+        moved = exchange(job, stateful, self.held, sharded=True)
+        self.zero.start(job, self.group, self.held)
+        return moved
+
     def _regroup(self, job: Job, kind: str, started: float) -> None:
         """Settle a new generation: worlds, the committed step, the model's group, the sampler."""
         self.failed = self.changed = True
@@ -341,15 +421,13 @@ class LiveTraining:
             job.world = self.world(job.world)
             job.runner.world = job.world
             try:
-                stateful = self.group.rank not in self.group.newcomers
-                moved = exchange(job, stateful, self.held)
+                moved = self._settle(job)
             except Exception as exc:
                 self._recover(job, exc)
                 continue
             break
         if moved is not None and self.group.rank in moved[1]:
             self.group.state_received()
-        job.runner.regroup()
         if job.optimizer is not None:
             job.optimizer.zero_grad(set_to_none=True)
         self._slots = []

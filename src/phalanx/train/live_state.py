@@ -58,12 +58,14 @@ def _module(job: Job) -> torch.nn.Module:
     return unwrap(model)
 
 
-def collect(job: Job, held: Held) -> dict[str, object]:
-    """This member's training state: model, optimizer, scheduler, sampler, ledger, RNG, step."""
-    _, optimizer = job.runner.checkpointed(saving=True)
+def collect(job: Job, held: Held, sharded: bool = False) -> dict[str, object]:
+    """This member's training state: model, optimizer, scheduler, sampler, ledger, RNG, step.
+
+    ``sharded`` (ZeRO): without the parameters and the optimizer, which peers restore from
+    their shard mirrors (``train/live_zero.py``); the model's buffers instead, by position.
+    """
     sampler = job.sampler
     state: dict[str, object] = {
-        "model": _module(job).state_dict(),
         "step": job.step_count,
         "epoch": job.epoch,
         "rng": rng_state(),
@@ -74,8 +76,15 @@ def collect(job: Job, held: Held) -> dict[str, object]:
             **{name: obj.state_dict() for name, obj in job.tracked.items()},
         },
     }
-    if optimizer is not None:
-        state["optim"] = optimizer.state_dict()
+    if sharded:
+        model = job.runner.model
+        assert model is not None
+        state["buffers"] = [b.detach().clone() for b in model.buffers()]
+    else:
+        _, optimizer = job.runner.checkpointed(saving=True)
+        state["model"] = _module(job).state_dict()
+        if optimizer is not None:
+            state["optim"] = optimizer.state_dict()
     if job.scheduler is not None:
         state["scheduler"] = job.scheduler.state_dict()
     if job.precision.scaler is not None:
@@ -85,10 +94,17 @@ def collect(job: Job, held: Held) -> dict[str, object]:
 
 def apply(job: Job, state: dict[str, Any], held: Held) -> None:
     """Load a received state into ``job`` (and ``held``: what the job has not built yet)."""
-    _module(job).load_state_dict(state["model"])
-    _, optimizer = job.runner.checkpointed(saving=False)
-    if optimizer is not None and "optim" in state:
-        optimizer.load_state_dict(state["optim"])
+    if "model" in state:
+        _module(job).load_state_dict(state["model"])
+        _, optimizer = job.runner.checkpointed(saving=False)
+        if optimizer is not None and "optim" in state:
+            optimizer.load_state_dict(state["optim"])
+    if "buffers" in state:
+        model = job.runner.model
+        assert model is not None
+        with torch.no_grad():
+            for mine, got in zip(model.buffers(), state["buffers"], strict=True):
+                mine.copy_(got)
     if job.scheduler is not None and "scheduler" in state:
         job.scheduler.load_state_dict(state["scheduler"])
     if job.precision.scaler is not None and "scaler" in state:
@@ -105,15 +121,16 @@ def apply(job: Job, state: dict[str, Any], held: Held) -> None:
     held.settle(job)
 
 
-def exchange(job: Job, stateful: bool, held: Held) -> tuple[int, list[int]] | None:
+def exchange(
+    job: Job, stateful: bool, held: Held, sharded: bool = False
+) -> tuple[int, list[int]] | None:
     """Bring every member to the highest committed step; returns (source rank, receivers), or
-    None when all were there already. ``stateful``: this member holds a training state.
+    None when all were there already. ``stateful``: this member holds a training state;
+    ``sharded``: as :func:`collect`'s.
 
     Collective over the current default group. Raises ``RuntimeError`` when no member holds
     a state (every holder was lost at once).
     """
-    import torch
-
     mine = torch.tensor([job.step_count if stateful else -1], dtype=torch.int64)
     counts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(counts, mine)
@@ -130,7 +147,7 @@ def exchange(job: Job, stateful: bool, held: Held) -> tuple[int, list[int]] | No
         return None
     rank = dist.get_rank()
     if rank == src:
-        send_state(collect(job, held), behind)
+        send_state(collect(job, held, sharded), behind)
     elif rank in behind:
         apply(job, receive_state(src), held)
     return src, behind

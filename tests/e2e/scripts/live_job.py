@@ -1,6 +1,7 @@
-"""A DDP ``phalanx.Job`` under ``phalanx run --recovery live``; chosen ranks SIGKILL themselves.
+"""A ``phalanx.Job`` under ``phalanx run --recovery live``; chosen ranks SIGKILL themselves.
 
-argv: OUT KILLS [STEP_SLEEP_S [RECOVERY]]   (RECOVERY: Job's recovery=, default "live")
+argv: OUT KILLS [STEP_SLEEP_S [RECOVERY [STRATEGY]]]   (RECOVERY: Job's recovery=, default
+"live"; STRATEGY: "ddp" (default), "zero2" or "zero3")
 
 KILLS is a comma-separated list of ``RANK@STEP`` (the first process of launcher rank RANK
 SIGKILLs itself just before the forward of step STEP) or ``RANK@wSIZE`` (... of the first step
@@ -10,6 +11,8 @@ kills nobody.
 Every process writes ``OUT/<member>.<incarnation>.json`` when it ends: its pid at start and
 end, the job's membership changes, its committed steps, a SHA-256 of the final parameters (and
 their values), and the ledger's problems (an empty list: every sample exactly once per epoch).
+Under ZeRO the job also saves a checkpoint after every epoch into ``OUT/ckpt``, and the record
+says at which steps the process called ``phalanx.checkpoint.load`` (a live recovery must not).
 
 Each step sleeps STEP_SLEEP_S (default 0.05), and 1 s while a member is missing, so that a
 replacement (which imports torch first: seconds on a loaded box) is admitted while the others
@@ -36,17 +39,31 @@ import phalanx
 out, kills = Path(sys.argv[1]), [k.split("@") for k in sys.argv[2].split(",") if k != "-"]
 pause = float(sys.argv[3]) if len(sys.argv) > 3 else 0.05
 recovery = sys.argv[4] if len(sys.argv) > 4 else "live"
+strategy = sys.argv[5] if len(sys.argv) > 5 else "ddp"
 member, incarnation = os.environ["PHALANX_MEMBER_ID"], int(os.environ["PHALANX_INCARNATION"])
 started_pid = os.getpid()
 torch.set_num_threads(1)
 
 if incarnation == 0 and [os.environ["RANK"], "start"] in kills:  # before it joins the job
     os.kill(os.getpid(), signal.SIGKILL)
-job = phalanx.Job("ddp", seed=0, recovery=recovery)
+sharded = strategy != "ddp"
+job = phalanx.Job(
+    strategy, seed=0, recovery=recovery, checkpoint_dir=out / "ckpt" if sharded else None
+)
+loads: list[int] = []  # the step count at each checkpoint read
+real_load = phalanx.checkpoint.load
+
+
+def spied_load(*args: object, **kwargs: object) -> object:
+    loads.append(job.step_count)
+    return real_load(*args, **kwargs)  # type: ignore[arg-type]
+
+
+phalanx.checkpoint.load = spied_load  # type: ignore[assignment]
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-model, optimizer = job.setup(model, optimizer)
+model, optimizer = job.setup(model, optimizer, loss_fn=F.cross_entropy)
 g = torch.Generator().manual_seed(1)
 data = TensorDataset(torch.randn(480, 8, generator=g), torch.randint(4, (480,), generator=g))
 loader = job.loader(data, batch_size=6)  # 24 samples a step at 4 ranks: 20 steps an epoch
@@ -57,15 +74,24 @@ for _epoch in job.epochs(3):
             now = f"w{job.world.world_size}" if when[0] == "w" else str(job.step_count)
             if rank == os.environ["RANK"] and when == now:
                 os.kill(os.getpid(), signal.SIGKILL)
-        loss = F.cross_entropy(model(x), y)
-        job.backward(loss)
+        if strategy == "zero3":  # its forward communicates: the job guards it
+            loss = job.forward_backward(x, y)
+        else:
+            loss = F.cross_entropy(model(x), y)
+            job.backward(loss)
         job.step()
         # Slower while a member is missing, so that its replacement (which imports torch
         # first) is admitted before the end whatever the load.
         time.sleep(pause if job.world.world_size == 4 else 1.0)
     job.log(loss=float(loss.detach()))
+    if sharded:
+        job.save()
 
-params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+if strategy == "zero3":
+    full = model.full_state_dict(rank0_only=False)  # type: ignore[operator]
+    params = torch.cat([v.reshape(-1) for v in full.values()])
+else:
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 assert job.live is not None and job.live.ledger is not None
 record = {
     "pid": os.getpid(),
@@ -77,6 +103,7 @@ record = {
     "params": params.tolist(),
     "problems": job.live.ledger.problems(),
     "epochs": job.live.ledger.epochs,
+    "loads": loads,
 }
 job.close()
 (out / f"{member}.{incarnation}.json").write_text(json.dumps(record))

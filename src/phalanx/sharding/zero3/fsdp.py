@@ -47,7 +47,9 @@ class FullyShardedDataParallel(nn.Module):
             gradients given to the optimizer and its state stay in the original dtype).
         reduce_dtype: dtype of the gradient reduce-scatter (default: ``param_dtype``).
         prefetch: Start the next unit's all-gather while the current one computes.
-        sync_module_states: Broadcast rank 0's parameters and buffers before sharding.
+        sync_module_states: Broadcast rank 0's parameters and buffers before sharding, after
+            checking that every rank built the same units. False communicates nothing: the
+            caller makes the shards equal (live recovery's replacement, which receives them).
 
     Build the optimizer after wrapping, over ``fsdp.parameters()``: one flat 1-D shard per
     unit, whose ``.grad`` after backward is this rank's shard of the averaged gradient.
@@ -83,8 +85,8 @@ class FullyShardedDataParallel(nn.Module):
             raise TypeError(f"[rank {rank}] FullyShardedDataParallel: {exc}") from None
         chosen = select_units(module, policy)
         per_unit, root_refs = assign_params(module, [name for name, _ in chosen])
-        _check_same_structure(module, per_unit, root_refs, info)
         if sync_module_states and info.world > 1:
+            _check_same_structure(module, per_unit, root_refs, info)
             for buf in module.buffers():
                 c.broadcast(buf, info.src, info.group)
         build = lambda name, mod, refs: FlatUnit(  # noqa: E731

@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from phalanx._check import check_float, check_int, rule
+from phalanx._check import FLAG, check_float, check_int, rule
 from phalanx.comm.group import World
 from phalanx.train.grad_scaler import GradShards
 from phalanx.train.strategies.base import Strategy, SyncOwner, check_fields
@@ -38,18 +38,23 @@ class Zero(Strategy):
     Args:
         stage: 1, 2 or 3.
         bucket_cap_mb: Gradient bucket size of stages 1 and 2, in MiB.
+        init_sync: Broadcast rank 0's parameters when the model and optimizer are built
+            (default); live recovery turns it off for a replacement, which receives the state
+            after it joins (``train/live_zero.py``).
     """
 
     name: ClassVar[str] = "zero"
     rebuilds_optimizer: ClassVar[bool] = True
     stage: int = 1
     bucket_cap_mb: float = DEFAULT_BUCKET_MB
+    init_sync: bool = True
 
     def __post_init__(self) -> None:
         check_fields(
             self,
             stage=rule(check_int, min=1, max=3),
             bucket_cap_mb=rule(check_float, above=0),
+            init_sync=FLAG,
         )
         if self.stage == 3 and self.bucket_cap_mb != DEFAULT_BUCKET_MB:
             raise ValueError(
@@ -63,7 +68,9 @@ class Zero(Strategy):
         from phalanx.sharding.zero3 import FullyShardedDataParallel
 
         units = unit_policy(model)
-        return FullyShardedDataParallel(model, wrap=lambda m: m in units)
+        return FullyShardedDataParallel(
+            model, wrap=lambda m: m in units, sync_module_states=self.init_sync
+        )
 
     def shard_optimizer(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, world: World
@@ -82,6 +89,7 @@ class Zero(Strategy):
             parameters_as_bucket_view=True,
             stage=self.stage,
             bucket_cap_mb=self.bucket_cap_mb,
+            broadcast_params=self.init_sync,
             **accepted(type(optimizer), optimizer.defaults),
         )
 

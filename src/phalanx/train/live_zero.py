@@ -1,0 +1,154 @@
+"""ZeRO in a live job: the members' memory is the checkpoint of the sharded state.
+
+Under ``Job(recovery="live")`` with ``phalanx.Zero(stage=1|2|3)`` each member holds only its
+shard of the optimizer state (ZeRO-3: of the parameters too), so a lost member takes its shard
+with it. :class:`LiveShards` keeps a :class:`~phalanx.recovery.ShardMirror` over each
+generation: every member holds its right neighbour's shards, refreshed in the background after
+every ``every``-th step. Beside each of its own snapshots it keeps the rest of the job's state
+at that step (sampler, scheduler, RNG, tracked objects, buffers: :func:`.live_state.collect`
+without the sharded parts), so that the job can roll back to a snapshot's step.
+
+After every membership change each member calls :meth:`LiveShards.restore`:
+
+1. the members all-gather which snapshots they hold and pick the newest step at which every
+   old member's shards are held (:func:`phalanx.recovery.restore_shards`); with nobody lost (a
+   replacement admitted) each first snapshots the current step, so no step is lost;
+2. the same ZeRO objects are re-sharded in place over the new group and filled with that
+   step's state (:meth:`phalanx.recovery.RestoredShards.regroup`): no checkpoint is read;
+3. a member ahead of that step rolls the rest of its state back to it, its sample ledger too
+   (the steps after it are trained again, on the new membership).
+
+The caller then hands newcomers the rest of the state (:func:`.live_state.exchange`) and calls
+:meth:`LiveShards.start` for the new generation's mirror. Two adjacent members lost at once
+leave a shard in nobody's memory: :class:`phalanx.recovery.ShardsLost` says so, and the job
+restarts from its newest checkpoint (``phalanx run --recovery restart``).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING
+
+import torch
+
+from phalanx.recovery import LiveGroup, Member, RecoveryError, ShardMirror, restore_shards
+from phalanx.sharding.zero3 import FullyShardedDataParallel
+from phalanx.train.live_state import Held, apply, collect
+
+if TYPE_CHECKING:  # the job calls these with itself; no import at run time
+    from phalanx.train.job import Job
+
+__all__ = ["LiveShards"]
+
+
+class LiveShards:
+    """The sharded side of one live ZeRO job (``job.live.zero``).
+
+    Args:
+        every: Refresh the neighbour's copy after every this many steps (an int >= 1). A
+            larger value costs less and may roll a recovery back by up to ``every - 1`` steps.
+    """
+
+    def __init__(self, every: int = 1) -> None:
+        self.every = every
+        self.mirror: ShardMirror | None = None
+        """This generation's mirror (None until :meth:`start`: a newcomer holds no shards)."""
+        self.members: tuple[Member, ...] = ()
+        """The generation the mirror spans, in its rank order (its old ranks after a change)."""
+        self.states: dict[int, dict[str, object]] = {}
+        """The job's unsharded state at each step this member holds a snapshot of."""
+
+    @staticmethod
+    def objects(job: Job) -> tuple[torch.optim.Optimizer, FullyShardedDataParallel | None]:
+        """The job's ZeRO optimizer, and its ZeRO-3 model (None under ZeRO-1/2)."""
+        model, optimizer = job.runner.model, job.optimizer
+        if optimizer is None:
+            raise ValueError(
+                "Job(recovery='live') with phalanx.Zero: pass an optimizer to job.setup(); "
+                "the live job restores its shards"
+            )
+        return optimizer, model if isinstance(model, FullyShardedDataParallel) else None
+
+    def start(self, job: Job, group: LiveGroup, held: Held) -> None:
+        """A mirror over the current generation, refreshed at once (collective: it makes its
+        exchange group over the current default group)."""
+        self.settle()
+        optimizer, model = self.objects(job)
+        self.mirror = ShardMirror(optimizer, model, every=self.every)
+        self.members, self.states = group.members, {}
+        self._refresh(job, held)
+
+    def sampler_built(self, state: dict[str, object]) -> None:
+        """``job.loader`` made the sampler (``state``: its state): the snapshots taken before,
+        when no step had been committed yet, roll back to its start."""
+        for kept in self.states.values():
+            if kept["sampler"] is None:
+                kept["sampler"] = copy.deepcopy(state)
+
+    def after_step(self, job: Job, held: Held) -> None:
+        """After a committed step: refresh when due. Raises a failed exchange's error (a lost
+        peer), as a collective would."""
+        if self.mirror is not None and job.step_count % self.every == 0:
+            self._refresh(job, held)
+
+    def _refresh(self, job: Job, held: Held) -> None:
+        assert self.mirror is not None
+        self.mirror.refresh(job.step_count)
+        self.states[job.step_count] = _unsharded(job, held)
+        kept = {s.step for s in self.mirror.own}
+        self.states = {step: s for step, s in self.states.items() if step in kept}
+
+    def settle(self) -> None:
+        """Join the mirror's exchange in flight (before the group is torn down); what
+        arrived is kept, a lost peer's error is not raised."""
+        if self.mirror is not None:
+            self.mirror.settle()
+
+    def close(self) -> None:
+        """The job ends: join the exchange in flight, drop the snapshots."""
+        self.settle()
+        self.mirror, self.states = None, {}
+
+    def restore(self, job: Job, group: LiveGroup, held: Held) -> int:
+        """Re-shard the job's ZeRO objects over the current generation and fill them from the
+        members' memory; roll this member back to that step. Returns the step.
+
+        Collective over the new default group: every member calls it, newcomers too.
+
+        Raises:
+            ShardsLost: two adjacent members were lost (their shards are in nobody's memory).
+        """
+        mirror = self.mirror
+        lost: list[int] = []
+        if mirror is not None:
+            lost = [r for r, m in enumerate(self.members) if m not in group.members]
+            if not lost:
+                mirror.take(job.step_count)
+                self.states.setdefault(job.step_count, _unsharded(job, held))
+        restored = restore_shards(mirror, lost, None)
+        optimizer, model = self.objects(job)
+        restored.regroup(optimizer, model)
+        if mirror is not None and job.step_count != restored.step:
+            self._roll_back(job, held, restored.step)
+        return restored.step
+
+    def _roll_back(self, job: Job, held: Held, step: int) -> None:
+        state = self.states.get(step)
+        if state is None:
+            raise RecoveryError(
+                f"live recovery: the shards were restored at step {step}, but this member "
+                f"(at step {job.step_count}) kept the job's state of steps "
+                f"{sorted(self.states)} only"
+            )
+        ledger = held.ledger
+        apply(job, copy.deepcopy(state), held)
+        held.ledger = ledger
+        sampler = state["sampler"]
+        if ledger is not None and isinstance(sampler, dict):
+            ledger.forget_from(int(sampler["epoch"]), int(sampler["step"]))
+
+
+def _unsharded(job: Job, held: Held) -> dict[str, object]:
+    """A copy of the job's state but the shards and the ledger (rolled back by forgetting)."""
+    state = collect(job, Held(sampler=held.sampler, tracked=held.tracked), sharded=True)
+    return copy.deepcopy(state)
