@@ -17,8 +17,10 @@ def test_bad_recovery_names_the_argument_and_the_value() -> None:
 
 
 def test_live_recovery_refuses_other_strategies_and_accumulation() -> None:
-    with pytest.raises(ValueError, match=r"strategy=Zero\(stage=2.*supports phalanx.DDP"):
-        phalanx.Job("zero2", recovery="live")
+    with pytest.raises(ValueError, match=r"strategy=Hogwild\(.*supports phalanx.DDP\(\) and"):
+        phalanx.Job("hogwild", recovery="live")
+    with pytest.raises(ValueError, match=r"'live-exact'.*strategy=Zero\(stage=2.*only DDP"):
+        phalanx.Job("zero2", recovery="live-exact")
     with pytest.raises(ValueError, match=r"grad_accum=2.*use grad_accum=1"):
         phalanx.Job("ddp", recovery="live", grad_accum=2)
 

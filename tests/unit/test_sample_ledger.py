@@ -136,3 +136,22 @@ def test_bad_input_is_named() -> None:
         ledger.record(0, 0, 0, [1, "a"])  # type: ignore[list-item]
     with pytest.raises(ValueError, match=r"malformed ledger \('seed'\)"):
         SampleLedger.from_dict({k: v for k, v in data.items() if k != "seed"})
+
+
+def test_forget_from_drops_that_step_and_every_later_one() -> None:
+    # 20 samples, global batch 4: 5 steps an epoch; 7 steps run (epoch 1 has steps 0 and 1).
+    ledger = _run(20, 4, 2, 7, shuffle=True, seed=1)
+    kept = [(s, e) for s, e, r, _ in ledger.entries() if (e, s) < (0, 3)]
+    ledger.forget_from(0, 3)
+    assert (
+        [(s, e) for s, e, _, _ in ledger.entries()] == kept == [(s, 0) for s in (0, 0, 1, 1, 2, 2)]
+    )
+    assert ledger.epochs == [0]
+    # Redoing steps 3 and 4 completes epoch 0 exactly once again.
+    again = _run(20, 4, 2, 5, shuffle=True, seed=1)
+    for s, e, r, ids in again.entries():
+        if s >= 3:
+            ledger.record(s, e, r, ids)
+    assert ledger.problems(epochs=[0]) == []
+    with pytest.raises(ValueError, match=r"SampleLedger.forget_from\(step=-1\)"):
+        ledger.forget_from(0, -1)
