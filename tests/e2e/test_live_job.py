@@ -106,3 +106,16 @@ def test_zero_restores_a_lost_members_shards_from_peers_without_reading_the_chec
     # ZeRO at 4 and 3 members against the fixed-order DDP sum: reassociation only.
     drift = max(abs(a - b) for a, b in zip(run["0.0.0"]["params"], reference["params"]))
     assert drift < 1e-5, drift
+
+
+def test_two_adjacent_zero_members_lost_fall_back_to_the_newest_checkpoint_in_process(
+    tmp_path: Path, reference: dict[str, Any]
+) -> None:
+    # Ranks 1 and 2 die at once before step 25: rank 2's shards were mirrored only on rank 1.
+    run = _job(tmp_path / "faults", "1@25,2@25", "live", 2, "zero2")
+    assert set(run) == {"0.0.0", "0.3.0", "0.1.1", "0.2.1"}
+    for name in ("0.0.0", "0.3.0"):  # the survivors load step 20's checkpoint and go on
+        assert run[name]["loads"] == [0, 25], run[name]["loads"]
+        assert run[name]["regroups"][0][:3] == ["lost", 2, 20], run[name]["regroups"]
+    drift = max(abs(a - b) for a, b in zip(run["0.0.0"]["params"], reference["params"]))
+    assert drift < 1e-5, drift

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
+from torch import nn
 
 import phalanx
 from phalanx.data.elastic_sampler import ElasticSampler
-from phalanx.train.live import is_peer_failure
+from phalanx.train.live import LiveTraining, is_peer_failure
 from phalanx.train.live_shards import ShardBatches, owned_shards
 
 
@@ -84,3 +85,16 @@ def test_a_failure_that_loses_nobody_is_redone_twice_then_raised() -> None:
         live._recover(job, failure)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="a bug"):
         live._recover(job, ValueError("a bug"))  # type: ignore[arg-type]
+
+
+def test_a_zero3_forward_outside_forward_backward_is_refused_while_training() -> None:
+    # Only job.forward_backward can redo ZeRO-3's forward (it gathers parameters) after a loss.
+    live = LiveTraining.__new__(LiveTraining)
+    live._in_forward_backward = False
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"loss = job.forward_backward\(inputs, targets\)"):
+        live._check_forward(model, ())
+    live._in_forward_backward = True
+    live._check_forward(model, ())
+    live._in_forward_backward = False
+    live._check_forward(model.eval(), ())  # evaluation may call the model

@@ -2,12 +2,13 @@
 
     python tools/chaos_live/run.py --runs 20 --nproc 4                 # live, DDP
     python tools/chaos_live/run.py --runs 20 --nproc 2 --recovery live-exact
+    python tools/chaos_live/run.py --runs 20 --nproc 4 --strategy zero2   # live, ZeRO-2
 
 Not part of ``make test`` (minutes). Each run starts ``phalanx run --recovery live`` on
-``tools/chaos_live/worker.py`` (a 2-epoch DDP ``phalanx.Job``, 40 steps at 4 ranks, that
-checkpoints every 5) and kills one random rank once, in a random step, at each phase in turn:
-forward, backward, all-reduce (plain live only), optimizer step, checkpoint save, a random
-moment.
+``tools/chaos_live/worker.py`` (a 2-epoch DDP or ZeRO-2 ``phalanx.Job``, 40 steps at 4 ranks,
+that checkpoints every 5) and kills one random rank once, in a random step, at each phase in
+turn: forward, backward, all-reduce (plain live DDP only), optimizer step, checkpoint save, a
+random moment. Under ZeRO-2 a lost member's shards come back from its neighbour's memory.
 Each phase runs with a replacement for the launcher (``--max-restarts 1``) and without.
 
 A run is correct when the launcher exits 0 and every member that ran to the end (survivors
@@ -44,12 +45,14 @@ def _steps(nproc: int) -> int:
 PHASES = ("forward", "backward", "allreduce", "optimizer", "save", "random")
 
 
-def _run(folder: Path, nproc: int, recovery: str, kill: str, replacements: int) -> str:
+def _run(
+    folder: Path, nproc: int, recovery: str, strategy: str, kill: str, replacements: int
+) -> str:
     folder.mkdir(parents=True)
     cmd = [
         *(sys.executable, "-m", "phalanx", "run", "--standalone"),
-        *("--nproc-per-node", str(nproc), "--recovery", "live"),
-        *("--max-restarts", str(replacements), str(WORKER), str(folder), recovery, "ddp", kill),
+        *("--nproc-per-node", str(nproc), "--recovery", "live", "--max-restarts"),
+        *(str(replacements), str(WORKER), str(folder), recovery, strategy, kill),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     return "" if proc.returncode == 0 else f"exit {proc.returncode}: {proc.stderr[-2000:]}"
@@ -101,26 +104,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--recovery", choices=("live", "live-exact"), default="live")
+    parser.add_argument("--strategy", choices=("ddp", "zero2"), default="ddp")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.strategy != "ddp" and args.recovery == "live-exact":
+        parser.error(f"--recovery live-exact runs DDP only, not --strategy {args.strategy}")
     rng = random.Random(args.seed)
     work = Path(tempfile.mkdtemp(prefix="phalanx-chaos-live-"))
     exact = args.recovery == "live-exact"
     started = time.time()
-    failed = _run(work / "fault-free", args.nproc, args.recovery, "-", 0)
+    failed = _run(work / "fault-free", args.nproc, args.recovery, args.strategy, "-", 0)
     if failed:
         print(f"the fault-free run failed: {failed}", file=sys.stderr)
         return 2
     reference = next(iter(_records(work / "fault-free").values()))
     clean_s = time.time() - started
-    phases = [p for p in PHASES if not (exact and p == "allreduce")]
+    ddp_hook = args.strategy == "ddp" and not exact  # the all-reduce cue is a DDP comm hook
+    phases = [p for p in PHASES if ddp_hook or p != "allreduce"]
     correct, latencies = 0, []
     for run in range(args.runs):
         rank, step = rng.randrange(args.nproc), rng.randrange(2, _steps(args.nproc) - 3)
         phase = phases[run % len(phases)]  # every phase as often, in turn
         replacements = run // len(phases) % 2  # each phase with and without
         folder = work / f"run-{run}"
-        problem = _run(folder, args.nproc, args.recovery, f"{rank}:{step}:{phase}", replacements)
+        kill = f"{rank}:{step}:{phase}"
+        problem = _run(folder, args.nproc, args.recovery, args.strategy, kill, replacements)
         problem = problem or _judge(folder, reference, exact, _steps(args.nproc))
         latency = _latency(folder)
         correct += not problem
@@ -138,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         "correct": correct,
         "nproc": args.nproc,
         "recovery": args.recovery,
+        "strategy": args.strategy,
         "kills_landed": len(latencies),
         "kill_to_next_step_s_median": round(statistics.median(ordered), 3) if ordered else None,
         "kill_to_next_step_s_p90": round(ordered[int(0.9 * (len(ordered) - 1))], 3)

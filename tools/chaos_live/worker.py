@@ -2,7 +2,8 @@
 
 argv: OUT RECOVERY STRATEGY KILL
 
-RECOVERY is the Job's ``recovery=`` ("live" or "live-exact"), STRATEGY a preset ("ddp"), KILL
+RECOVERY is the Job's ``recovery=`` ("live" or "live-exact"), STRATEGY a preset ("ddp" or
+"zero2"), KILL
 ``RANK:STEP:PHASE`` or "-": the first process of launcher rank RANK SIGKILLs itself in step
 STEP at PHASE, one of
 
@@ -70,8 +71,9 @@ model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh()
 model.register_forward_pre_hook(lambda *_: cue("forward"))
 model[-1].weight.register_hook(lambda g: cue("backward"))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-optimizer.register_step_pre_hook(lambda *_: cue("optimizer"))
 model, optimizer = job.setup(model, optimizer)
+assert optimizer is not None
+optimizer.register_step_pre_hook(lambda *_: cue("optimizer"))  # ZeRO's own optimizer
 if recovery == "live" and hasattr(model, "register_comm_hook"):
 
     def hook(state: Any, bucket: Any) -> Any:

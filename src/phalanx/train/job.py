@@ -86,10 +86,11 @@ class Job(JobReports):
             :attr:`straggler_finding` (see ``train/straggler_rule.py``).
         straggler_rule: The detector's margins and persistence (``phalanx.train.StragglerRule``).
         recovery: "live": survive lost ranks in-process and admit replacements
-            (:mod:`phalanx.train.live`; DDP, ``grad_accum=1``, launched by
-            ``phalanx run --recovery live``); "live-exact": the same, with a reduction whose
-            result does not depend on the membership (bit-identical to a fault-free run, at
-            ``world_size`` times an all-reduce's bytes: :mod:`phalanx.train.live_shards`);
+            (:mod:`phalanx.train.live`; DDP or ZeRO-1/2/3, whose shards come back from the
+            members' memory: :mod:`phalanx.train.live_zero`; ``grad_accum=1``; launched by
+            ``phalanx run --recovery live``); "live-exact": the same for DDP, with a reduction
+            whose result does not depend on the membership (bit-identical to a fault-free run,
+            at ``world_size`` times an all-reduce's bytes: :mod:`phalanx.train.live_shards`);
             "restart": a lost rank ends the job's processes
             (the launcher restarts them from the newest checkpoint); None: what the launcher
             was told (``--recovery``).
@@ -253,8 +254,8 @@ class Job(JobReports):
         n = check_epochs(n)
         if self.runner.serving():
             return
-        start = self.resume() if not self._resumed else self.epoch
-        for epoch in range(start, n):
+        epoch = self.resume() if not self._resumed else self.epoch
+        while epoch < n:
             self.epoch = epoch
             if self.sampler is not None and self.live is None:  # a live job's moves by commits
                 self.sampler.set_epoch(epoch)
@@ -263,6 +264,9 @@ class Job(JobReports):
                 self.scheduler.step()
             if self.runner.finished():
                 break
+            # A live ZeRO job may have rolled back into the epoch before (train/live_zero.py):
+            # its rest was trained in this pass, and the next epoch follows the rolled-back one.
+            epoch = epoch + 1 if self.live is None else self.epoch + 1
         self.runner.finish()
 
     def progress(self, loader: Iterable[object], desc: str | None = None) -> Iterator[object]:

@@ -20,18 +20,29 @@ After every membership change each member calls :meth:`LiveShards.restore`:
 
 The caller then hands newcomers the rest of the state (:func:`.live_state.exchange`) and calls
 :meth:`LiveShards.start` for the new generation's mirror. Two adjacent members lost at once
-leave a shard in nobody's memory: :class:`phalanx.recovery.ShardsLost` says so, and the job
-restarts from its newest checkpoint (``phalanx run --recovery restart``).
+leave a shard in nobody's memory (:class:`phalanx.recovery.ShardsLost`): the members then load
+the job's newest checkpoint, in-process and at the new world size, and the log says so; a job
+without one raises.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 from typing import TYPE_CHECKING
 
 import torch
 
-from phalanx.recovery import LiveGroup, Member, RecoveryError, ShardMirror, restore_shards
+from phalanx.checkpoint.catalog import latest
+from phalanx.recovery import (
+    LiveGroup,
+    Member,
+    RecoveryError,
+    ShardMirror,
+    ShardsLost,
+    restore_shards,
+)
+from phalanx.sharding import ZeroRedundancyOptimizer
 from phalanx.sharding.zero3 import FullyShardedDataParallel
 from phalanx.train.live_state import Held, apply, collect
 
@@ -39,6 +50,8 @@ if TYPE_CHECKING:  # the job calls these with itself; no import at run time
     from phalanx.train.job import Job
 
 __all__ = ["LiveShards"]
+
+log = logging.getLogger(__name__)
 
 
 class LiveShards:
@@ -125,8 +138,11 @@ class LiveShards:
             if not lost:
                 mirror.take(job.step_count)
                 self.states.setdefault(job.step_count, _unsharded(job, held))
-        restored = restore_shards(mirror, lost, None)
         optimizer, model = self.objects(job)
+        try:
+            restored = restore_shards(mirror, lost, None)
+        except ShardsLost as exc:  # every member sees the same reports: all are here
+            return _from_checkpoint(job, exc)
         restored.regroup(optimizer, model)
         if mirror is not None and job.step_count != restored.step:
             self._roll_back(job, held, restored.step)
@@ -152,3 +168,24 @@ def _unsharded(job: Job, held: Held) -> dict[str, object]:
     """A copy of the job's state but the shards and the ledger (rolled back by forgetting)."""
     state = collect(job, Held(sampler=held.sampler, tracked=held.tracked), sharded=True)
     return copy.deepcopy(state)
+
+
+def _from_checkpoint(job: Job, lost: ShardsLost) -> int:
+    """Re-shard the ZeRO objects over the new group and load the job's newest checkpoint into
+    everything (collective); returns its step."""
+    folder = job.checkpoint_dir
+    newest = None if folder is None else latest(folder)
+    if newest is None:
+        raise ShardsLost(
+            f"{lost}; the job has no checkpoint to fall back to (checkpoint_dir={folder!r})"
+        ) from lost
+    log.warning("live recovery: %s; loading the newest checkpoint %s instead", lost, newest)
+    optimizer, model = LiveShards.objects(job)
+    if model is None:
+        assert isinstance(optimizer, ZeroRedundancyOptimizer)
+        optimizer.regroup(None)
+    else:  # placeholders of the right shapes: the checkpoint overwrites them
+        full = {k: torch.zeros(shape) for k, shape in model.full_shapes().items()}
+        model.regroup(None, {**full, **dict(model.module.named_buffers())}, optimizer=optimizer)
+    job.resume()
+    return job.step_count

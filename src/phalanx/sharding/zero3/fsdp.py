@@ -244,6 +244,10 @@ class FullyShardedDataParallel(nn.Module):
             for unit in self.units:
                 optimizer.state.pop(unit.flat_param, None)
 
+    def full_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Each parameter's state-dict key and full (unsharded) shape (tied aliases included)."""
+        return {key: entry.shape for key, (_, entry) in self._layout.params.items()}
+
     def sharded_state(self) -> ShardedState:
         """This rank's pieces of every parameter, keyed by the original state-dict keys."""
         return st.sharded_state(self._layout, self.units, self._info)
