@@ -58,19 +58,14 @@ class RestoredShards:
     ) -> None:
         """Fill ``optimizer`` (ZeRO-1/2: and its parameters; ZeRO-3: ``model`` too), built
         over the survivors' group, with the restored state."""
-        where = "RestoredShards.load"
-        if self.kind == "zero3":
-            if not isinstance(model, FullyShardedDataParallel):
-                what = "the FullyShardedDataParallel model (the state is ZeRO-3's)"
-                raise fail("model", model, what, where=where, error=TypeError)
+        self._check(optimizer, model, "RestoredShards.load")
+        if model is not None:
             model.load_sharded_state(*self.sections["model"])
             view = optimizer_view(model, optimizer)
             assert view is not None
             view.load_sharded_state(*self.sections["optimizer"])
             return
-        if model is not None or not isinstance(optimizer, ZeroRedundancyOptimizer):
-            what = "a ZeroRedundancyOptimizer, with model=None (the state is ZeRO-1/2's)"
-            raise fail("optimizer", optimizer, what, where=where, error=TypeError)
+        assert isinstance(optimizer, ZeroRedundancyOptimizer)
         _load_zero_params(optimizer, *self.sections["model"])
         optimizer.load_sharded_state(*self.sections["optimizer"])
 
@@ -78,26 +73,31 @@ class RestoredShards:
         self, optimizer: torch.optim.Optimizer, model: FullyShardedDataParallel | None = None
     ) -> None:
         """Re-shard ``optimizer`` (ZeRO-3: and ``model``) in place over the current default
-        group, which live recovery replaced, and fill them with the restored state: the same
-        objects go on (``regroup`` of each), holding this step's shards at the new size.
-        Collective over the new group (ZeRO-1/2's re-planning)."""
-        where = "RestoredShards.regroup"
-        if self.kind == "zero3":
-            if not isinstance(model, FullyShardedDataParallel):
-                what = "the FullyShardedDataParallel model (the state is ZeRO-3's)"
-                raise fail("model", model, what, where=where, error=TypeError)
+        group, which live recovery replaced, then :meth:`load` the restored state: the same
+        objects go on, holding this step's shards at the new size. Collective over the new
+        group (ZeRO-1/2's re-planning)."""
+        self._check(optimizer, model, "RestoredShards.regroup")
+        if model is None:
+            assert isinstance(optimizer, ZeroRedundancyOptimizer)
+            optimizer.regroup(None)
+        else:  # its regroup needs the full state: a rank holds only its shard
             _, reader = self.sections["model"]
             full = {key: reader.full(key) for key in reader.keys()}  # noqa: SIM118 (a method)
             model.regroup(None, full, optimizer=optimizer)
-            view = optimizer_view(model, optimizer)
-            assert view is not None
-            view.load_sharded_state(*self.sections["optimizer"])
-            return
-        if model is not None or not isinstance(optimizer, ZeroRedundancyOptimizer):
+        self.load(optimizer, model)
+
+    def _check(
+        self, optimizer: torch.optim.Optimizer, model: FullyShardedDataParallel | None, where: str
+    ) -> None:
+        """The objects must be of the restored state's kind (TypeError naming the argument)."""
+        if self.kind == "zero3" and not isinstance(model, FullyShardedDataParallel):
+            what = "the FullyShardedDataParallel model (the state is ZeRO-3's)"
+            raise fail("model", model, what, where=where, error=TypeError)
+        if self.kind != "zero3" and (
+            model is not None or not isinstance(optimizer, ZeroRedundancyOptimizer)
+        ):
             what = "a ZeroRedundancyOptimizer, with model=None (the state is ZeRO-1/2's)"
             raise fail("optimizer", optimizer, what, where=where, error=TypeError)
-        optimizer.regroup(None)
-        self.load(optimizer)
 
 
 @torch.no_grad()
