@@ -8,8 +8,9 @@ from torch import nn
 
 import phalanx
 from phalanx.data.elastic_sampler import ElasticSampler
-from phalanx.train.live import LiveTraining, is_peer_failure
+from phalanx.train.live import is_peer_failure
 from phalanx.train.live_shards import ShardBatches, owned_shards
+from phalanx.train.live_zero import LiveShards
 
 
 def test_bad_recovery_names_the_argument_and_the_value() -> None:
@@ -89,12 +90,9 @@ def test_a_failure_that_loses_nobody_is_redone_twice_then_raised() -> None:
 
 def test_a_zero3_forward_outside_forward_backward_is_refused_while_training() -> None:
     # Only job.forward_backward can redo ZeRO-3's forward (it gathers parameters) after a loss.
-    live = LiveTraining.__new__(LiveTraining)
-    live._in_forward_backward = False
-    model = nn.Linear(2, 2)
+    shards, model = LiveShards(), nn.Linear(2, 2)
     with pytest.raises(ValueError, match=r"loss = job.forward_backward\(inputs, targets\)"):
-        live._check_forward(model, ())
-    live._in_forward_backward = True
-    live._check_forward(model, ())
-    live._in_forward_backward = False
-    live._check_forward(model.eval(), ())  # evaluation may call the model
+        shards.check_forward(model, ())
+    with LiveShards.forwarding(shards):
+        shards.check_forward(model, ())
+    shards.check_forward(model.eval(), ())  # evaluation may call the model

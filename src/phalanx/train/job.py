@@ -38,6 +38,7 @@ from phalanx.train.job_data import DATA_SEED
 from phalanx.train.job_phases import JobPhases
 from phalanx.train.job_reports import JobReports
 from phalanx.train.live import LiveTraining, live_recovery
+from phalanx.train.live_rules import check_strategy
 from phalanx.train.loop_helpers import (
     Timer,
     configure_logging,
@@ -117,7 +118,7 @@ class Job(JobReports):
         chosen = resolve(strategy)  # a preset's own errors come before any process group
         mode = live_recovery(recovery)
         if mode is not None:
-            LiveTraining.check(chosen, grad_accum, mode == "live-exact")
+            check_strategy(chosen, grad_accum, mode == "live-exact")
             straggler_check_every = 0  # its asynchronous gathers would outlive a group
         self.owns_group = not pg.is_initialized()
         self.live = None if mode is None else LiveTraining.start(mode == "live-exact")

@@ -25,11 +25,13 @@ job's own collectives are guarded. The training loop does not change:
   communication (the step holds nothing new).
 * **Every sample exactly once per epoch**: each commit records the whole step's sample ids
   (every rank's) in :attr:`LiveTraining.ledger`, handed to newcomers with the state.
+* **ZeRO** (:mod:`.live_zero`): the sharded state comes back from the members' memory (each
+  mirrors a neighbour's shards), at the newest step all shards are held at: the job may roll
+  back a step, and then trains it again.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sized
@@ -50,20 +52,15 @@ from phalanx.sharding.zero3 import FullyShardedDataParallel
 from phalanx.train.live_rules import (
     MAX_IDLE_RECOVERIES,
     Regroup,
+    generation_world,
     is_peer_failure,
     live_recovery,
+    live_strategy,
 )
-from phalanx.train.live_shards import (
-    ShardBatches,
-    exact_average,
-    flat_grads,
-    owned_shards,
-    set_grads,
-)
+from phalanx.train.live_shards import ShardBatches, ShardGrads, owned_shards
 from phalanx.train.live_state import Held, exchange
 from phalanx.train.live_zero import LiveShards
 from phalanx.train.strategies.base import Strategy
-from phalanx.train.strategies.ddp import DDP
 from phalanx.train.strategies.zero import Zero
 
 if TYPE_CHECKING:  # the job calls these with itself; no import at run time
@@ -91,7 +88,7 @@ class LiveTraining:
         self.exact = exact
         self.held = Held()
         self.shards: ShardBatches | None = None
-        self._slots: list[torch.Tensor] = []  # exact: this step's shard gradients so far
+        self.grads = ShardGrads()  # exact: this step's shard gradients so far
         self._micro = 0  # index of the shard in training among this member's
         self._idle = (-1, 0)  # (step, recoveries in a row at it that lost nobody)
         self.regroups: list[Regroup] = []
@@ -104,7 +101,6 @@ class LiveTraining:
         """The step in progress (its global batch and this membership's split)."""
         self.zero: LiveShards | None = None
         """ZeRO's shard mirrors and restores (:mod:`.live_zero`); None under DDP."""
-        self._in_forward_backward = False
 
     @classmethod
     def start(cls, exact: bool = False) -> LiveTraining:
@@ -141,55 +137,23 @@ class LiveTraining:
 
     def world(self, before: pg.World | None = None) -> pg.World:
         """The current generation's :class:`phalanx.World` (also ``phalanx.world()``)."""
-        g = self.group
-        if before is None:
-            env = discover_env()
-            before = pg.World(
-                g.rank,
-                g.world_size,
-                env.local_rank,
-                env.local_world_size,
-                env.node_rank,
-                torch.device("cpu"),
-                "gloo",
-            )
-        made = dataclasses.replace(before, rank=g.rank, world_size=g.world_size)
+        made = generation_world(self.group.rank, self.group.world_size, before)
         pg.adopt_world(made)
         return made
 
     # ---- set-up ------------------------------------------------------------------------------
-    @staticmethod
-    def check(chosen: Strategy, grad_accum: int, exact: bool) -> None:
-        """Refuse what live recovery cannot run (before any process group exists)."""
-        if not isinstance(chosen, (DDP, Zero)) or (exact and not isinstance(chosen, DDP)):
-            raise ValueError(
-                f"Job(recovery={'live-exact' if exact else 'live'!r}): strategy={chosen!r} "
-                f"cannot recover live yet; live recovery supports phalanx.DDP() and "
-                f"phalanx.Zero(stage=1|2|3), live-exact only DDP (use recovery='restart' for "
-                f"the others)"
-            )
-        if grad_accum != 1:
-            raise ValueError(
-                f"Job(recovery='live', grad_accum={grad_accum}): live recovery redoes whole "
-                f"steps of one batch; use grad_accum=1 and a larger batch_size"
-            )
-
     def strategy(self, chosen: Strategy) -> Strategy:
-        """The strategy a live job runs: without the broadcasts of construction (this module
-        makes the replicas equal: rank 0's at the start, a live member's for a replacement)
-        and, for DDP, of forward (buffers sync at the step)."""
+        """The strategy this live job runs (``live_rules.live_strategy``)."""
         if isinstance(chosen, Zero):
             self.zero = LiveShards()
-            return dataclasses.replace(chosen, init_sync=not self.group.joined)
-        assert isinstance(chosen, DDP), "LiveTraining.check refused the others"
-        return dataclasses.replace(chosen, init_sync=False, forward_sync_buffers=False)
+        return live_strategy(chosen, self.group.joined)
 
     def after_setup(self, job: Job) -> None:
         """The first generation takes rank 0's model; a replacement receives the state."""
         model = job.runner.model
         assert model is not None
         if self.zero is not None and isinstance(model, FullyShardedDataParallel):
-            model.register_forward_pre_hook(self._check_forward)
+            model.register_forward_pre_hook(self.zero.check_forward)
         if self.group.joined:  # a replacement admitted into the running job
             self._regroup(job, "joined", time.monotonic())
             return
@@ -202,15 +166,6 @@ class LiveTraining:
             self.group.state_received()
         if self.zero is not None:
             self.zero.start(job, self.group, self.held)
-
-    def _check_forward(self, module: torch.nn.Module, args: object) -> None:
-        if module.training and not self._in_forward_backward:
-            raise ValueError(
-                "Job(recovery='live') with phalanx.Zero(stage=3): train with "
-                "loss = job.forward_backward(inputs, targets), not model(inputs): ZeRO-3's "
-                "forward gathers parameters from every member, and only the job can redo it "
-                "when a member is lost (evaluation in model.eval() may call the model)"
-            )
 
     def _shard_count(self) -> int:
         return self.launch_world_size if self.exact else self.group.world_size
@@ -291,14 +246,10 @@ class LiveTraining:
             return
         job.precision.backward(scaled)  # no communication: DDP's sync is off
         params = self._params(job)
-        self._slots.append(flat_grads(params))
-        for p in params:
-            p.grad = None
-        if self._micro + 1 < len(self._owned()):
-            return
-        slots, self._slots = self._slots, []
-        shards, size = self._shard_count(), self.group.world_size
-        self.guard(job, lambda: set_grads(params, exact_average(slots, shards, size)))
+        self.grads.stash(params)
+        if self._micro + 1 == len(self._owned()):
+            shards, size = self._shard_count(), self.group.world_size
+            self.guard(job, lambda: self.grads.reduce(params, shards, size))
 
     def forward_backward(self, job: Job, inputs: object, targets: object) -> torch.Tensor:
         """``job.forward_backward``, guarded (ZeRO-3's forward communicates); a failed step's
@@ -306,16 +257,13 @@ class LiveTraining:
         loss_fn = job.loss_fn
         assert loss_fn is not None
         loss: list[torch.Tensor] = []
-        self._in_forward_backward = True
-        try:
+        with LiveShards.forwarding(self.zero):
             self.guard(
                 job,
                 lambda: loss.append(
                     job.runner.forward_backward(inputs, targets, loss_fn, job.backward)
                 ),
             )
-        finally:
-            self._in_forward_backward = False
         return loss[0] if loss and not self.failed else torch.full((), float("nan"))
 
     def step(self, job: Job, optimizer: torch.optim.Optimizer | None) -> bool | None:
@@ -330,7 +278,7 @@ class LiveTraining:
         ):
             self.commit(job)
             return stepped[0]
-        self._slots = []
+        self.grads.clear()
         if optimizer is not None:
             optimizer.zero_grad(set_to_none=True)
         return None
@@ -430,7 +378,7 @@ class LiveTraining:
             self.group.state_received()
         if job.optimizer is not None:
             job.optimizer.zero_grad(set_to_none=True)
-        self._slots = []
+        self.grads.clear()
         if isinstance(job.sampler, ElasticSampler) and self.shards is not None:
             self.shards.owned = self._owned()
             job.sampler.set_membership(self._shard_count(), self.shards.owned[0])
@@ -443,11 +391,4 @@ class LiveTraining:
             None if moved is None else moved[0],
         )
         self.regroups.append(event)
-        log.warning(
-            "live recovery: generation %d, %d members, step %d (%s; %.3f s)",
-            event.generation,
-            event.world_size,
-            event.step,
-            kind,
-            event.seconds,
-        )
+        event.log()

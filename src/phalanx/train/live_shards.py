@@ -26,7 +26,14 @@ from torch.utils.data import Sampler
 from phalanx.data.elastic_plan import split_counts
 from phalanx.data.elastic_sampler import ElasticSampler
 
-__all__ = ["ShardBatches", "exact_average", "flat_grads", "owned_shards", "set_grads"]
+__all__ = [
+    "ShardBatches",
+    "ShardGrads",
+    "exact_average",
+    "flat_grads",
+    "owned_shards",
+    "set_grads",
+]
 
 
 def owned_shards(shards: int, world_size: int, rank: int) -> list[int]:
@@ -103,3 +110,26 @@ def exact_average(slots: Sequence[torch.Tensor], shards: int, world_size: int) -
     for g in ordered[1:]:
         total.add_(g)
     return total.div_(shards)
+
+
+class ShardGrads:
+    """Exact mode's gradients of this step's shards so far, one flat tensor per shard."""
+
+    def __init__(self) -> None:
+        self.slots: list[torch.Tensor] = []
+
+    def stash(self, params: list[torch.Tensor]) -> None:
+        """Keep the gradients of the shard just trained; clear them from ``params``."""
+        self.slots.append(flat_grads(params))
+        for p in params:
+            p.grad = None
+
+    def reduce(self, params: list[torch.Tensor], shards: int, world_size: int) -> None:
+        """Every member's shards summed in shard order into ``params``' gradients (collective;
+        the slots are emptied first, so a failure leaves none behind)."""
+        slots, self.slots = self.slots, []
+        set_grads(params, exact_average(slots, shards, world_size))
+
+    def clear(self) -> None:
+        """Drop the stashed gradients (a failed step, a new generation)."""
+        self.slots = []

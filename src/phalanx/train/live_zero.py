@@ -27,8 +27,10 @@ without one raises.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -70,6 +72,32 @@ class LiveShards:
         """The generation the mirror spans, in its rank order (its old ranks after a change)."""
         self.states: dict[int, dict[str, object]] = {}
         """The job's unsharded state at each step this member holds a snapshot of."""
+        self.in_forward_backward = False
+        """Inside ``job.forward_backward``, which redoes a failed forward (ZeRO-3's gathers)."""
+
+    @staticmethod
+    @contextlib.contextmanager
+    def forwarding(shards: LiveShards | None) -> Iterator[None]:
+        """``job.forward_backward`` in progress (for :meth:`check_forward`)."""
+        if shards is None:
+            yield
+            return
+        shards.in_forward_backward = True
+        try:
+            yield
+        finally:
+            shards.in_forward_backward = False
+
+    def check_forward(self, module: torch.nn.Module, args: object) -> None:
+        """A forward pre-hook of a live ZeRO-3 model: refuse training forwards the job cannot
+        redo when a member is lost (outside ``job.forward_backward``)."""
+        if module.training and not self.in_forward_backward:
+            raise ValueError(
+                "Job(recovery='live') with phalanx.Zero(stage=3): train with "
+                "loss = job.forward_backward(inputs, targets), not model(inputs): ZeRO-3's "
+                "forward gathers parameters from every member, and only the job can redo it "
+                "when a member is lost (evaluation in model.eval() may call the model)"
+            )
 
     @staticmethod
     def objects(job: Job) -> tuple[torch.optim.Optimizer, FullyShardedDataParallel | None]:
