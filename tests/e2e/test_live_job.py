@@ -43,6 +43,7 @@ def _job(
         assert record["pid"] == record["started_pid"], name
         assert record["step"] == 60 and record["world_size"] == 4, (name, record)
         assert record["problems"] == [] and record["epochs"] == [0, 1, 2], (name, record)
+        assert record["tracked_steps"] == 60, (name, record["tracked_steps"])
     assert len({r["digest"] for r in records.values()}) == 1, records  # equal replicas
     return records
 

@@ -9,13 +9,15 @@ Not part of ``make test`` (minutes). Each run starts ``phalanx run --recovery li
 that checkpoints every 5) and kills one random rank once, in a random step, at each phase in
 turn: forward, backward, all-reduce (plain live DDP only), optimizer step, checkpoint save, a
 random moment. Under ZeRO-2 a lost member's shards come back from its neighbour's memory.
-Each phase runs with a replacement for the launcher (``--max-restarts 1``) and without.
+Each phase runs with a replacement for the launcher (``--max-restarts 1``; the steps then slow
+to 1 s while a member is missing, so that the replacement joins) and without.
 
-A run is correct when the launcher exits 0 and every member that ran to the end (survivors
-with their first pid, replacements) holds the same parameters, trained all its steps, and its
-ledger shows every sample exactly once per epoch; and the parameters equal the fault-free
-run's: bit-identical with ``--recovery live-exact``, within 1e-5 with ``live`` (its average
-over fewer members reassociates). Reported: correct runs and the time from the kill to the
+A run is correct when the launcher exits 0, no replacement failed, and every member that ran to
+the end (survivors with their first pid, replacements) holds the same parameters, trained all
+its steps, and its ledger shows every sample exactly once per epoch; and the parameters equal
+the fault-free run's: bit-identical with ``--recovery live-exact``, within 1e-5 with ``live``
+(its average over fewer members reassociates). Reported: correct runs, how many replacements
+joined and finished, and the time from the kill to the
 first step a survivor committed in the next generation (median, p90, max). Last line:
 ``RESULT {json}``.
 """
@@ -53,9 +55,15 @@ def _run(
         *(sys.executable, "-m", "phalanx", "run", "--standalone"),
         *("--nproc-per-node", str(nproc), "--recovery", "live", "--max-restarts"),
         *(str(replacements), str(WORKER), str(folder), recovery, strategy, kill),
+        str(replacements),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    return "" if proc.returncode == 0 else f"exit {proc.returncode}: {proc.stderr[-2000:]}"
+    if proc.returncode != 0:
+        return f"exit {proc.returncode}: {proc.stderr[-2000:]}"
+    failed = [
+        line for line in proc.stderr.splitlines() if "lost:" in line and "incarnation 0" not in line
+    ]
+    return f"a replacement failed: {failed[0]}" if failed else ""
 
 
 def _records(folder: Path) -> dict[str, dict[str, Any]]:
@@ -121,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     clean_s = time.time() - started
     ddp_hook = args.strategy == "ddp" and not exact  # the all-reduce cue is a DDP comm hook
     phases = [p for p in PHASES if ddp_hook or p != "allreduce"]
-    correct, latencies = 0, []
+    correct, latencies, joined = 0, [], 0
     for run in range(args.runs):
         rank, step = rng.randrange(args.nproc), rng.randrange(2, _steps(args.nproc) - 3)
         phase = phases[run % len(phases)]  # every phase as often, in turn
@@ -132,12 +140,15 @@ def main(argv: list[str] | None = None) -> int:
         problem = problem or _judge(folder, reference, exact, _steps(args.nproc))
         latency = _latency(folder)
         correct += not problem
+        came = any(name.endswith(".1") for name in _records(folder))
+        joined += came
         if latency is not None:
             latencies.append(latency)
         after = "no kill landed" if latency is None else f"recovered step {latency:.3f} s after"
         print(
             f"run {run}: rank {rank}, step {step}, {phase}, {replacements} replacement(s): "
-            f"{'OK' if not problem else 'WRONG: ' + problem} ({after}; {folder})",
+            f"{'OK' if not problem else 'WRONG: ' + problem} ({after}"
+            f"{'; the replacement joined and finished' if came else ''}; {folder})",
             flush=True,
         )
     ordered = sorted(latencies)
@@ -148,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         "recovery": args.recovery,
         "strategy": args.strategy,
         "kills_landed": len(latencies),
+        "replacements_joined": joined,
         "kill_to_next_step_s_median": round(statistics.median(ordered), 3) if ordered else None,
         "kill_to_next_step_s_p90": round(ordered[int(0.9 * (len(ordered) - 1))], 3)
         if ordered

@@ -1,6 +1,6 @@
 """The job of ``tools/chaos_live/run.py``: a live ``phalanx.Job`` that kills itself on cue.
 
-argv: OUT RECOVERY STRATEGY KILL
+argv: OUT RECOVERY STRATEGY KILL [REPLACED]
 
 RECOVERY is the Job's ``recovery=`` ("live" or "live-exact"), STRATEGY a preset ("ddp" or
 "zero2"), KILL
@@ -14,6 +14,10 @@ STEP at PHASE, one of
 - ``save``: inside ``job.save()``, while the checkpoint is written (one every 5 steps; STEP is
   rounded up to one);
 - ``random``: at a random moment up to 0.2 s into step STEP (a thread).
+
+REPLACED ("1"; default "0") says the launcher replaces the victim: while the membership is
+short the steps then take 1 s, so that the replacement (which imports torch first: seconds on a
+loaded box) joins before the others finish.
 
 Before it dies the victim writes ``OUT/kill.json`` (the wall-clock time, its generation).
 Every process appends ``step time generation`` to ``OUT/<member>.<incarnation>.steps`` as each
@@ -44,6 +48,8 @@ from torch.utils.data import TensorDataset
 import phalanx
 
 out, recovery, strategy, kill = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+replaced = len(sys.argv) > 5 and sys.argv[5] == "1"
+launched = int(os.environ["WORLD_SIZE"])
 member, incarnation = os.environ["PHALANX_MEMBER_ID"], int(os.environ["PHALANX_INCARNATION"])
 victim, kill_step, phase = (-1, -1, "") if kill == "-" else kill.split(":")
 armed = incarnation == 0 and os.environ["RANK"] == str(victim)
@@ -120,7 +126,7 @@ for _epoch in job.epochs(2):
             if job.step_count % 5 == 0:
                 save_cue.reads = 0
                 job.save()
-        time.sleep(0.02)
+        time.sleep(1.0 if replaced and job.world.world_size < launched else 0.02)
 
 params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 assert job.live is not None and job.live.ledger is not None

@@ -341,8 +341,8 @@ class Job(JobReports):
         if stepped_here and self.schedule == "step" and self.scheduler is not None:
             self.scheduler.step()
         self.step_count += 1
-        if self.live is not None:
-            self.live.after_step(self)
+        if self.live is not None and not self.live.after_step(self):
+            return False  # a live ZeRO job lost a member here and rolled this step back
         self.timing.end_step(self.step_count, self.metrics)
         return True
 

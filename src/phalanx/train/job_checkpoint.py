@@ -49,12 +49,17 @@ def track(job: Job, name: object, obj: object) -> None:
         raise fail("obj", obj, what, where=where, fix=f"tracking {name!r}", error=TypeError)
     if name in job.tracked:
         raise ValueError(f"Job.track(name={name!r}): an object is tracked as {name!r} already")
-    if job._resumed:
+    # A live job's replacement received its state in setup(): what it tracks next loads it.
+    pending = job.live is not None and name in job.live.held.tracked
+    if job._resumed and not pending:
         raise ValueError(
             f"Job.track({name!r}, ...) after the job resumed (job.epochs() started): track "
             f"objects before the loop, so that resuming restores them"
         )
     job.tracked[name] = obj
+    if pending:
+        assert job.live is not None
+        job.live.held.settle(job)
 
 
 def _check_tracked(job: Job) -> None:

@@ -283,11 +283,11 @@ class LiveTraining:
             optimizer.zero_grad(set_to_none=True)
         return None
 
-    def after_step(self, job: Job) -> None:
-        """The step is counted: ZeRO refreshes its neighbour's copy when due."""
+    def after_step(self, job: Job) -> bool:
+        """The step is counted: ZeRO refreshes its neighbour's copy when due. False when that
+        found a member lost (the job then rolled back to a step all shards are held at)."""
         zero = self.zero
-        if zero is not None:
-            self.guard(job, lambda: zero.after_step(job, self.held))
+        return zero is None or self.guard(job, lambda: zero.after_step(job, self.held))
 
     @staticmethod
     def _params(job: Job) -> list[torch.Tensor]:

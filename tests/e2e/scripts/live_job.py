@@ -10,7 +10,9 @@ kills nobody.
 
 Every process writes ``OUT/<member>.<incarnation>.json`` when it ends: its pid at start and
 end, the job's membership changes, its committed steps, a SHA-256 of the final parameters (and
-their values), and the ledger's problems (an empty list: every sample exactly once per epoch).
+their values), the ledger's problems (an empty list: every sample exactly once per epoch), and
+a tracked count of committed steps, received with the state (60 at the end on every member
+when tracked objects travel and roll back right).
 Under ZeRO the job also saves a checkpoint after every epoch into ``OUT/ckpt``, and the record
 says at which steps the process called ``phalanx.checkpoint.load`` (a live recovery must not).
 
@@ -64,6 +66,21 @@ torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 model, optimizer = job.setup(model, optimizer, loss_fn=F.cross_entropy)
+
+
+class Steps:
+    """A tracked count of committed steps: a replacement receives it, a rollback resets it."""
+
+    n = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"n": self.n}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.n = state["n"]
+
+
+steps = job.track("steps", Steps())  # after setup: a replacement has its state by then
 g = torch.Generator().manual_seed(1)
 data = TensorDataset(torch.randn(480, 8, generator=g), torch.randint(4, (480,), generator=g))
 loader = job.loader(data, batch_size=6)  # 24 samples a step at 4 ranks: 20 steps an epoch
@@ -79,7 +96,8 @@ for _epoch in job.epochs(3):
         else:
             loss = F.cross_entropy(model(x), y)
             job.backward(loss)
-        job.step()
+        if job.step():
+            steps.n += 1
         # Slower while a member is missing, so that its replacement (which imports torch
         # first) is admitted before the end whatever the load.
         time.sleep(pause if job.world.world_size == 4 else 1.0)
@@ -104,6 +122,7 @@ record = {
     "problems": job.live.ledger.problems(),
     "epochs": job.live.ledger.epochs,
     "loads": loads,
+    "tracked_steps": steps.n,
 }
 job.close()
 (out / f"{member}.{incarnation}.json").write_text(json.dumps(record))
