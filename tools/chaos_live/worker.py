@@ -126,7 +126,8 @@ for _epoch in job.epochs(2):
             if job.step_count % 5 == 0:
                 save_cue.reads = 0
                 job.save()
-        time.sleep(1.0 if replaced and job.world.world_size < launched else 0.02)
+            # After a committed step only: a failed step is redone at once.
+            time.sleep(1.0 if replaced and job.world.world_size < launched else 0.02)
 
 params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 assert job.live is not None and job.live.ledger is not None
