@@ -123,11 +123,13 @@ for _epoch in job.epochs(2):
             assert job.live is not None
             with steps_file.open("a") as f:
                 f.write(f"{job.step_count} {time.time()} {job.live.group.generation}\n")
+            # After a committed step only (a failed step is redone at once), and as long as
+            # before the save (a loss inside it is redone at once too).
+            pause = 1.0 if replaced and job.world.world_size < launched else 0.02
             if job.step_count % 5 == 0:
                 save_cue.reads = 0
                 job.save()
-            # After a committed step only: a failed step is redone at once.
-            time.sleep(1.0 if replaced and job.world.world_size < launched else 0.02)
+            time.sleep(pause)
 
 params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 assert job.live is not None and job.live.ledger is not None
