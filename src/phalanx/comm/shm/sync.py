@@ -36,6 +36,7 @@ __all__ = ["Arrivals", "process_start"]
 _MASK = 0xFFFFFFFF
 _HALF = 0x80000000
 _SLICE_S = 0.1
+_BUSY_S = 10e-6
 
 
 def process_start(pid: int) -> int | None:
@@ -111,9 +112,15 @@ class Arrivals:
     def _wait_for(self, peer: int, deadline: float, what: Callable[[], str]) -> None:
         if self._reached(peer):
             return
-        # Spin, yielding the core: with more runnable threads than cores (two ranks and their
-        # worker threads on two busy cores) the peer we wait for may need this very core.
-        spin_until = time.perf_counter() + self._spin_s
+        # Spin: a few microseconds without a system call (a peer running on another core
+        # arrives within them, and a syscall is where a loaded kernel hands the core to
+        # another job), then yielding the core: with more runnable threads than cores (two
+        # ranks and their worker threads on two busy cores) the peer may need this very core.
+        start = time.perf_counter()
+        busy_until, spin_until = start + min(self._spin_s, _BUSY_S), start + self._spin_s
+        while time.perf_counter() < busy_until:
+            if self._reached(peer):
+                return
         while time.perf_counter() < spin_until:
             os.sched_yield()
             if self._reached(peer):
