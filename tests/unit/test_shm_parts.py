@@ -91,6 +91,10 @@ def test_descriptors_round_trip_and_a_mismatch_names_both_calls() -> None:
     assert "rank 0 called all_reduce(bfloat16" in str(err.value)
     assert "rank 2 called broadcast(bfloat16, 1000 elements, root=1)" in str(err.value)
     check_same([call, call], "same")
+    unnumbered = Call("all_reduce", torch.bfloat16, 1000, SUM, 0, region=3, offset=64)
+    for number in (7, 2**40):
+        numbered = Call("all_reduce", torch.bfloat16, 1000, SUM, 0, number, 3, 64)
+        assert unnumbered.pack_as(number) == numbered.pack()
 
 
 def test_reductions_refused_as_gloo_refuses_them() -> None:
@@ -180,6 +184,11 @@ def test_executor_runs_in_order_and_a_waiting_callback_does_not_deadlock() -> No
     with pytest.raises(RuntimeError, match="collective failed"):
         failing.wait()
     assert failing.is_completed() and isinstance(failing.exception(), RuntimeError)
+    with pytest.raises(RuntimeError, match="collective failed"):
+        failing.get_future().wait()  # a sync call's future, made when asked, carries the error
+    ran = ex.submit(lambda: log.append(20), [torch.ones(2)], wake=False)
+    assert log[-1] == 20 and ran.is_success() and ran.exception() is None
+    assert ran.get_future() is ran.get_future() and ran.get_future().wait() == ran.result()
     ex.stop()
 
 

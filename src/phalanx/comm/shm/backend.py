@@ -37,15 +37,16 @@ from phalanx.comm.shm.worker import Executor, ShmWork
 __all__ = ["ShmGroup", "ShmProcessGroup", "flat_cpu"]
 
 _GLOO_PREFIX = "phalanx_shm_gloo/"
+_MAX_CALLS = 256
 
 
 def flat_cpu(t: torch.Tensor, name: str, where: str) -> torch.Tensor:
     """``t`` as a flat view, refusing what the shm backend cannot take (naming ``where``)."""
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise ValueError(f"{where}: backend 'shm' takes CPU tensors, {name} is on {t.device}")
     if not t.is_contiguous():
         raise ValueError(f"{where}: {name} must be contiguous (call .contiguous() first)")
-    return t.view(-1)
+    return t if t.dim() == 1 else t.view(-1)
 
 
 def _one(tensors: Sequence[torch.Tensor], where: str) -> torch.Tensor:
@@ -109,6 +110,7 @@ class ShmProcessGroup(ShmGroup):
         self._regions = Regions(store, rank, world_size, timeout)
         self.zero_copy_calls = 0
         """Collectives that ran on shared buffers, reading the peers' tensors in place."""
+        self._calls: dict[tuple[str, torch.dtype, int, int, int], Call] = {}
 
     def shutdown(self) -> None:
         """Finish the queued calls, unmap the segment, shut the gloo group underneath down."""
@@ -149,19 +151,34 @@ class ShmProcessGroup(ShmGroup):
 
         return self._executor.submit(run, value, wake=bool(getattr(opts, "asyncOp", True)))
 
+    def _call(self, kind: str, dtype: torch.dtype, numel: int, op: int = 0, root: int = 0) -> Call:
+        """The descriptor of a call on plain tensors, made once per shape (a training step
+        repeats a few, and making one costs microseconds)."""
+        key = (kind, dtype, numel, op, root)
+        call = self._calls.get(key)
+        if call is None:
+            if len(self._calls) >= _MAX_CALLS:
+                self._calls.clear()
+            call = self._calls[key] = Call(kind, dtype, numel, op, root)
+        return call
+
     def _check_root(self, root: int, where: str) -> int:
         if not 0 <= root < self._size:
             raise ValueError(f"{where}: root rank {root} is outside 0..{self._size - 1}")
         return root
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:  # type: ignore[override]
-        if any(t.layout != torch.strided for t in tensors):  # sparse gradients: gloo's
+        one_dense = len(tensors) == 1 and tensors[0].layout == torch.strided
+        if not one_dense and any(t.layout != torch.strided for t in tensors):  # sparse: gloo's
             return self._gloo.allreduce(tensors, opts)  # type: ignore[attr-defined]
         flat = flat_cpu(_one(tensors, "all_reduce"), "tensor", "all_reduce")
         code = op_code(opts.reduceOp)
         check_reduction(code, flat.dtype, "all_reduce")
         region, offset = self._regions.locate(flat)
-        call = Call("all_reduce", flat.dtype, flat.numel(), code, region=region, offset=offset)
+        if region:
+            call = Call("all_reduce", flat.dtype, flat.numel(), code, region=region, offset=offset)
+        else:
+            call = self._call("all_reduce", flat.dtype, flat.numel(), code)
         ch, regions = self._channel, self._regions
         body = lambda: collectives.all_reduce(ch, flat, code)  # noqa: E731
         if region:
@@ -172,7 +189,7 @@ class ShmProcessGroup(ShmGroup):
         flat = flat_cpu(_one(tensors, "reduce"), "tensor", "reduce")
         code, root = op_code(opts.reduceOp), self._check_root(opts.rootRank, "reduce")
         check_reduction(code, flat.dtype, "reduce")
-        call = Call("reduce", flat.dtype, flat.numel(), code, root)
+        call = self._call("reduce", flat.dtype, flat.numel(), code, root)
         ch = self._channel
         return self._submit(
             call, lambda: collectives.all_reduce(ch, flat, code, root), tensors, opts
@@ -182,7 +199,7 @@ class ShmProcessGroup(ShmGroup):
         flat = flat_cpu(_one(tensors, "broadcast"), "tensor", "broadcast")
         check_dtype(flat.dtype, "broadcast")
         root = self._check_root(opts.rootRank, "broadcast")
-        call = Call("broadcast", flat.dtype, flat.numel(), 0, root)
+        call = self._call("broadcast", flat.dtype, flat.numel(), 0, root)
         ch = self._channel
         return self._submit(call, lambda: collectives.broadcast(ch, flat, root), tensors, opts)
 

@@ -40,8 +40,11 @@ class Channel:
         self.steps = 0
         self.calls = 0
         self.broken: BaseException | None = None
-        self.current = Call("none")
-        self._packed = self.current.pack()
+        self._call = Call("none")
+        self._packed = self._call.pack()
+        self._descriptors = [
+            [layout.descriptor(r, parity) for r in range(self.world_size)] for parity in (0, 1)
+        ]
 
     def close(self) -> None:
         """Drop every view of the segment and unmap it."""
@@ -83,39 +86,44 @@ class Channel:
             self._views[key] = view
         return view
 
-    def begin(self, call: Call) -> Call:
-        """Number a new call on this group; raise if an earlier failure broke the group."""
+    def begin(self, call: Call) -> None:
+        """Number a new call on this group; raise if an earlier failure broke the group.
+
+        ``call``'s own number is ignored (so one ``Call`` may describe many calls alike)."""
         if self.broken is not None:
             raise ShmError(
                 f"{self.label}: {call.kind} refused: the group failed earlier "
                 f"({self.broken}); destroy it and start a new one"
             )
         self.calls += 1
-        self.current = dataclasses.replace(call, number=self.calls)
-        self._packed = self.current.pack()
-        return self.current
+        self._call = call
+        self._packed = call.pack_as(self.calls)
+
+    @property
+    def current(self) -> Call:
+        """The call running now, with its number."""
+        return dataclasses.replace(self._call, number=self.calls)
 
     def what(self) -> str:
-        return f"{self.label}: {self.current.kind} (call #{self.current.number})"
+        return f"{self.label}: {self._call.kind} (call #{self.calls})"
 
     def publish(self, parity: int) -> None:
         """Write this rank's descriptor of the current call for the step of ``parity``."""
-        offset = self.layout.descriptor(self.rank, parity)
+        offset = self._descriptors[parity][self.rank]
         self.segment[offset : offset + len(self._packed)] = self._packed
 
     def check(self, parity: int) -> None:
         """After the first barrier of a call: compare every rank's descriptor with ours."""
-        size = len(self._packed)
-        offsets = [self.layout.descriptor(r, parity) for r in range(self.world_size)]
-        if any(self.segment[o : o + size] != self._packed for o in offsets):
-            check_same([Call.read(self.segment, o) for o in offsets], self.what())
+        packed, segment, size = self._packed, self.segment, len(self._packed)
+        offsets = self._descriptors[parity]
+        for o in offsets:
+            if segment[o : o + size] != packed:
+                check_same([Call.read(segment, o) for o in offsets], self.what())
+                return  # alike but for the offsets, which are not compared
 
     def offsets(self, parity: int) -> list[int]:
         """Every rank's buffer offset in the current call (read after its first barrier)."""
-        return [
-            Call.read(self.segment, self.layout.descriptor(r, parity)).offset
-            for r in range(self.world_size)
-        ]
+        return [Call.read(self.segment, o).offset for o in self._descriptors[parity]]
 
     def barrier(self) -> None:
         self.arrivals.barrier(self.what)

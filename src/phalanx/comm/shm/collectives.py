@@ -64,8 +64,11 @@ def all_reduce(ch: Channel, flat: torch.Tensor, op: int, root: int | None = None
     ``ONE_SHOT_BYTES``; two-shot (rank r reduces the r-th 1/n into the result area, then all
     copy it: two barriers, 1/n of the arithmetic each) for larger ones. Both add in rank order.
     """
-    nbytes = flat.numel() * flat.dtype.itemsize
-    one_shot = ch.world_size <= ONE_SHOT_RANKS or nbytes <= ONE_SHOT_BYTES
+    numel, dtype = flat.numel(), flat.dtype
+    one_shot = ch.world_size <= ONE_SHOT_RANKS or numel * dtype.itemsize <= ONE_SHOT_BYTES
+    if one_shot and numel <= ch.capacity(dtype) and (root is None or root == ch.rank):
+        _one_shot_all_reduce(ch, flat, op)  # one chunk: the same step as below, fewer calls
+        return
     for i, (lo, hi) in enumerate(_chunks(flat.numel(), ch.capacity(flat.dtype))):
         parity, m = ch.next_step(), hi - lo
         part = flat if m == flat.numel() else flat[lo:hi]
@@ -80,6 +83,14 @@ def all_reduce(ch: Channel, flat: torch.Tensor, op: int, root: int | None = None
                 reduce_into(part, slots, op)
         else:
             _two_shot(ch, parity, part, op, root)
+
+
+def _one_shot_all_reduce(ch: Channel, flat: torch.Tensor, op: int) -> None:
+    """One step of one chunk: copy in, the call's barrier, reduce every slot into ``flat``."""
+    parity, m, dtype = ch.next_step(), flat.numel(), flat.dtype
+    ch.slot(parity, ch.rank, dtype, m).copy_(flat)
+    ch.first_barrier(parity)
+    reduce_into(flat, [ch.slot(parity, q, dtype, m) for q in range(ch.world_size)], op)
 
 
 def _two_shot(ch: Channel, parity: int, part: torch.Tensor, op: int, root: int | None) -> None:

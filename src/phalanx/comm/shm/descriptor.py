@@ -12,6 +12,7 @@ every rank's tensor is in the same shared buffer (the zero-copy path) or none is
 
 from __future__ import annotations
 
+import functools
 import mmap
 import struct
 from dataclasses import dataclass, field
@@ -38,6 +39,8 @@ _REDUCING = {"all_reduce", "reduce_scatter", "reduce"}
 _ROOTED = {"broadcast", "reduce"}
 _FORMAT = struct.Struct(f"<{DESCRIPTOR_WORDS}q")
 _USED = 8
+_NUMBER = 5  # the word that changes from call to call
+_NUMBER_FORMAT = struct.Struct("<q")
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,17 @@ class Call:
 
     def pack(self) -> bytes:
         return _FORMAT.pack(*self.words())
+
+    @functools.cached_property
+    def _around_number(self) -> tuple[bytes, bytes]:
+        packed = self.pack()
+        return packed[: 8 * _NUMBER], packed[8 * (_NUMBER + 1) :]
+
+    def pack_as(self, number: int) -> bytes:
+        """``pack()`` of this call numbered ``number`` (a call reused with a new number packs
+        its other words once)."""
+        head, tail = self._around_number
+        return head + _NUMBER_FORMAT.pack(number) + tail
 
     @classmethod
     def read(cls, segment: mmap.mmap, offset: int) -> Call:

@@ -7,8 +7,8 @@ One segment per process group::
     [parity 1: slot of rank 0 .. slot of rank n-1, result]
 
 A rank's control block holds its arrival counter (alone on its cache line; only that rank
-writes it), a flag it sets when it gives up on the group after an error, and one call
-descriptor per parity. Slots and
+writes it), a flag it sets when it gives up on the group after an error, one call
+descriptor per parity, and the CPU it last arrived from (a hint for waiters: ``sync.py``). Slots and
 results come in two parities: consecutive steps of the collectives alternate between them, so
 a rank may fill its slot for the next step while a slow peer still reads the previous one
 (``collectives.py`` says why that is safe).
@@ -25,6 +25,7 @@ COUNTER_OFFSET = 0
 FAILED_OFFSET = 64
 DESCRIPTOR_OFFSET = 128
 DESCRIPTOR_WORDS = 16
+CPU_OFFSET = 384
 PAGE = 4096
 
 
@@ -52,6 +53,9 @@ class Layout:
 
     def failed(self, rank: int) -> int:
         return rank * CONTROL_BLOCK + FAILED_OFFSET
+
+    def cpu(self, rank: int) -> int:
+        return rank * CONTROL_BLOCK + CPU_OFFSET
 
     def descriptor(self, rank: int, parity: int) -> int:
         return rank * CONTROL_BLOCK + DESCRIPTOR_OFFSET + parity * DESCRIPTOR_WORDS * 8

@@ -31,11 +31,25 @@ from phalanx.comm.shm.errors import PeerDiedError, ShmError, ShmTimeoutError
 from phalanx.comm.shm.futex import futex_wait, futex_wake
 from phalanx.comm.shm.layout import Layout
 
-__all__ = ["Arrivals", "process_start"]
+__all__ = ["Arrivals", "current_cpu", "process_start"]
 
 _MASK = 0xFFFFFFFF
 _HALF = 0x80000000
 _SLICE_S = 0.1
+_BUSY_S = 10e-6
+_UNKNOWN_CPU = -1
+
+
+def _cpu_reader() -> Callable[[], int]:
+    """glibc's ``sched_getcpu`` (no system call: it reads the kernel's rseq area), if any."""
+    fn = getattr(ctypes.CDLL(None), "sched_getcpu", None)
+    if fn is None:
+        return lambda: _UNKNOWN_CPU
+    fn.restype, fn.argtypes = ctypes.c_int, []
+    return fn
+
+
+current_cpu = _cpu_reader()
 
 
 def process_start(pid: int) -> int | None:
@@ -65,6 +79,8 @@ class Arrivals:
         self._words = [ctypes.c_uint32.from_buffer(segment, layout.counter(r)) for r in range(n)]
         self._addresses = [ctypes.addressof(w) for w in self._words]
         self._failed = [ctypes.c_uint32.from_buffer(segment, layout.failed(r)) for r in range(n)]
+        self._cpus = [ctypes.c_int32.from_buffer(segment, layout.cpu(r)) for r in range(n)]
+        self._cpu = _UNKNOWN_CPU
         self._processes = processes
         self.rank = rank
         self.timeout_s = timeout_s
@@ -74,7 +90,7 @@ class Arrivals:
 
     def release(self) -> None:
         """Drop the ctypes views, so the segment can be unmapped."""
-        self._words, self._failed = [], []
+        self._words, self._failed, self._cpus = [], [], []
 
     def fail(self) -> None:
         """Tell the peers that this rank gave up on the group (it raised a timeout or the like)."""
@@ -87,6 +103,7 @@ class Arrivals:
         ``what`` names the operation for an error ("shm all_reduce #12 ...").
         """
         self._count = (self._count + 1) & _MASK
+        self._cpu = self._cpus[self.rank].value = current_cpu()
         self._words[self.rank].value = self._count
         futex_wake(self._addresses[self.rank])
         deadline = time.monotonic() + self.timeout_s
@@ -111,9 +128,18 @@ class Arrivals:
     def _wait_for(self, peer: int, deadline: float, what: Callable[[], str]) -> None:
         if self._reached(peer):
             return
-        # Spin, yielding the core: with more runnable threads than cores (two ranks and their
-        # worker threads on two busy cores) the peer we wait for may need this very core.
-        spin_until = time.perf_counter() + self._spin_s
+        # Spin: a few microseconds without a system call (a peer running on another core
+        # arrives within them, and a syscall is where a loaded kernel hands the core to
+        # another job), unless the peer last arrived from this very core; then yielding the
+        # core: with more runnable threads than cores (two ranks and their worker threads on
+        # two busy cores) the peer may need this core.
+        start = time.perf_counter()
+        same_core = self._cpus[peer].value == self._cpu != _UNKNOWN_CPU
+        busy = 0.0 if same_core else min(self._spin_s, _BUSY_S)
+        busy_until, spin_until = start + busy, start + self._spin_s
+        while time.perf_counter() < busy_until:
+            if self._reached(peer):
+                return
         while time.perf_counter() < spin_until:
             os.sched_yield()
             if self._reached(peer):

@@ -30,53 +30,80 @@ KEEP_RECENT = 256
 
 
 class ShmWork(dist._Work):  # torch's Work trampoline (PyWork)
-    """A queued collective: ``wait()`` raises its error, ``get_future()`` completes with it."""
+    """A collective call: ``wait()`` raises its error, ``get_future()`` completes with it.
+
+    A queued call gets its future when it is made (another thread may complete it while the
+    caller holds it). A call that ran before it was returned (a synchronous one) makes its
+    future only if asked: a ``Future`` costs microseconds, and ``dist.all_reduce`` never asks.
+    """
 
     def __init__(self, executor: Executor, run: Callable[[], None], value: object) -> None:
         super().__init__()
         self._executor = executor
         self._run = run
         self._value = value
-        self.future: Future[object] = Future()
+        self._finished = False
+        self._error: BaseException | None = None
+        self._future: Future[object] | None = None
+
+    @classmethod
+    def queued(cls, executor: Executor, run: Callable[[], None], value: object) -> ShmWork:
+        work = cls(executor, run, value)
+        work._future = Future()
+        return work
 
     def execute(self) -> None:
+        run, self._run = self._run, _done
         try:
-            self._run()
+            run()
         except BaseException as exc:  # the waiter re-raises it
-            self.future.set_exception(exc)
-        else:
-            self.future.set_result(self._value)
-        self._run = _done
+            self._error = exc
+        self._finished = True
+        future = self._future
+        if future is not None:
+            if self._error is not None:
+                future.set_exception(self._error)
+            else:
+                future.set_result(self._value)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        if not self.future.done():
+        if not self._finished:
             self._executor.run_until(self)
-        self.future.wait()  # raises the collective's error
+        if self._future is not None:
+            self._future.wait()  # raises the collective's error; waits for its callbacks
+        elif self._error is not None:
+            raise self._error
         return True
 
     def get_future(self) -> Future[object]:
-        return self.future
+        if self._future is None:  # ran synchronously, so finished
+            with _LAZY:
+                if self._future is None:
+                    future: Future[object] = Future()
+                    if self._error is not None:
+                        future.set_exception(self._error)
+                    else:
+                        future.set_result(self._value)
+                    self._future = future
+        return self._future
 
     def is_completed(self) -> bool:
-        return self.future.done()
+        return self._finished
 
     def is_success(self) -> bool:
-        return self.future.done() and self.exception() is None
+        return self._finished and self._error is None
 
     def exception(self) -> BaseException | None:
-        if not self.future.done():
-            return None
-        try:
-            self.future.wait()
-        except BaseException as exc:
-            return exc
-        return None
+        return self._error if self._finished else None
 
     def result(self) -> list[torch.Tensor]:
         return self._value if isinstance(self._value, list) else []
 
     def synchronize(self) -> None:
         self.wait()
+
+
+_LAZY = threading.Lock()
 
 
 def _done() -> None:
@@ -98,15 +125,17 @@ class Executor:
     def submit(self, run: Callable[[], None], value: object, wake: bool) -> ShmWork:
         """Queue ``run``, or run it now when it is synchronous (``wake=False``) and nothing is
         queued or running before it; else a sync call is left to the caller's ``wait()``."""
-        work = ShmWork(self, run, value)
-        self._recent.append(work)
         if not wake and not self._queue and not self._stopped and self._running.acquire(False):
             try:
                 if not self._queue:
+                    work = ShmWork(self, run, value)
+                    self._recent.append(work)
                     work.execute()
                     return work
             finally:
                 self._running.release()
+        work = ShmWork.queued(self, run, value)
+        self._recent.append(work)
         with self._cond:
             if self._stopped:
                 raise RuntimeError("the shm process group was shut down")
@@ -122,7 +151,7 @@ class Executor:
     def run_until(self, work: ShmWork) -> None:
         """Run queued calls in order on this thread until ``work`` has run."""
         with self._running:
-            while not work.future.done():
+            while not work._finished:
                 head = self._pop()
                 if head is None:
                     break  # it ran on the worker while we waited for the lock
