@@ -72,11 +72,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, JoinableZero):
         overlap_with_ddp: torch's step inside DDP hooks; not supported (use ``stage=2``).
         stage: None: gradients are averaged before ``step()`` (by DDP; torch's contract).
             1 or 2: this optimizer averages them itself (no DDP) at ``step()`` or during
-            backward; it then also broadcasts rank 0's parameters at construction.
+            backward; it then also broadcasts rank 0's parameters at construction, unless
+            ``broadcast_params=False`` (a live job's replacement receives them after it joins).
         bucket_cap_mb: Bucket size for the reduce-scatter / all-gather pipeline.
-        broadcast_params: With ``stage`` 1 or 2, broadcast rank 0's parameters at
-            construction (default True). False communicates nothing: the caller makes the
-            replicas equal (live recovery's newcomer, which receives the state after it joins).
         **defaults: Passed to ``optimizer_class``.
 
     ``step(closure, **kwargs)``, ``zero_grad``, ``add_param_group``, ``consolidate_state_dict``
@@ -227,8 +225,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, JoinableZero):
         optimizer's ``torch.optim`` state, as :meth:`state_dict` gives after
         :meth:`consolidate_state_dict`; None: empty state, same hyperparameters). The caller
         guarantees equal parameters and the same ``full_state`` on every rank, and no half-done
-        step (unstepped gradients are dropped); a joining rank builds its optimizer before it
-        joins (then the constructor communicates nothing). Collective over the new group.
+        step (unstepped gradients are dropped); a joining rank builds its optimizer with
+        ``broadcast_params=False``. Collective over the new group.
 
         Raises:
             TypeError, ValueError: ``full_state`` is not such a dict, or of another model.

@@ -265,8 +265,7 @@ class Job(JobReports):
                 self.scheduler.step()
             if self.runner.finished():
                 break
-            # A live ZeRO job may have rolled back into the epoch before (train/live_zero.py):
-            # its rest was trained in this pass, and the next epoch follows the rolled-back one.
+            # A live ZeRO job may roll back into the epoch before; the next follows that one.
             epoch = epoch + 1 if self.live is None else self.epoch + 1
         self.runner.finish()
 
@@ -330,18 +329,14 @@ class Job(JobReports):
         self.timing.enter("optimizer")
         if self.slowdown is not None:
             self.slowdown.end(self.step_count)
-        # Parameter servers step the optimizer (and the scheduler) on the servers.
-        stepped_here = (
-            self.runner.step(opt, self.precision)
-            if self.live is None
-            else self.live.step(self, opt)
-        )
-        if stepped_here is None:
+        live = self.live  # parameter servers step the optimizer (and scheduler) on the servers
+        stepped = self.runner.step(opt, self.precision) if live is None else live.step(self, opt)
+        if stepped is None:
             return False  # a live job's failed step: redone
-        if stepped_here and self.schedule == "step" and self.scheduler is not None:
+        if stepped and self.schedule == "step" and self.scheduler is not None:
             self.scheduler.step()
         self.step_count += 1
-        if self.live is not None and not self.live.after_step(self):
+        if live is not None and not live.after_step(self):
             return False  # a live ZeRO job lost a member here and rolled this step back
         self.timing.end_step(self.step_count, self.metrics)
         return True
