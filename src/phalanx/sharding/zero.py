@@ -219,11 +219,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, JoinableZero):
     ) -> None:
         """Shard over ``process_group`` (None: the default group) from now on, in place.
 
-        For live recovery, which replaces the default group: this object re-plans its buckets
-        for the new size and rank (parameters stay the same objects), rebuilds its inner
-        optimizer and gradient hooks, and keeps its ranges of ``full_state`` (the whole
-        optimizer's ``torch.optim`` state, as :meth:`state_dict` gives after
-        :meth:`consolidate_state_dict`; None: empty state, same hyperparameters). The caller
+        For live recovery, which replaces the default group: re-plans the buckets for the new
+        size and rank (parameters stay the same objects), rebuilds the inner optimizer and
+        gradient hooks, and keeps its ranges of ``full_state`` (the whole ``torch.optim`` state,
+        as :meth:`state_dict` after :meth:`consolidate_state_dict`; None: empty). The caller
         guarantees equal parameters and the same ``full_state`` on every rank, and no half-done
         step (unstepped gradients are dropped); a joining rank builds its optimizer with
         ``broadcast_params=False``. Collective over the new group.
