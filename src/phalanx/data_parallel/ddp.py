@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
+from phalanx._eager import eager
 from phalanx.comm import collectives as c
 from phalanx.data_parallel import ddp_options as opts
 from phalanx.data_parallel.ddp_join import DDPJoinHook
@@ -213,7 +214,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     # Under torch.compile the bookkeeping around the module runs eagerly (as for torch's DDP):
     # only the wrapped module's forward is compiled.
-    @torch.compiler.disable
+    @eager
     def _pre_forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
         grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         work = Join.notify_join_context(self)
@@ -236,7 +237,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             inputs, kwargs = cast_inputs(self._caster.param_dtype, (inputs, kwargs))
         return inputs, kwargs
 
-    @torch.compiler.disable
+    @eager
     def _post_forward(self) -> None:
         if self._delayed is not None:
             self._delayed.point_grads()

@@ -13,12 +13,10 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torch.distributed.checkpoint.stateful import Stateful
-
 from phalanx._check import check_bool, check_str, fail
 from phalanx.checkpoint import structure
 from phalanx.train.resume_point import SamplerState
-from phalanx.train.strategies.base import Scheduler
+from phalanx.train.strategies.base import Scheduler, Stateful
 
 if TYPE_CHECKING:  # the job calls these with itself; no import at run time
     from phalanx.train.job import Job
@@ -44,7 +42,7 @@ def track(job: Job, name: object, obj: object) -> None:
     name = check_str("name", name, where=where)
     if not name:
         raise ValueError("Job.track(name=''): name must be a non-empty string")
-    if not isinstance(obj, Stateful):  # torch's runtime-checkable protocol
+    if not isinstance(obj, Stateful):  # a runtime-checkable protocol, as torch's
         what = "an object with state_dict() and load_state_dict()"
         raise fail("obj", obj, what, where=where, fix=f"tracking {name!r}", error=TypeError)
     if name in job.tracked:

@@ -20,12 +20,11 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.stateful import Stateful as _Stateful
 from torch.optim.lr_scheduler import LRScheduler
 
 from phalanx._fields import check_fields
@@ -53,8 +52,15 @@ Scheduler = LRScheduler
 """A learning-rate scheduler (``ReduceLROnPlateau`` included: it is one in torch >= 2.2)."""
 
 
-Stateful = _Stateful
-"""Anything with ``state_dict()`` / ``load_state_dict()`` (torch's checkpointing protocol)."""
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything with ``state_dict()`` / ``load_state_dict()``: torch's checkpointing protocol
+    (``torch.distributed.checkpoint.stateful.Stateful``), declared here because importing
+    torch's pulls in DTensor (about 0.9 s of CPU in every process that makes a ``Job``)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
 class SyncOwner(Protocol):
