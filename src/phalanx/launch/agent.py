@@ -42,7 +42,31 @@ __all__ = ["Agent", "AgentStopped"]
 STOP_GRACE_S = 3.0
 EXIT_ACK_TIMEOUT_S = 10.0
 PEER_SILENCE_TIMEOUT_S = 30.0
-NODE_SILENT = f"no heartbeat from its agent for {PEER_SILENCE_TIMEOUT_S:.0f} s"
+"""Seconds without a node agent's heartbeat before node 0 declares that node lost (default;
+``PHALANX_NODE_SILENCE_TIMEOUT`` sets it)."""
+NODE_SILENT = "no heartbeat from its agent"
+
+
+def node_silence_timeout() -> float:
+    """``PHALANX_NODE_SILENCE_TIMEOUT`` (seconds > 0), else :data:`PEER_SILENCE_TIMEOUT_S`."""
+    raw = os.environ.get("PHALANX_NODE_SILENCE_TIMEOUT")
+    if raw is None:
+        return PEER_SILENCE_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise ValueError(
+            f"PHALANX_NODE_SILENCE_TIMEOUT={raw!r}: expected seconds > 0 (default "
+            f"{PEER_SILENCE_TIMEOUT_S:.0f}); unset it or give e.g. 30"
+        )
+    return value
+
+
+def _silent(failure: Failure) -> bool:
+    """Whether node 0 declared ``failure``'s node lost for its silence."""
+    return (failure.reason or "").startswith(NODE_SILENT)
 
 
 class AgentStopped(Exception):
@@ -59,6 +83,7 @@ class Agent:
     def __init__(self, cfg: LaunchConfig, store: Any, log: Callable[[str], None]) -> None:
         self.cfg = cfg
         self.node = cfg.node_rank
+        self.silence = node_silence_timeout()  # a bad value is refused before anything starts
         # One secret per job: the user's on several machines (each needs the same), else new.
         self.secret = os.environ.get(SECRET_ENV) or (new_secret() if cfg.nnodes == 1 else None)
         key = self.secret.encode() if self.secret else None
@@ -121,7 +146,7 @@ class Agent:
     def _restartable(self, failure: Failure) -> bool:
         """A worker failed, or (``--nnodes MIN:MAX``) a node was lost: the rest go on."""
         elastic = 0 < self.cfg.min_nodes < self.cfg.nnodes
-        return failure.rank >= 0 or (elastic and failure.reason == NODE_SILENT)
+        return failure.rank >= 0 or (elastic and _silent(failure))
 
     def _rendezvous(self, g: int) -> Rendezvous:
         port = None
@@ -189,8 +214,9 @@ class Agent:
         if self.node != 0:
             self.store.heartbeat()
             return
-        for n in self.store.silent_nodes(PEER_SILENCE_TIMEOUT_S):
-            self.store.publish_failure(g, Failure(-1, -1, n, 0, 1, reason=NODE_SILENT))
+        for n in self.store.silent_nodes(self.silence):
+            reason = f"{NODE_SILENT} for {self.silence:g} s"
+            self.store.publish_failure(g, Failure(-1, -1, n, 0, 1, reason=reason))
 
     def _stop_workers(self, signum: int = signal.SIGTERM) -> None:
         if self.workers is not None:
@@ -243,7 +269,7 @@ class Agent:
                 return self._end_live(ended, rdzv.max_restarts)
             failure = ended
         self.log("--recovery live replaces dead workers only: this failure ends the whole job")
-        if failure.reason == NODE_SILENT:  # it will not say goodbye: do not wait for it
+        if _silent(failure):  # it will not say goodbye: do not wait for it
             self.store.members = [n for n in self.store.members if n != failure.node_rank]
         return self._fail(0, failure, rdzv.max_restarts)
 
