@@ -29,7 +29,7 @@ __all__ = [
     "live_strategy",
 ]
 
-log = logging.getLogger("phalanx.train.live")
+log = logging.getLogger(__name__)
 MAX_IDLE_RECOVERIES = 3
 """Recoveries in a row at one step that lose nobody before the job gives up (a collective that
 fails for another reason than a lost member would otherwise be redone forever)."""
