@@ -37,18 +37,24 @@ def env_flag(name: str, default: bool, env: Mapping[str, str] | None = None) -> 
     )
 
 
-def hang_timeout(env: Mapping[str, str] | None = None) -> float:
-    """``PHALANX_HANG_TIMEOUT`` seconds (default 60); a malformed value is named."""
-    raw = (os.environ if env is None else env).get("PHALANX_HANG_TIMEOUT", "")
+def env_seconds(name: str, default: float, env: Mapping[str, str] | None = None) -> float:
+    """Seconds > 0 from environment variable ``name`` (unset or blank: ``default``); a
+    malformed value is named."""
+    raw = (os.environ if env is None else env).get(name, "")
     if not raw.strip():
-        return DEFAULT_HANG_TIMEOUT_S
+        return default
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"PHALANX_HANG_TIMEOUT={raw!r} is not a number of seconds") from None
+        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
     if not value > 0:  # NaN too
-        raise ValueError(f"PHALANX_HANG_TIMEOUT={raw!r} must be > 0 seconds")
+        raise ValueError(f"{name}={raw!r} must be > 0 seconds")
     return value
+
+
+def hang_timeout(env: Mapping[str, str] | None = None) -> float:
+    """``PHALANX_HANG_TIMEOUT`` seconds (default 60); a malformed value is named."""
+    return env_seconds("PHALANX_HANG_TIMEOUT", DEFAULT_HANG_TIMEOUT_S, env)
 
 
 @dataclass(frozen=True)

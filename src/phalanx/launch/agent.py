@@ -24,6 +24,7 @@ from types import FrameType
 from typing import Any
 
 from phalanx.comm.auth import SECRET_ENV, new_secret
+from phalanx.comm.flags import env_seconds
 from phalanx.comm.signed import JobSecretError
 from phalanx.launch.attempt import worker_specs
 from phalanx.launch.backend_note import backend_note
@@ -49,19 +50,7 @@ NODE_SILENT = "no heartbeat from its agent"
 
 def node_silence_timeout() -> float:
     """``PHALANX_NODE_SILENCE_TIMEOUT`` (seconds > 0), else :data:`PEER_SILENCE_TIMEOUT_S`."""
-    raw = os.environ.get("PHALANX_NODE_SILENCE_TIMEOUT")
-    if raw is None:
-        return PEER_SILENCE_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not value > 0:
-        raise ValueError(
-            f"PHALANX_NODE_SILENCE_TIMEOUT={raw!r}: expected seconds > 0 (default "
-            f"{PEER_SILENCE_TIMEOUT_S:.0f}); unset it or give e.g. 30"
-        )
-    return value
+    return env_seconds("PHALANX_NODE_SILENCE_TIMEOUT", PEER_SILENCE_TIMEOUT_S)
 
 
 def _silent(failure: Failure) -> bool:
