@@ -61,9 +61,7 @@ class RestoredShards:
         self._check(optimizer, model, "RestoredShards.load")
         if model is not None:
             model.load_sharded_state(*self.sections["model"])
-            view = optimizer_view(model, optimizer)
-            assert view is not None
-            view.load_sharded_state(*self.sections["optimizer"])
+            self._load_zero3_optimizer(optimizer, model)
             return
         assert isinstance(optimizer, ZeroRedundancyOptimizer)
         _load_zero_params(optimizer, *self.sections["model"])
@@ -80,11 +78,20 @@ class RestoredShards:
         if model is None:
             assert isinstance(optimizer, ZeroRedundancyOptimizer)
             optimizer.regroup(None)
-        else:  # its regroup needs the full state: a rank holds only its shard
-            _, reader = self.sections["model"]
-            full = {key: reader.full(key) for key in reader.keys()}  # noqa: SIM118 (a method)
-            model.regroup(None, full, optimizer=optimizer)
-        self.load(optimizer, model)
+            self.load(optimizer)
+            return
+        # FSDP's regroup takes the full state (a rank holds only its shard) and fills the shards.
+        _, reader = self.sections["model"]
+        full = {key: reader.full(key) for key in reader.keys()}  # noqa: SIM118 (a method)
+        model.regroup(None, full, optimizer=optimizer)
+        self._load_zero3_optimizer(optimizer, model)
+
+    def _load_zero3_optimizer(
+        self, optimizer: torch.optim.Optimizer, model: FullyShardedDataParallel
+    ) -> None:
+        view = optimizer_view(model, optimizer)
+        assert view is not None
+        view.load_sharded_state(*self.sections["optimizer"])
 
     def _check(
         self, optimizer: torch.optim.Optimizer, model: FullyShardedDataParallel | None, where: str

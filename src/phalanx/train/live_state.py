@@ -79,7 +79,7 @@ def collect(job: Job, held: Held, sharded: bool = False) -> dict[str, object]:
     if sharded:
         model = job.runner.model
         assert model is not None
-        state["buffers"] = [b.detach().clone() for b in model.buffers()]
+        state["buffers"] = [b.detach() for b in model.buffers()]  # sent or copied at once
     else:
         _, optimizer = job.runner.checkpointed(saving=True)
         state["model"] = _module(job).state_dict()

@@ -165,7 +165,8 @@ class LiveShards:
             lost = [r for r, m in enumerate(self.members) if m not in group.members]
             if not lost:
                 mirror.take(job.step_count)
-                self.states.setdefault(job.step_count, _unsharded(job, held))
+                if job.step_count not in self.states:
+                    self.states[job.step_count] = _unsharded(job, held)
         optimizer, model = self.objects(job)
         try:
             restored = restore_shards(mirror, lost, None)
