@@ -41,7 +41,7 @@ def _job(
     records = {p.stem: json.loads(p.read_text()) for p in folder.glob("*.json")}
     for name, record in records.items():
         assert record["pid"] == record["started_pid"], name
-        assert record["step"] == 60 and record["world_size"] == 4, (name, record)
+        assert record["step"] == 60 and record["world_size"] == 4, (name, record, err[-3000:])
         assert record["problems"] == [] and record["epochs"] == [0, 1, 2], (name, record)
         assert record["tracked_steps"] == 60, (name, record["tracked_steps"])
     assert len({r["digest"] for r in records.values()}) == 1, records  # equal replicas
