@@ -34,6 +34,7 @@ import crc32c
 from phalanx.checkpoint.checksum import Digest, TensorBytes
 from phalanx.checkpoint.limits import open_regular
 from phalanx.checkpoint.manifest import FileEntry
+from phalanx.checkpoint.writeback import Writeback
 
 __all__ = [
     "FAULT_ENV",
@@ -158,8 +159,10 @@ def _write_pieces(
 ) -> None:
     """Write and checksum ``pieces``; fsync (and honour the fault point) at byte ``half``."""
     written = 0
+    writeback = Writeback(fd)
     for name, piece in pieces:
         _write_all(fd, piece)
+        writeback.wrote(piece.nbytes)
         if name is None:
             digest.update(piece)
         elif piece.nbytes < _COMBINE_FROM:
