@@ -360,6 +360,7 @@ CASES = [
     row(bad(Zero, stage="2"), TypeError, "str '2'"),
     row(bad(Zero, stage=3, bucket_cap_mb=10), ValueError, "bucket_cap_mb=10 | stages 1 and 2"),
     row(bad(Zero, init_sync="no"), TypeError, "Zero(init_sync='no') | True or False"),
+    row(bad(Zero, stage=2, mirror_every=0), ValueError, "Zero(mirror_every=0) | int >= 1"),
     row(bad(DDPOptions, bucket_cap_mb=0), ValueError, "DDP(bucket_cap_mb=0) | > 0"),
     row(bad(DDPOptions, find_unused_parameters="no"), TypeError, "True or False"),
     row(bad(Job, "single", straggler_check_every=-1), ValueError, "int >= 0"),

@@ -57,5 +57,7 @@ class Writeback:
         if _SYNC_FILE_RANGE is None or self._written - self._queued < _EVERY:
             return
         # An error here (a filesystem without support) is harmless: the fsync does the work.
-        _SYNC_FILE_RANGE(self._fd, self._queued, self._written - self._queued, _SYNC_FILE_RANGE_WRITE)
+        _SYNC_FILE_RANGE(
+            self._fd, self._queued, self._written - self._queued, _SYNC_FILE_RANGE_WRITE
+        )
         self._queued = self._written

@@ -145,7 +145,7 @@ class LiveTraining:
     def strategy(self, chosen: Strategy) -> Strategy:
         """The strategy this live job runs (``live_rules.live_strategy``)."""
         if isinstance(chosen, Zero):
-            self.zero = LiveShards()
+            self.zero = LiveShards(chosen.mirror_every)
         return live_strategy(chosen, self.group.joined)
 
     def after_setup(self, job: Job) -> None:
@@ -222,6 +222,8 @@ class LiveTraining:
 
     def boundary(self, job: Job) -> None:
         """Admit waiting replacements (every member calls it before every step)."""
+        if self.zero is not None:
+            self.zero.at_boundary(job, self.held)
         started = time.monotonic()
         while True:
             try:

@@ -72,6 +72,10 @@ class LiveShards:
         """The generation the mirror spans, in its rank order (its old ranks after a change)."""
         self.states: dict[int, dict[str, object]] = {}
         """The job's unsharded state at each step this member holds a snapshot of."""
+        self.due: int | None = None
+        """A step whose shards were snapshotted and whose unsharded state is taken at the
+        next boundary, once the training loop's own code for that step has run (a tracked
+        counter bumped after ``job.step()`` belongs to that step)."""
         self.in_forward_backward = False
         """Inside ``job.forward_backward``, which redoes a failed forward (ZeRO-3's gathers)."""
 
@@ -127,17 +131,30 @@ class LiveShards:
                 kept["sampler"] = copy.deepcopy(state)
 
     def after_step(self, job: Job, held: Held) -> None:
-        """After a committed step: refresh when due. Raises a failed exchange's error (a lost
-        peer), as a collective would."""
+        """After a committed step: refresh the shards' copy when due (the rest of the state is
+        kept at the next :meth:`at_boundary`). Raises a failed exchange's error (a lost peer),
+        as a collective would."""
         if self.mirror is not None and job.step_count % self.every == 0:
-            self._refresh(job, held)
+            self.mirror.refresh(job.step_count)
+            self.due = job.step_count
+
+    def at_boundary(self, job: Job, held: Held) -> None:
+        """Before the next step: keep the job's unsharded state of the step refreshed last."""
+        if self.due is not None and self.due == job.step_count:
+            self._keep(job, held)
+        self.due = None
 
     def _refresh(self, job: Job, held: Held) -> None:
         assert self.mirror is not None
         self.mirror.refresh(job.step_count)
+        self._keep(job, held)
+
+    def _keep(self, job: Job, held: Held) -> None:
+        assert self.mirror is not None
         self.states[job.step_count] = _unsharded(job, held)
         kept = {s.step for s in self.mirror.own}
         self.states = {step: s for step, s in self.states.items() if step in kept}
+        self.due = None
 
     def settle(self) -> None:
         """Join the mirror's exchange in flight (before the group is torn down); what

@@ -1,7 +1,8 @@
 """A ``phalanx.Job`` under ``phalanx run --recovery live``; chosen ranks SIGKILL themselves.
 
 argv: OUT KILLS [STEP_SLEEP_S [RECOVERY [STRATEGY]]]   (RECOVERY: Job's recovery=, default
-"live"; STRATEGY: "ddp" (default), "zero2" or "zero3")
+"live"; STRATEGY: "ddp" (default), "zero2" or "zero3", or "zero2/K": ZeRO-2 whose shards are
+mirrored every K steps, ``Zero(mirror_every=K)``)
 
 KILLS is a comma-separated list of ``RANK@STEP`` (the first process of launcher rank RANK
 SIGKILLs itself just before the forward of step STEP) or ``RANK@wSIZE`` (... of the first step
@@ -49,8 +50,10 @@ torch.set_num_threads(1)
 if incarnation == 0 and [os.environ["RANK"], "start"] in kills:  # before it joins the job
     os.kill(os.getpid(), signal.SIGKILL)
 sharded = strategy != "ddp"
+stage, _, every = strategy.partition("/")
+chosen = phalanx.Zero(stage=int(stage[-1]), mirror_every=int(every)) if every else strategy
 job = phalanx.Job(
-    strategy, seed=0, recovery=recovery, checkpoint_dir=out / "ckpt" if sharded else None
+    chosen, seed=0, recovery=recovery, checkpoint_dir=out / "ckpt" if sharded else None
 )
 loads: list[int] = []  # the step count at each checkpoint read
 real_load = phalanx.checkpoint.load

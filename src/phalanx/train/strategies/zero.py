@@ -41,6 +41,10 @@ class Zero(Strategy):
         init_sync: Broadcast rank 0's parameters when the model and optimizer are built
             (default); live recovery turns it off for a replacement, which receives the state
             after it joins (``train/live_zero.py``).
+        mirror_every: Under live recovery (``Job(recovery="live")``), refresh the copy of
+            this rank's shards that its neighbour keeps in memory after every this many steps
+            (default 1: every step). A larger value costs less and may roll a recovery back
+            by up to ``mirror_every - 1`` steps, which are trained again. Ignored otherwise.
     """
 
     name: ClassVar[str] = "zero"
@@ -48,6 +52,7 @@ class Zero(Strategy):
     stage: int = 1
     bucket_cap_mb: float = DEFAULT_BUCKET_MB
     init_sync: bool = True
+    mirror_every: int = 1
 
     def __post_init__(self) -> None:
         check_fields(
@@ -55,6 +60,7 @@ class Zero(Strategy):
             stage=rule(check_int, min=1, max=3),
             bucket_cap_mb=rule(check_float, above=0),
             init_sync=FLAG,
+            mirror_every=rule(check_int, min=1),
         )
         if self.stage == 3 and self.bucket_cap_mb != DEFAULT_BUCKET_MB:
             raise ValueError(
