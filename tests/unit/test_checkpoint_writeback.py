@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 
@@ -40,7 +41,7 @@ def test_every_few_mib_written_are_queued_in_order(
     starts = [c[1] for c in calls]
     assert starts[0] == 0
     assert all(c[2] >= writeback._EVERY for c in calls)
-    assert all(a[1] + a[2] == b[1] for a, b in zip(calls, calls[1:]))
+    assert all(a[1] + a[2] == b[1] for a, b in itertools.pairwise(calls))
     assert calls[-1][1] + calls[-1][2] <= entry.bytes
 
 

@@ -37,7 +37,7 @@ def _load() -> Callable[[int, int, int, int], int] | None:
         return None
     call.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
     call.restype = ctypes.c_int
-    return call  # type: ignore[no-any-return]
+    return call
 
 
 _SYNC_FILE_RANGE = _load()
