@@ -37,7 +37,8 @@ $(NOEXTRAS)/.base: pyproject.toml
 	$(NOEXTRAS)/bin/pip install --quiet torch==2.13.0
 	touch $@
 
-$(NOEXTRAS)/.installed: $(NOEXTRAS)/.base $(SRC)
+# After .venv's editable install (order only): both write src/phalanx.egg-info.
+$(NOEXTRAS)/.installed: $(NOEXTRAS)/.base $(SRC) | $(STAMP)
 	$(NOEXTRAS)/bin/pip install --quiet .
 	touch $@
 
@@ -48,7 +49,10 @@ smoke-noextras: $(NOEXTRAS)/.installed
 # sockets and sleeps more than they compute. PYTEST_WORKERS=0 runs the suite in one process.
 PYTEST_WORKERS ?= 2
 
-test: $(STAMP) lint smoke-noextras
+# Before pytest, two jobs at a time: the two venvs side by side, then lint beside the no-extras
+# smoke (pip, mypy and most of the smoke use one core each; the CI box has two).
+test:
+	$(MAKE) --no-print-directory -j2 --output-sync=target lint smoke-noextras
 	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 clean:
