@@ -59,6 +59,8 @@ class NodeOutcome:
     """Slots whose newest process exited 0."""
     deaths: list[Death]
     """Every death on the node, replaced or not, in order."""
+    life: int = 0
+    """Which agent of the node reports (0: the first; n: its n-th relaunch, which rejoined)."""
 
 
 def _death(value: Any) -> Death:
