@@ -153,23 +153,31 @@ def _two_agents(
     return [start([*PHALANX_RUN, *common, "--node-rank", str(n), *args], env) for n in (0, 1)]
 
 
-def test_a_lost_node_1_is_a_loss_of_its_workers_and_the_job_goes_on(tmp_path: Path) -> None:
-    # Node 1 (agent and worker) SIGKILLed: once its heartbeat has been silent for 10 s
-    # (PHALANX_NODE_SILENCE_TIMEOUT; default 30) node 0 records its worker's death, the
-    # survivor reads the marker and runs to the end, and the job succeeds at the smaller world.
-    procs = _two_agents(tmp_path, wait="~1.0")
+def _lose_node(
+    procs: list[subprocess.Popen[str]], folder: Path, lost: int
+) -> tuple[int, str, float]:
+    """SIGKILL node ``lost`` (agent and worker) once both workers started; the other worker's
+    pid, the other agent's stderr and how long it took to end."""
     try:
-        _wait_started(procs[0], tmp_path, 2)
-        pid = _record(tmp_path, "0.0", 0, "start")["pid"]
-        os.killpg(procs[1].pid, signal.SIGKILL)
+        _wait_started(procs[0], folder, 2)
+        pid = _record(folder, f"{1 - lost}.0", 0, "start")["pid"]
+        os.killpg(procs[lost].pid, signal.SIGKILL)
         killed = time.monotonic()
-        _, err = finish(procs[0], deadline=60)
-        took = time.monotonic() - killed
+        _, err = finish(procs[1 - lost], deadline=60)
+        return pid, err, time.monotonic() - killed
     finally:
         for proc in procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate(timeout=10)
+
+
+def test_a_lost_node_1_is_a_loss_of_its_workers_and_the_job_goes_on(tmp_path: Path) -> None:
+    # Node 1 (agent and worker) SIGKILLed: once its heartbeat has been silent for 10 s
+    # (PHALANX_NODE_SILENCE_TIMEOUT; default 30) node 0 records its worker's death, the
+    # survivor reads the marker and runs to the end, and the job succeeds at the smaller world.
+    procs = _two_agents(tmp_path, wait="~1.0")
+    pid, err, took = _lose_node(procs, tmp_path, 1)
     assert procs[0].returncode == 0, err
     assert "node 1 lost (its agent sent no heartbeat for 10 s" in err
     assert "rank 1 (member 1.0, incarnation 0) is lost; the others go on" in err
@@ -182,18 +190,7 @@ def test_a_lost_node_1_is_a_loss_of_its_workers_and_the_job_goes_on(tmp_path: Pa
 def test_a_lost_node_0_ends_the_live_job_with_a_clear_message(tmp_path: Path) -> None:
     # Node 0 hosts the stores: node 1's agent ends at its next store call.
     procs = _two_agents(tmp_path)
-    try:
-        _wait_started(procs[0], tmp_path, 2)
-        pid = _record(tmp_path, "1.0", 0, "start")["pid"]
-        os.killpg(procs[0].pid, signal.SIGKILL)
-        killed = time.monotonic()
-        _, err = finish(procs[1], deadline=60)
-        took = time.monotonic() - killed
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate(timeout=10)
+    pid, err, took = _lose_node(procs, tmp_path, 0)
     assert procs[1].returncode == 1, err
     assert "lost the rendezvous store" in err and "node 0's agent has probably exited" in err
     assert "node 0 hosts the live job's stores: losing it ends the whole job" in err

@@ -271,7 +271,11 @@ class Agent:
 
     def _rejoin_live(self, rdzv: Rendezvous) -> int:
         """A relaunched agent of a running live job: its slots' workers join as replacements."""
-        self.log(f"node {self.node}: live job {rdzv.run_id} is running; rejoining it")
+        self.log(
+            f"node {self.node}: live job {rdzv.run_id} is running; rejoining it once node 0 "
+            f"has declared this node's previous agent lost ({self.silence:g} s without its "
+            f"heartbeat, PHALANX_NODE_SILENCE_TIMEOUT)"
+        )
         board = JobBoard(self.store.signed, rdzv.max_restarts)
         back = rejoin(self.store, board, rdzv, self.nproc, self.cfg.rdzv_timeout, self.check_stop)
         self.store.life = back.life
@@ -323,6 +327,9 @@ class Agent:
             remote = self.store.failure(0)
             if remote is not None:
                 return remote
+            if self.node != 0:  # before anything it writes: a dropped agent writes nothing
+                self.store.heartbeat()
+                check_dropped(live.board, self.node, live.life, self.silence)
             try:
                 live.poll()
             except OSError as exc:
@@ -339,9 +346,6 @@ class Agent:
             self.worker_store.check_proofs()
             if self.node == 0:
                 watch.poll()
-            else:
-                self.store.heartbeat()
-                check_dropped(live.board, self.node, live.life, self.silence)
             time.sleep(self.cfg.monitor_interval)
 
     def _end_live(self, outcomes: list[NodeOutcome], max_restarts: int) -> int:

@@ -74,9 +74,10 @@ class JobBoard:
         return self._finished or store_call(self.signed.get, f"{KEYS}finished") is not None
 
     def publish(self, outcome: NodeOutcome) -> None:
-        """Publish a node's outcome (all of its workers have exited, or node 0 lost it)."""
+        """Publish a node's outcome (all of its workers have exited, or node 0 lost it). The
+        first one of a node's life stands: a slow agent's, after node 0's, is ignored."""
         key = f"{KEYS}outcome/{outcome.node}/{outcome.life}"
-        store_call(self.signed.put, key, to_json(outcome))
+        store_call(self.signed.first, key, to_json(outcome))
 
     def outcome(self, node: int, life: int) -> NodeOutcome | None:
         """The outcome ``node``'s agent of ``life`` published (or node 0 for it), if any."""

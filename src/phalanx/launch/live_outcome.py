@@ -45,7 +45,7 @@ class Death:
         """``rank 1 (member 0.1, incarnation 0, pid 42): signal SIGKILL (exit code 137)``."""
         f = self.failure
         text = f"rank {f.rank} (member {self.member}, incarnation {self.incarnation}, pid {f.pid})"
-        text += f": {f.how()}"
+        text += f": {f.reason or f.how()}"  # a reason: its node was lost, not the process
         last = f.exception or f.last_line
         return f"{text}; last error: {last}" if last else text
 
