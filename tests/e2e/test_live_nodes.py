@@ -56,12 +56,15 @@ def test_a_lost_node_is_a_loss_of_its_workers_and_its_relaunched_agent_rejoins(
         f"two-node run {time.monotonic() - start:.1f} s, relaunch to end "
         f"{time.monotonic() - relaunched:.1f} s"
     )
+    print("\n".join(line for line in (err0 + err1).splitlines() if "node 1" in line))
     assert procs[0].returncode == 0, out0 + err0
     assert procs[2].returncode == 0, out1 + err1
     for rank, local in ((2, 0), (3, 1)):
         assert f"rank {rank} (member 1.{local}, incarnation 0) is lost" in err0, err0
         assert f"rank {rank} (member 1.{local}, incarnation 1) started as pid" in err1, err1
     assert "node 1 is back" in err0, err0
+    assert "job finished: 4 of 4 workers ran to the end (exit 0)" in err0, err0
+    assert "replacements used: 2 of 2 (--max-restarts)" in err0, err0
     run = check_records(folder, err0 + err1)
     assert set(run) == {"0.0.0", "0.1.0", "1.0.1", "1.1.1"}  # survivors kept, 2 replacements
     regroups = run["0.0.0"]["regroups"]

@@ -83,7 +83,7 @@ class NodeWatch:
     def _declare_lost(self, node: int) -> None:
         life = self.store.lives.get(node, 0)
         late = self.board.someone_finished()
-        why = f"its agent sent no heartbeat for {self.silence:g} s (PHALANX_NODE_SILENCE_TIMEOUT)"
+        why = f"no heartbeat from its agent for {self.silence:g} s, PHALANX_NODE_SILENCE_TIMEOUT"
         deaths = []
         for local, rank in enumerate(self.store.ranks(0, node)):
             member = member_id(node, local)
