@@ -144,13 +144,21 @@ def _two_agents(
 ) -> list[subprocess.Popen[str]]:
     """Nodes 0 and 1 (one worker each, over loopback) of a ``--recovery live`` job running
     ``live_slot.py`` with WAIT and WAIT_FOR_REPLACEMENT; ``flags`` go to both agents."""
+    cmds, env = _agent_commands(folder, *flags, wait=wait, replace=replace, secret=secret)
+    return [start(cmd, env) for cmd in cmds]
+
+
+def _agent_commands(
+    folder: Path, *flags: str, wait: str, replace: str, secret: str
+) -> tuple[list[list[str]], dict[str, str]]:
+    """The two agents' commands (see :func:`_two_agents`) and their environment."""
     common = [
         *("--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1"),
         *("--master-port", str(free_port()), "--recovery", "live", *flags),
     ]
     env = launcher_env(PHALANX_JOB_SECRET=secret * 32, PHALANX_NODE_SILENCE_TIMEOUT="10")
     args = [SCRIPT, str(folder), wait, replace]
-    return [start([*PHALANX_RUN, *common, "--node-rank", str(n), *args], env) for n in (0, 1)]
+    return [[*PHALANX_RUN, *common, "--node-rank", str(n), *args] for n in (0, 1)], env
 
 
 def _lose_node(
@@ -196,3 +204,33 @@ def test_a_lost_node_0_ends_the_live_job_with_a_clear_message(tmp_path: Path) ->
     assert "node 0 hosts the live job's stores: losing it ends the whole job" in err
     assert took < 25, f"took {took:.0f} s"
     assert not alive(pid), err  # its worker was stopped
+
+
+def test_a_slow_agent_declared_lost_stops_and_its_relaunch_rejoins(tmp_path: Path) -> None:
+    # Node 1's agent is stopped (SIGSTOP) past the 10 s silence: node 0 declares the node lost.
+    # Resumed, the agent finds that out before writing anything, stops its worker and exits 1;
+    # the same command run again rejoins with a replacement, which the survivor waits for.
+    cmds, env = _agent_commands(
+        tmp_path, "--max-restarts", "1", wait="~1.0", replace="1", secret="ef"
+    )
+    procs = [start(cmd, env) for cmd in cmds]
+    try:
+        _wait_started(procs[0], tmp_path, 2)
+        old = _record(tmp_path, "1.0", 0, "start")["pid"]
+        os.kill(procs[1].pid, signal.SIGSTOP)  # the agent only: its worker runs on
+        time.sleep(15)
+        os.kill(procs[1].pid, signal.SIGCONT)
+        _, slow_err = finish(procs[1], deadline=30)
+        procs.append(start(cmds[1], env))
+        (_, err0), (_, err1) = finish(procs[0]), finish(procs[2])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=10)
+    assert procs[1].returncode == 1 and "node 0 declared node 1 lost" in slow_err, slow_err
+    assert not alive(old), slow_err  # the dropped agent stopped its worker
+    assert [procs[0].returncode, procs[2].returncode] == [0, 0], err0 + err1
+    assert "node 1 rejoined: rank 1 (member 1.0, incarnation 1)" in err1, err1
+    assert _record(tmp_path, "0.0", 0, "end")["dead"] == 0
+    assert "job finished: 2 of 2 workers ran to the end (exit 0)" in err0, err0
