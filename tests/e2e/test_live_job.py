@@ -12,46 +12,20 @@ after every epoch is never read.
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.e2e.launching import SCRIPTS, finish, launcher_env, start
+from tests.e2e.live_runs import live_job
 
-SCRIPT = str(SCRIPTS / "live_job.py")
 pytestmark = pytest.mark.timeout(400)
-
-
-def _job(
-    folder: Path, kills: str, recovery: str, replacements: int, strategy: str = "ddp"
-) -> dict[str, dict[str, Any]]:
-    """Run the job; every process's record by ``<member>.<incarnation>``."""
-    folder.mkdir()
-    cmd = [
-        *(sys.executable, "-m", "phalanx", "run", "--standalone", "--nproc-per-node", "4"),
-        *("--recovery", "live", "--max-restarts", str(replacements)),
-        *(SCRIPT, str(folder), kills, "0.05", recovery, strategy),
-    ]
-    proc = start(cmd, launcher_env())
-    out, err = finish(proc, deadline=300)
-    assert proc.returncode == 0, out + err
-    records = {p.stem: json.loads(p.read_text()) for p in folder.glob("*.json")}
-    for name, record in records.items():
-        assert record["pid"] == record["started_pid"], name
-        assert record["step"] == 60 and record["world_size"] == 4, (name, record, err[-3000:])
-        assert record["problems"] == [] and record["epochs"] == [0, 1, 2], (name, record)
-        assert record["tracked_steps"] == 60, (name, record["tracked_steps"])
-    assert len({r["digest"] for r in records.values()}) == 1, records  # equal replicas
-    return records
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The fault-free run's record (exact reduction), shared by the module's tests."""
-    records = _job(tmp_path_factory.mktemp("live") / "fault-free", "-", "live-exact", 0)
+    records = live_job(tmp_path_factory.mktemp("live") / "fault-free", "-", "live-exact", 0)
     assert set(records) == {"0.0.0", "0.1.0", "0.2.0", "0.3.0"}
     assert all(r["regroups"] == [] for r in records.values())
     return records["0.0.0"]
@@ -61,7 +35,7 @@ def test_lost_ranks_shrink_the_job_to_two_and_replacements_restore_it_bit_identi
     tmp_path: Path, reference: dict[str, Any]
 ) -> None:
     # Rank 2 dies before step 5; rank 1 in the first step it trains with 3 members.
-    run = _job(tmp_path / "faults", "2@5,1@w3", "live-exact", 2)
+    run = live_job(tmp_path / "faults", "2@5,1@w3", "live-exact", 2)
     assert set(run) == {"0.0.0", "0.3.0", "0.1.1", "0.2.1"}  # survivors kept, 2 replacements
     sizes = [size for _, size, _ in run["0.0.0"]["regroups"]]
     assert sizes[:2] == [3, 2] and sizes[-1] == 4, run["0.0.0"]["regroups"]
@@ -72,7 +46,7 @@ def test_lost_ranks_shrink_the_job_to_two_and_replacements_restore_it_bit_identi
 def test_plain_live_recovery_drifts_only_by_reassociation(
     tmp_path: Path, reference: dict[str, Any]
 ) -> None:
-    run = _job(tmp_path / "faults", "2@5", "live", 1)
+    run = live_job(tmp_path / "faults", "2@5", "live", 1)
     assert set(run) == {"0.0.0", "0.1.0", "0.3.0", "0.2.1"}
     survivor = run["0.0.0"]["regroups"]
     assert survivor[0][:2] == ["lost", 3] and survivor[-1][:2] == ["joined", 4], survivor
@@ -84,7 +58,7 @@ def test_plain_live_recovery_drifts_only_by_reassociation(
 def test_a_rank_lost_before_the_job_formed_is_replaced_in_the_first_generation(
     tmp_path: Path, reference: dict[str, Any]
 ) -> None:
-    run = _job(tmp_path / "faults", "2@start", "live-exact", 1)
+    run = live_job(tmp_path / "faults", "2@start", "live-exact", 1)
     assert set(run) == {"0.0.0", "0.1.0", "0.3.0", "0.2.1"}  # the replacement took slot 0.2
     assert all(r["regroups"] == [] for r in run.values())  # it started with the others
     assert run["0.0.0"]["digest"] == reference["digest"]
@@ -94,7 +68,7 @@ def test_a_rank_lost_before_the_job_formed_is_replaced_in_the_first_generation(
 def test_zero_restores_a_lost_members_shards_from_peers_without_reading_the_checkpoint(
     tmp_path: Path, reference: dict[str, Any], strategy: str, kills: str
 ) -> None:
-    run = _job(tmp_path / "faults", kills, "live", 1, strategy)
+    run = live_job(tmp_path / "faults", kills, "live", 1, strategy)
     victim = f"0.{kills[0]}"
     assert set(run) == {f"0.{r}.0" for r in range(4) if f"0.{r}" != victim} | {f"{victim}.1"}
     survivor = run["0.0.0"]["regroups"]
@@ -118,7 +92,7 @@ def test_two_adjacent_zero_members_lost_fall_back_to_the_newest_checkpoint_in_pr
     tmp_path: Path, reference: dict[str, Any]
 ) -> None:
     # Ranks 1 and 2 die at once before step 25: rank 2's shards were mirrored only on rank 1.
-    run = _job(tmp_path / "faults", "1@25,2@25", "live", 2, "zero2")
+    run = live_job(tmp_path / "faults", "1@25,2@25", "live", 2, "zero2")
     assert set(run) == {"0.0.0", "0.3.0", "0.1.1", "0.2.1"}
     for name in ("0.0.0", "0.3.0"):  # the survivors load step 20's checkpoint and go on
         assert run[name]["loads"] == [0, 25], run[name]["loads"]

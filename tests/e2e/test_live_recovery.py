@@ -144,39 +144,93 @@ def _two_agents(
 ) -> list[subprocess.Popen[str]]:
     """Nodes 0 and 1 (one worker each, over loopback) of a ``--recovery live`` job running
     ``live_slot.py`` with WAIT and WAIT_FOR_REPLACEMENT; ``flags`` go to both agents."""
+    cmds, env = _agent_commands(folder, *flags, wait=wait, replace=replace, secret=secret)
+    return [start(cmd, env) for cmd in cmds]
+
+
+def _agent_commands(
+    folder: Path, *flags: str, wait: str, replace: str, secret: str
+) -> tuple[list[list[str]], dict[str, str]]:
+    """The two agents' commands (see :func:`_two_agents`) and their environment."""
     common = [
         *("--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1"),
         *("--master-port", str(free_port()), "--recovery", "live", *flags),
     ]
     env = launcher_env(PHALANX_JOB_SECRET=secret * 32, PHALANX_NODE_SILENCE_TIMEOUT="10")
     args = [SCRIPT, str(folder), wait, replace]
-    return [start([*PHALANX_RUN, *common, "--node-rank", str(n), *args], env) for n in (0, 1)]
+    return [[*PHALANX_RUN, *common, "--node-rank", str(n), *args] for n in (0, 1)], env
 
 
-@pytest.mark.parametrize("lost", [0, 1])
-def test_a_lost_node_ends_the_live_job_with_a_clear_message(tmp_path: Path, lost: int) -> None:
-    # Live recovery replaces workers, not nodes: the other agent ends the job, within the
-    # heartbeat window (PHALANX_NODE_SILENCE_TIMEOUT, 10 s here; default 30) when node 1 goes,
-    # at its next store call when node 0 goes.
-    procs = _two_agents(tmp_path)
+def _lose_node(
+    procs: list[subprocess.Popen[str]], folder: Path, lost: int
+) -> tuple[int, str, float]:
+    """SIGKILL node ``lost`` (agent and worker) once both workers started; the other worker's
+    pid, the other agent's stderr and how long it took to end."""
     try:
-        _wait_started(procs[0], tmp_path, 2)
-        survivor = procs[1 - lost]
-        pid = _record(tmp_path, f"{1 - lost}.0", 0, "start")["pid"]
+        _wait_started(procs[0], folder, 2)
+        pid = _record(folder, f"{1 - lost}.0", 0, "start")["pid"]
         os.killpg(procs[lost].pid, signal.SIGKILL)
         killed = time.monotonic()
-        _, err = finish(survivor, deadline=60)
-        took = time.monotonic() - killed
+        _, err = finish(procs[1 - lost], deadline=60)
+        return pid, err, time.monotonic() - killed
     finally:
         for proc in procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate(timeout=10)
-    assert survivor.returncode == 1, err
-    if lost == 1:
-        assert "node 1: no heartbeat from its agent for 10 s" in err
-        assert "--recovery live replaces dead workers only: this failure ends the whole job" in err
-    else:
-        assert "lost the rendezvous store" in err and "node 0's agent has probably exited" in err
+
+
+def test_a_lost_node_1_is_a_loss_of_its_workers_and_the_job_goes_on(tmp_path: Path) -> None:
+    # Node 1 (agent and worker) SIGKILLed: once its heartbeat has been silent for 10 s
+    # (PHALANX_NODE_SILENCE_TIMEOUT; default 30) node 0 records its worker's death, the
+    # survivor reads the marker and runs to the end, and the job succeeds at the smaller world.
+    procs = _two_agents(tmp_path, wait="~1.0")
+    pid, err, took = _lose_node(procs, tmp_path, 1)
+    assert procs[0].returncode == 0, err
+    assert "node 1 lost (no heartbeat from its agent for 10 s, PHALANX_NODE_SILENCE_TIMEOUT)" in err
+    assert "rank 1 (member 1.0, incarnation 0) is lost; the others go on" in err
+    assert "job finished: 1 of 2 workers ran to the end (exit 0)" in err
+    end = _record(tmp_path, "0.0", 0, "end")
+    assert end["pid"] == pid and end["dead"] == 0, end
+    assert took < 25, f"took {took:.0f} s"
+
+
+def test_a_lost_node_0_ends_the_live_job_with_a_clear_message(tmp_path: Path) -> None:
+    # Node 0 hosts the stores: node 1's agent ends at its next store call.
+    procs = _two_agents(tmp_path)
+    pid, err, took = _lose_node(procs, tmp_path, 0)
+    assert procs[1].returncode == 1, err
+    assert "lost the rendezvous store" in err and "node 0's agent has probably exited" in err
+    assert "node 0 hosts the live job's stores: losing it ends the whole job" in err
     assert took < 25, f"took {took:.0f} s"
     assert not alive(pid), err  # its worker was stopped
+
+
+def test_a_slow_agent_declared_lost_stops_and_its_relaunch_rejoins(tmp_path: Path) -> None:
+    # Node 1's agent is stopped (SIGSTOP) past the 10 s silence: node 0 declares the node lost.
+    # Resumed, the agent finds that out before writing anything, stops its worker and exits 1;
+    # the same command run again rejoins with a replacement, which the survivor waits for.
+    cmds, env = _agent_commands(
+        tmp_path, "--max-restarts", "1", wait="~1.0", replace="1", secret="ef"
+    )
+    procs = [start(cmd, env) for cmd in cmds]
+    try:
+        _wait_started(procs[0], tmp_path, 2)
+        old = _record(tmp_path, "1.0", 0, "start")["pid"]
+        os.kill(procs[1].pid, signal.SIGSTOP)  # the agent only: its worker runs on
+        time.sleep(15)
+        os.kill(procs[1].pid, signal.SIGCONT)
+        _, slow_err = finish(procs[1], deadline=30)
+        procs.append(start(cmds[1], env))
+        (_, err0), (_, err1) = finish(procs[0]), finish(procs[2])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=10)
+    assert procs[1].returncode == 1 and "node 0 declared node 1 lost" in slow_err, slow_err
+    assert not alive(old), slow_err  # the dropped agent stopped its worker
+    assert [procs[0].returncode, procs[2].returncode] == [0, 0], err0 + err1
+    assert "node 1 rejoined: rank 1 (member 1.0, incarnation 1)" in err1, err1
+    assert _record(tmp_path, "0.0", 0, "end")["dead"] == 0
+    assert "job finished: 2 of 2 workers ran to the end (exit 0)" in err0, err0

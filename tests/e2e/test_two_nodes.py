@@ -11,51 +11,16 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from phalanx.bench.slow_link import Link, LinkError, slow_link, unavailable
+from phalanx.bench.slow_link import Link
+from tests.e2e.namespaces import netns_env, start_in, stop
 
 pytestmark = pytest.mark.netns
 
-ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(Path(__file__).resolve().parent / "scripts" / "env_allreduce.py")
-LAUNCH = [sys.executable, "-m", "phalanx.launch"]
-
-
-@pytest.fixture
-def pair() -> Iterator[Link]:
-    if (why := unavailable()) is not None:
-        pytest.skip(why)
-    try:
-        with slow_link() as link:
-            yield link
-    except LinkError as exc:
-        pytest.skip(f"cannot create network namespaces here: {exc}")
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
-    return env
-
-
-def _start(link: Link, side: int, *args: str) -> subprocess.Popen[str]:
-    return link.popen(side, [*LAUNCH, *args], env=_env())
-
-
-def _stop(proc: subprocess.Popen[str]) -> None:
-    """SIGTERM the launcher (it stops its workers), SIGKILL its process group if it hangs."""
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.communicate(timeout=10)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate(timeout=10)
 
 
 def test_two_nodes_all_reduce_across_namespaces(pair: Link) -> None:
@@ -74,13 +39,13 @@ def test_two_nodes_all_reduce_across_namespaces(pair: Link) -> None:
     procs = []
     try:
         # Node 1 first: it must wait (connection refused) until node 0 is up.
-        procs.append(_start(pair, 1, *common, "--node-rank", "1", SCRIPT))
+        procs.append(start_in(pair, 1, *common, "--node-rank", "1", SCRIPT))
         time.sleep(0.3)
-        procs.append(_start(pair, 0, *common, "--node-rank", "0", SCRIPT))
+        procs.append(start_in(pair, 0, *common, "--node-rank", "0", SCRIPT))
         outs = [p.communicate(timeout=90) for p in procs]
     finally:
         for p in procs:
-            _stop(p)
+            stop(p)
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, out + err
     node1_out, node0_out = outs[0][0], outs[1][0]
@@ -126,7 +91,7 @@ def test_unreachable_network_fails_fast(pair: Link) -> None:
         capture_output=True,
         text=True,
         timeout=60,
-        env=_env(),
+        env=netns_env(),
     )
     assert proc.returncode == 1
     assert "cannot reach the master 10.99.0.1:29561: network is unreachable" in proc.stderr
@@ -156,8 +121,8 @@ def test_node_loss_continues_on_the_remaining_node(pair: Link, tmp_path: Path) -
         "1",
     ]
     procs = [
-        _start(pair, 0, *common, "--node-rank", "0", ELASTIC, str(ckpt)),
-        _start(pair, 1, *common, "--node-rank", "1", ELASTIC, str(ckpt)),
+        start_in(pair, 0, *common, "--node-rank", "0", ELASTIC, str(ckpt)),
+        start_in(pair, 1, *common, "--node-rank", "1", ELASTIC, str(ckpt)),
     ]
     try:
         deadline = time.monotonic() + 60
@@ -169,7 +134,7 @@ def test_node_loss_continues_on_the_remaining_node(pair: Link, tmp_path: Path) -
         out, err = procs[0].communicate(timeout=120)
     finally:
         for p in procs:
-            _stop(p)
+            stop(p)
     assert procs[0].returncode == 0, out + err
     assert "[rank 0] GEN 0 WORLD 4" in out and "[rank 0] GEN 1 WORLD 2" in out
     assert "generation 1 starts with nodes [0]" in err

@@ -6,9 +6,10 @@ fails. A failure stops the workers on every node; with restarts left all agents 
 ``g + 1``, otherwise every agent exits non-zero with the first failure's summary.
 
 With ``--recovery live`` there is one generation and one worker store for the whole job: a
-dead worker is replaced alone (:mod:`.live`) and the job ends when every worker has exited.
-Only what ends a node ends the job: a signal, a lost node (no heartbeat for 30 s) or the lost
-store of node 0.
+dead worker is replaced alone (:mod:`.live`) and the job ends when every worker has exited. A
+lost node (no heartbeat for 30 s) is a loss of its workers, and its agent, run again, rejoins
+(:mod:`.live_nodes`); a signal to an agent or the loss of node 0 (it hosts the stores) ends the
+job.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from phalanx.launch.backend_note import backend_note
 from phalanx.launch.config import LaunchConfig
 from phalanx.launch.events import Events
 from phalanx.launch.live import JobBoard, LiveNode
+from phalanx.launch.live_keys import INCARNATION_ENV, MEMBER_ENV
+from phalanx.launch.live_nodes import NodeWatch, NotInJob, check_dropped, rejoin, rejoin_specs
 from phalanx.launch.live_outcome import NodeOutcome, verdict
 from phalanx.launch.logs import RunLogs
 from phalanx.launch.rendezvous import AgentStore, Rendezvous, RendezvousError, StoreLost
@@ -94,8 +97,10 @@ class Agent:
             return self._run()
         except AgentStopped as stop:
             return self._stopped_by_signal(stop.signum)
-        except (StoreLost, RendezvousError) as exc:
+        except (StoreLost, RendezvousError, NotInJob) as exc:
             self.log(str(exc))
+            if isinstance(exc, StoreLost) and self.cfg.recovery == "live":
+                self.log("node 0 hosts the live job's stores: losing it ends the whole job")
             self._stop_workers()
             return 1
         finally:
@@ -246,6 +251,10 @@ class Agent:
 
     def _run_live(self) -> int:
         """One generation and one worker store; a dead worker is replaced alone."""
+        if self.node != 0 and (
+            formed := self.store.formed(0, self.cfg.rdzv_timeout, self.check_stop)
+        ):
+            return self._rejoin_live(formed)
         rdzv = self._rendezvous(0)
         failure = self._join_worker_store(rdzv) or self._start_workers(rdzv)
         if failure is None:
@@ -258,13 +267,40 @@ class Agent:
                 return self._end_live(ended, rdzv.max_restarts)
             failure = ended
         self.log("--recovery live replaces dead workers only: this failure ends the whole job")
-        if _silent(failure):  # it will not say goodbye: do not wait for it
-            self.store.members = [n for n in self.store.members if n != failure.node_rank]
         return self._fail(0, failure, rdzv.max_restarts)
 
-    def _join_worker_store(self, rdzv: Rendezvous) -> Failure | None:
+    def _rejoin_live(self, rdzv: Rendezvous) -> int:
+        """A relaunched agent of a running live job: its slots' workers join as replacements."""
+        self.log(
+            f"node {self.node}: live job {rdzv.run_id} is running; rejoining it once node 0 "
+            f"has declared this node's previous agent lost ({self.silence:g} s without its "
+            f"heartbeat, PHALANX_NODE_SILENCE_TIMEOUT)"
+        )
+        board = JobBoard(self.store.signed, rdzv.max_restarts)
+        back = rejoin(self.store, board, rdzv, self.nproc, self.cfg.rdzv_timeout, self.check_stop)
+        self.store.life = back.life
+        if (failure := self._join_worker_store(rdzv, publish=False)) is not None:
+            raise NotInJob(f"node {self.node} cannot rejoin: {failure.reason}")
+        assert self.worker_store is not None
+        specs, logs = worker_specs(self.cfg, rdzv, self.secret, self.logs)
+        self.workers = WorkerGroup(rejoin_specs(specs, back), logs)
+        self.events.started(rdzv, self.workers.workers)
+        for w in self.workers.workers:
+            self.log(
+                f"node {self.node} rejoined: rank {w.spec.rank} (member {w.spec.env[MEMBER_ENV]}"
+                f", incarnation {w.spec.env[INCARNATION_ENV]}) started as pid {w.pid}"
+            )
+        dead = self.worker_store.live
+        events, life, carried = self.events, back.life, back.carried
+        live = LiveNode(self.workers, self.node, board, dead, self.log, events, life, carried)
+        ended = self._monitor_live(live)
+        if isinstance(ended, Failure):
+            return self._fail(0, ended, rdzv.max_restarts)
+        return self._end_live(ended, rdzv.max_restarts)
+
+    def _join_worker_store(self, rdzv: Rendezvous, publish: bool = True) -> Failure | None:
         """Nodes other than 0 connect to its worker store (to write their workers' deaths);
-        a Failure (already published) if they cannot."""
+        a Failure (published unless told not to) if they cannot."""
         if self.worker_store is not None:  # node 0 hosts it
             return None
         timeout = timedelta(seconds=self.cfg.rdzv_timeout)
@@ -276,19 +312,24 @@ class Agent:
         except (ConnectionError, TimeoutError, JobSecretError) as exc:
             reason = f"cannot join the worker store at {where[0]}:{where[1]}: {exc}"
             failure = Failure(-1, -1, self.node, os.getpid(), 1, reason=reason)
-            return self.store.publish_failure(0, failure)
+            return self.store.publish_failure(0, failure) if publish else failure
         return None
 
     def _monitor_live(self, live: LiveNode) -> list[NodeOutcome] | Failure:
         """Replace dead workers until every node's workers have exited (every node's outcome),
         or until something ends the job (the first Failure)."""
         self.store.forget_heartbeats()
+        assert self.worker_store is not None
+        watch = NodeWatch(self.store, live.board, self.worker_store.live, self.silence, self.log)
         published = False
         while True:
             self.check_stop()
             remote = self.store.failure(0)
             if remote is not None:
                 return remote
+            if self.node != 0:  # before anything it writes: a dropped agent writes nothing
+                self.store.heartbeat()
+                check_dropped(live.board, self.node, live.life, self.silence)
             try:
                 live.poll()
             except OSError as exc:
@@ -299,10 +340,12 @@ class Agent:
                 live.board.publish(live.outcome())
                 published = True
             if published and (outcomes := live.board.outcomes(self.store.members)) is not None:
+                if self.node == 0:  # the lost nodes will not say goodbye: do not wait for them
+                    self.store.members = watch.members()
                 return outcomes
-            if self.worker_store is not None:
-                self.worker_store.check_proofs()
-            self._watch_peers(0)
+            self.worker_store.check_proofs()
+            if self.node == 0:
+                watch.poll()
             time.sleep(self.cfg.monitor_interval)
 
     def _end_live(self, outcomes: list[NodeOutcome], max_restarts: int) -> int:

@@ -18,7 +18,10 @@ the node's outcome; the job's exit code follows from every node's.
 
 Agent-store keys (signed under the job's nonce, as the rest of the agents' protocol):
 ``phalanx/live/replacement/<n>`` (who took the n-th replacement; the first valid claim wins),
-``phalanx/live/finished`` (the first worker that finished) and ``phalanx/live/outcome/<node>``.
+``phalanx/live/finished`` (the first worker that finished), ``phalanx/live/outcome/<node>/<life>``,
+``phalanx/live/life/<node>/<n>`` (the n-th relaunched agent of the node, first claim wins) and
+``phalanx/live/lost/<node>`` (the newest life of the node that node 0 declared lost);
+:mod:`.live_nodes` uses the last two.
 """
 
 from __future__ import annotations
@@ -71,13 +74,48 @@ class JobBoard:
         return self._finished or store_call(self.signed.get, f"{KEYS}finished") is not None
 
     def publish(self, outcome: NodeOutcome) -> None:
-        """Publish this node's outcome (all of its workers have exited)."""
-        store_call(self.signed.put, f"{KEYS}outcome/{outcome.node}", to_json(outcome))
+        """Publish a node's outcome (all of its workers have exited, or node 0 lost it). The
+        first one of a node's life stands: a slow agent's, after node 0's, is ignored."""
+        key = f"{KEYS}outcome/{outcome.node}/{outcome.life}"
+        store_call(self.signed.first, key, to_json(outcome))
+
+    def outcome(self, node: int, life: int) -> NodeOutcome | None:
+        """The outcome ``node``'s agent of ``life`` published (or node 0 for it), if any."""
+        return store_call(self.signed.get, f"{KEYS}outcome/{node}/{life}", node_outcome)
 
     def outcomes(self, nodes: list[int]) -> list[NodeOutcome] | None:
-        """Every node's outcome, or None while some node's workers still run."""
-        found = [store_call(self.signed.get, f"{KEYS}outcome/{n}", node_outcome) for n in nodes]
+        """Every node's outcome (its newest life's), or None while some node's workers run."""
+        found = [self.outcome(n, self.life(n)) for n in nodes]
         return None if any(o is None for o in found) else [o for o in found if o is not None]
+
+    def life(self, node: int) -> int:
+        """The newest life of ``node``'s agent: how many relaunched agents claimed the node."""
+        life = 0
+        while store_call(self.signed.get, f"{KEYS}life/{node}/{life + 1}") is not None:
+            life += 1
+        return life
+
+    def claim_life(self, node: int, life: int) -> bool:
+        """Claim life ``life`` of ``node`` for this agent; False if another agent took it."""
+        mine = {"token": secrets.token_hex(8)}
+        return store_call(self.signed.first, f"{KEYS}life/{node}/{life}", mine) == mine
+
+    def declare_lost(self, node: int, life: int) -> None:
+        """Node 0: ``node``'s agent of ``life`` is lost (its writes no longer count)."""
+        store_call(self.signed.put, f"{KEYS}lost/{node}", life)
+
+    def lost_life(self, node: int) -> int:
+        """The newest life of ``node`` declared lost (-1: none)."""
+        lost = store_call(self.signed.get, f"{KEYS}lost/{node}")
+        return lost if isinstance(lost, int) else -1
+
+    def incarnation(self, member: str) -> int:
+        """The newest incarnation of slot ``member``: the replacements it claimed so far."""
+        n, count = 1, 0
+        while (claim := store_call(self.signed.get, f"{KEYS}replacement/{n}")) is not None:
+            count += isinstance(claim, dict) and claim.get("member") == member
+            n += 1
+        return count
 
 
 class LiveNode:
@@ -91,8 +129,12 @@ class LiveNode:
         dead: SignedStore,
         log: Callable[[str], None],
         events: Events | None = None,
+        life: int = 0,
+        carried: list[Death] | None = None,
     ) -> None:
         self.workers = workers
+        self.life = life
+        """This agent's life as the node (:mod:`.live_nodes`)."""
         self.node = node
         self.board = board
         self.dead = dead
@@ -104,9 +146,10 @@ class LiveNode:
         self.handled: set[int] = set()
         """``id()`` of the workers whose exit was handled (the group keeps every one alive)."""
         self.finished: list[str] = []
-        self.deaths: list[Death] = []
+        self.deaths: list[Death] = list(carried or [])
+        """Every death, with those of the node's earlier lives (``carried``) first."""
         self.ended: set[int] = set()
-        """Local ranks whose slot ended (finished or lost)."""
+        """Positions (in ``workers.workers``) of the slots that ended (finished or lost)."""
 
     def poll(self) -> None:
         """Handle every exit since the last poll, in the order the processes exited."""
@@ -122,7 +165,7 @@ class LiveNode:
 
     def outcome(self) -> NodeOutcome:
         """What this node reports once :meth:`all_exited`."""
-        return NodeOutcome(self.node, sorted(self.finished), list(self.deaths))
+        return NodeOutcome(self.node, sorted(self.finished), list(self.deaths), self.life)
 
     def _on_exit(self, worker: Worker) -> None:
         member = worker.spec.env[MEMBER_ENV]
@@ -130,11 +173,11 @@ class LiveNode:
             self._on_death(worker, member)
             return
         self.finished.append(member)
-        self.ended.add(worker.spec.local_rank)
+        self.ended.add(self._slot(worker))
         self.board.note_finished(member)
 
     def _on_death(self, worker: Worker, member: str) -> None:
-        local, incarnation = worker.spec.local_rank, int(worker.spec.env[INCARNATION_ENV])
+        local, incarnation = self._slot(worker), int(worker.spec.env[INCARNATION_ENV])
         # Decide before the marker is out: a survivor that reads it may finish at once.
         late = self.board.someone_finished()
         n = None if late else self.board.claim_replacement(member)
@@ -155,6 +198,10 @@ class LiveNode:
             f"{death.describe()}: replaced by pid {new.pid} (incarnation {incarnation + 1}; "
             f"replacement {n} of {self.board.max_replacements}, --max-restarts)"
         )
+
+    def _slot(self, worker: Worker) -> int:
+        """The position of ``worker``'s slot (a rejoined node may run only some slots)."""
+        return [s.local_rank for s in self.first].index(worker.spec.local_rank)
 
     def _why_not(self, late: bool) -> str:
         if late:

@@ -45,7 +45,7 @@ class Death:
         """``rank 1 (member 0.1, incarnation 0, pid 42): signal SIGKILL (exit code 137)``."""
         f = self.failure
         text = f"rank {f.rank} (member {self.member}, incarnation {self.incarnation}, pid {f.pid})"
-        text += f": {f.how()}"
+        text += f": {f.reason or f.how()}"  # a reason: its node was lost, not the process
         last = f.exception or f.last_line
         return f"{text}; last error: {last}" if last else text
 
@@ -59,6 +59,8 @@ class NodeOutcome:
     """Slots whose newest process exited 0."""
     deaths: list[Death]
     """Every death on the node, replaced or not, in order."""
+    life: int = 0
+    """Which agent of the node reports (0: the first; n: its n-th relaunch, which rejoined)."""
 
 
 def _death(value: Any) -> Death:

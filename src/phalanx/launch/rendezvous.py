@@ -111,6 +111,10 @@ class AgentStore:
         self._next_beat = 0.0
         self._next_check = 0.0
         self._beats: dict[int, tuple[int, float]] = {}
+        self.life = 0
+        """This agent's life as its node (``--recovery live``: 1 for the first relaunch...)."""
+        self.lives: dict[int, int] = {}
+        """Node 0: the life of each node whose heartbeat it watches (absent: 0)."""
 
     def _call(self, fn: Callable[..., T], *args: Any) -> T:
         return store_call(fn, *args)
@@ -209,6 +213,28 @@ class AgentStore:
             run_id=config.run_id,
             max_restarts=config.max_restarts,
         )
+
+    def formed(self, g: int, timeout: float, check_stop: Callable[[], None]) -> Rendezvous | None:
+        """Generation ``g`` as this node was given it, if node 0 already closed it (else None):
+        how a relaunched agent of a running ``--recovery live`` job finds its slots."""
+        config = self.config or self._read_config(timeout, check_stop)
+        members = self._get(self._key(g, "members"), values.members)
+        port = self._get(self._key(g, "worker_port"), values.port)
+        if members is None or port is None or self.node_rank not in members:
+            return None
+        self.members = members
+        world = sum(len(self.ranks(g, n)) for n in members)
+        first = self.ranks(g, self.node_rank).start
+        return Rendezvous(g, first, world, port, len(members), config.run_id, config.max_restarts)
+
+    def ranks(self, g: int, node: int) -> range:
+        """The global ranks of ``node``'s workers in generation ``g`` (empty if not in it)."""
+        if node not in self.members:
+            return range(0)
+        joined = [self._get(self._key(g, "nproc", n), values.joined) for n in self.members]
+        nprocs = [j.nproc if j is not None else 0 for j in joined]
+        first = sum(nprocs[: self.members.index(node)])
+        return range(first, first + nprocs[self.members.index(node)])
 
     def _joined(self, g: int) -> list[int]:
         """Nodes whose valid join record for generation ``g`` is in the store."""
@@ -332,12 +358,16 @@ class AgentStore:
         now = time.monotonic()
         if now >= self._next_beat:
             self._beat += 1
-            self._put(f"phalanx/heartbeat/{self.node_rank}", self._beat)
+            self._put(_beat_key(self.node_rank, self.life), self._beat)
             self._next_beat = now + HEARTBEAT_EVERY_S
 
-    def forget_heartbeats(self) -> None:
-        """Start silence tracking afresh (after a rendezvous, during which nobody beats)."""
-        self._beats.clear()
+    def forget_heartbeats(self, node: int | None = None) -> None:
+        """Start silence tracking afresh (after a rendezvous, during which nobody beats), for
+        every node or only ``node`` (a node that rejoined with a new life)."""
+        if node is None:
+            self._beats.clear()
+        else:
+            self._beats.pop(node, None)
 
     def silent_nodes(self, timeout: float) -> list[int]:
         """Nodes whose heartbeat has not grown for ``timeout`` s (checked by node 0).
@@ -349,13 +379,18 @@ class AgentStore:
             return silent
         self._next_check = now + HEARTBEAT_EVERY_S
         for n in self.members[1:]:
-            count = self._get(f"phalanx/heartbeat/{n}", values.count) or 0
+            count = self._get(_beat_key(n, self.lives.get(n, 0)), values.count) or 0
             last_count, since = self._beats.get(n, (-1, now))
             if count > last_count:
                 self._beats[n] = (count, now)
             elif now - since > timeout:
                 silent.append(n)
         return silent
+
+
+def _beat_key(node: int, life: int) -> str:
+    """Heartbeat key of ``node``'s agent in its ``life`` (a relaunched agent has its own)."""
+    return f"phalanx/heartbeat/{node}" + (f"/life{life}" if life else "")
 
 
 def _host() -> str:

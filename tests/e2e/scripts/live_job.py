@@ -6,8 +6,9 @@ mirrored every K steps, ``Zero(mirror_every=K)``)
 
 KILLS is a comma-separated list of ``RANK@STEP`` (the first process of launcher rank RANK
 SIGKILLs itself just before the forward of step STEP) or ``RANK@wSIZE`` (... of the first step
-it trains in a generation of SIZE members) or ``RANK@start`` (before it makes its Job); "-"
-kills nobody.
+it trains in a generation of SIZE members) or ``RANK@start`` (before it makes its Job), or
+``RANK@STEP@node``: that process SIGKILLs its launcher's process group (the node's agent; the
+node's other workers die with it) and then itself, as if the machine vanished; "-" kills nobody.
 
 Every process writes ``OUT/<member>.<incarnation>.json`` when it ends: its pid at start and
 end, the job's membership changes, its committed steps, a SHA-256 of the final parameters (and
@@ -90,9 +91,11 @@ loader = job.loader(data, batch_size=6)  # 24 samples a step at 4 ranks: 20 step
 
 for _epoch in job.epochs(3):
     for x, y in job.progress(loader):
-        for rank, when in kills if incarnation == 0 else []:
+        for rank, when, *node in kills if incarnation == 0 else []:
             now = f"w{job.world.world_size}" if when[0] == "w" else str(job.step_count)
             if rank == os.environ["RANK"] and when == now:
+                if node:  # the whole machine: its agent's group, then this process
+                    os.killpg(os.getpgid(os.getppid()), signal.SIGKILL)
                 os.kill(os.getpid(), signal.SIGKILL)
         if strategy == "zero3":  # its forward communicates: the job guards it
             loss = job.forward_backward(x, y)

@@ -8,7 +8,8 @@ started, then SIGKILLs itself. Every other process waits (at most 60 s) until th
 VICTIM is in the worker store, read through the live contract (``phalanx.launch.live_keys``)
 and, with WAIT_FOR_REPLACEMENT 1, until VICTIM's replacement has started; then it writes
 ``DIR/<member>.<incarnation>.end.json`` (its pid, the marker it read and when) and exits 0;
-the victim writes the time of its SIGKILL in ``DIR/<member>.0.kill.json``. No process
+the victim writes the time of its SIGKILL in ``DIR/<member>.0.kill.json``. A VICTIM written
+``~M`` is slot M watched but not killed (the test kills its whole node). No process
 group is ever made: the test is about the launcher.
 """
 
@@ -59,7 +60,8 @@ def main() -> None:
     (folder / f"{me}.{incarnation}.start.json").write_text(json.dumps(record))
     nodes, local = int(os.environ["GROUP_WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
     members = [live_keys.member_id(n, r) for n in range(nodes) for r in range(local)]
-    if me == victim and incarnation == 0:
+    watch_only, victim = victim.startswith("~"), victim.lstrip("~")
+    if me == victim and incarnation == 0 and not watch_only:
         others = [folder / f"{m}.0.start.json" for m in members if m != victim]
         _wait_for("the other slots' start", lambda: all(p.exists() for p in others))
         (folder / f"{me}.{incarnation}.kill.json").write_text(json.dumps({"at": time.time()}))

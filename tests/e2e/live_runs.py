@@ -1,0 +1,43 @@
+"""Runs of ``scripts/live_job.py`` (a ``phalanx.Job`` under ``--recovery live``), checked."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from tests.e2e.launching import SCRIPTS, finish, launcher_env, start
+
+__all__ = ["LIVE_SCRIPT", "check_records", "live_job"]
+
+LIVE_SCRIPT = str(SCRIPTS / "live_job.py")
+
+
+def check_records(folder: Path, err: str) -> dict[str, dict[str, Any]]:
+    """Every process's record by ``<member>.<incarnation>``, checked: never restarted, at step
+    60 at world 4 at the end, a clean ledger, the tracked state right, equal replicas."""
+    records = {p.stem: json.loads(p.read_text()) for p in folder.glob("*.json")}
+    for name, record in records.items():
+        assert record["pid"] == record["started_pid"], name
+        assert record["step"] == 60 and record["world_size"] == 4, (name, record, err[-3000:])
+        assert record["problems"] == [] and record["epochs"] == [0, 1, 2], (name, record)
+        assert record["tracked_steps"] == 60, (name, record["tracked_steps"])
+    assert len({r["digest"] for r in records.values()}) == 1, records  # equal replicas
+    return records
+
+
+def live_job(
+    folder: Path, kills: str, recovery: str, replacements: int, strategy: str = "ddp"
+) -> dict[str, dict[str, Any]]:
+    """Run the job on one node (4 workers); :func:`check_records` of its processes."""
+    folder.mkdir()
+    cmd = [
+        *(sys.executable, "-m", "phalanx", "run", "--standalone", "--nproc-per-node", "4"),
+        *("--recovery", "live", "--max-restarts", str(replacements)),
+        *(LIVE_SCRIPT, str(folder), kills, "0.05", recovery, strategy),
+    ]
+    proc = start(cmd, launcher_env())
+    out, err = finish(proc, deadline=300)
+    assert proc.returncode == 0, out + err
+    return check_records(folder, err)
