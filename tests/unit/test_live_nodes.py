@@ -87,8 +87,8 @@ def test_a_relaunched_agent_rejoins_with_replacements_and_the_old_one_is_dropped
         1234,
     )
     board = JobBoard(node1.signed, rdzv.max_restarts)
+    tick = lambda: clock.__setitem__(0, clock[0] + 1.0)  # noqa: E731  (time passes)
     with pytest.raises(NotInJob, match="still counts its previous agent"):
-        tick = lambda: clock.__setitem__(0, clock[0] + 1.0)  # noqa: E731  (time passes)
         rejoin(node1, board, rdzv, 2, 3.0, tick)  # node 0 has not declared it lost yet
     _lose_node_1(watch, clock)
     back = rejoin(node1, board, rdzv, 2, 1.0, NOW)

@@ -1,8 +1,9 @@
 """Start writing a file's dirty pages to disk while the rest of it is still being written.
 
 A checkpoint file is written into the page cache and then fsync'd. Left alone, the kernel
-starts writing the pages back only at the ``fsync`` (or after its dirty-expiry timer, about
-30 s), so the whole file's disk write sits after its last ``write``. :class:`Writeback` asks
+writes the pages back at the ``fsync`` at the latest, and earlier only after its dirty-expiry
+timer (about 30 s) or past its share of dirty memory, so most of the file's disk write sits
+after its last ``write``. :class:`Writeback` asks
 Linux to start writing each few MiB as soon as they are in the cache
 (``sync_file_range(SYNC_FILE_RANGE_WRITE)``: asynchronous, it only queues the I/O), so the
 disk works while the next chunks are copied and checksummed, and the closing ``fsync`` has

@@ -140,7 +140,7 @@ class LiveShards:
 
     def at_boundary(self, job: Job, held: Held) -> None:
         """Before the next step: keep the job's unsharded state of the step refreshed last."""
-        if self.due is not None and self.due == job.step_count:
+        if self.due == job.step_count:
             self._keep(job, held)
         self.due = None
 
