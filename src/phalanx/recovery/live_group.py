@@ -33,7 +33,7 @@ from phalanx.recovery.errors import Excluded, JobFinished, RecoveryError
 from phalanx.recovery.heartbeat import Heartbeat
 from phalanx.recovery.keys import PREFIX, _as_incarnation, dead_key, live_signer
 from phalanx.recovery.membership import Member, admissible, is_dead, parse_members, sort_members
-from phalanx.recovery.sockets import GroupSockets, InitWatch, socket_fds
+from phalanx.recovery.sockets import GroupSockets, InitWatch, abandon_group, socket_fds
 
 __all__ = ["LiveGroup"]
 
@@ -268,10 +268,8 @@ class LiveGroup:
         self._teardown()
 
     def _teardown(self) -> None:
-        """Abandon the current group: cut its connections (see :mod:`.sockets`), destroy it."""
-        self._sockets.cut()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        """Abandon the current group (see :func:`.sockets.abandon_group`)."""
+        abandon_group(self._sockets)
 
     def _where(self, k: int) -> str:
         return f"member {self.me} (rank {self._rank} of generation {self._generation}, forming {k})"

@@ -23,7 +23,9 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-__all__ = ["GroupSockets", "InitWatch", "socket_fds"]
+import torch.distributed as dist
+
+__all__ = ["GroupSockets", "InitWatch", "abandon_group", "socket_fds"]
 
 log = logging.getLogger(__name__)
 _FD_DIR = "/proc/self/fd"
@@ -76,6 +78,22 @@ class GroupSockets:
                     cut += 1
         self.fds = {}
         return cut
+
+
+def abandon_group(sockets: GroupSockets) -> None:
+    """Abandon this process's default group: cut its connections, destroy it.
+
+    When ``init_process_group`` itself failed there is no group to destroy, but torch has
+    already counted it: the default group's name, which prefixes its rendezvous keys, is that
+    count. ``destroy_process_group()`` resets it to 0; a failed init does not. So it is reset
+    here, or this member's next group would wait on keys (``.../1/...``) that a peer whose
+    last group formed writes under another name (``.../0/...``), in every generation after.
+    """
+    sockets.cut()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    else:
+        dist.distributed_c10d._world.group_count = 0
 
 
 class InitWatch:
