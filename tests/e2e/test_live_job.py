@@ -64,11 +64,13 @@ def test_a_rank_lost_before_the_job_formed_is_replaced_in_the_first_generation(
     assert run["0.0.0"]["digest"] == reference["digest"]
 
 
-@pytest.mark.parametrize(("strategy", "kills"), [("zero2/2", "2@25"), ("zero3", "1@45")])
+@pytest.mark.parametrize(
+    ("strategy", "kills", "exchange_delay_s"), [("zero2/2", "2@25", 0.3), ("zero3", "1@45", 0.0)]
+)
 def test_zero_restores_a_lost_members_shards_from_peers_without_reading_the_checkpoint(
-    tmp_path: Path, reference: dict[str, Any], strategy: str, kills: str
+    tmp_path: Path, reference: dict[str, Any], strategy: str, kills: str, exchange_delay_s: float
 ) -> None:
-    run = live_job(tmp_path / "faults", kills, "live", 1, strategy)
+    run = live_job(tmp_path / "faults", kills, "live", 1, strategy, exchange_delay_s)
     victim = f"0.{kills[0]}"
     assert set(run) == {f"0.{r}.0" for r in range(4) if f"0.{r}" != victim} | {f"{victim}.1"}
     survivor = run["0.0.0"]["regroups"]
@@ -83,6 +85,12 @@ def test_zero_restores_a_lost_members_shards_from_peers_without_reading_the_chec
     assert [p.name for p in (tmp_path / "faults" / "ckpt").glob("step-*")], "no checkpoint saved"
     for name, record in run.items():
         assert record["loads"] == ([] if name.startswith(victim) else [0]), (name, record["loads"])
+    # ZeRO-2's exchanges are slowed, so one is in flight at the loss and at the admission:
+    # each member ends its own before the group is torn down and cuts its connections, so no
+    # peer waits on a dropped part for the exchange group's timeout (then the arrival deadline
+    # of the next generation excluded a live member: seen in CI).
+    slowest = max(s for r in run.values() for s in r["regroup_seconds"])
+    assert slowest < 25, {n: r["regroup_seconds"] for n, r in run.items()}
     # ZeRO at 4 and 3 members against the fixed-order DDP sum: reassociation only.
     drift = max(abs(a - b) for a, b in zip(run["0.0.0"]["params"], reference["params"]))
     assert drift < 1e-5, drift

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch
@@ -189,6 +189,11 @@ class LiveGroup:
         return len(self._members)
 
     @property
+    def timeout(self) -> float:
+        """The collective timeout of every generation's group, in seconds."""
+        return self._timeout
+
+    @property
     def members(self) -> tuple[Member, ...]:
         """The current generation's members, in rank order."""
         return tuple(self._members)
@@ -225,22 +230,24 @@ class LiveGroup:
             self._generation,
             error or "a failed collective",
         )
-        self._teardown()
+        abandon_group(self._sockets)
         self._advance(self._generation + 1, self._members, None)
 
-    def admit(self) -> bool:
+    def admit(self, before_change: Callable[[], object] = lambda: None) -> bool:
         """At a step boundary: admit waiting replacements; True when the membership changed.
 
         A collective over the current group (a one-element broadcast from rank 0, which reads
-        the waiting joiners from the store). It raises like any collective when a peer failed:
-        handle that with :meth:`recover`, as for a training step.
+        the waiting joiners from the store); it raises like any collective when a peer failed
+        (handle that with :meth:`recover`). ``before_change`` runs before the current group is
+        torn down for a change: end the traffic still on it (background exchanges).
         """
         grow = self._waiting_joiners() if self._rank == 0 else []
         flag = torch.tensor([len(grow)], dtype=torch.int64)
         dist.broadcast(flag, 0)
         if int(flag.item()) == 0:
             return False
-        self._teardown()
+        before_change()
+        abandon_group(self._sockets)
         proposal = sort_members([*self._members, *grow]) if self._rank == 0 else None
         self._advance(self._generation + 1, self._members, proposal)
         return True
@@ -265,10 +272,6 @@ class LiveGroup:
         except (RuntimeError, OSError) as exc:  # the store is gone: nobody is left to tell
             log.info("member %s could not say the job finished: %s", self.me, exc)
         self._heartbeat.stop()
-        self._teardown()
-
-    def _teardown(self) -> None:
-        """Abandon the current group (see :func:`.sockets.abandon_group`)."""
         abandon_group(self._sockets)
 
     def _where(self, k: int) -> str:
@@ -321,7 +324,7 @@ class LiveGroup:
         except RuntimeError as exc:  # a member died between "ready" and the group's rendezvous
             log.warning("generation %d's group did not form on member %s: %s", k, self.me, exc)
             self._sockets = GroupSockets.opened_since(before)
-            self._teardown()
+            abandon_group(self._sockets)
             return False
         self._sockets = GroupSockets.opened_since(before)
         self._members, self._fresh = list(agreed), readiness.fresh

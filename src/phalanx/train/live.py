@@ -227,7 +227,7 @@ class LiveTraining:
         started = time.monotonic()
         while True:
             try:
-                if not self.group.admit():
+                if not self.group.admit(self._quiesce):
                     return
             except Exception as exc:
                 self._recover(job, exc)
@@ -338,8 +338,7 @@ class LiveTraining:
         if not is_peer_failure(exc) or isinstance(exc, RecoveryError):
             raise exc
         before = self.group.members
-        if self.zero is not None:
-            self.zero.settle()  # its exchange thread uses the group torn down next
+        self._quiesce()
         self.group.recover(exc)
         idle = self.group.members == before
         step, count = self._idle
@@ -350,6 +349,11 @@ class LiveTraining:
                 f"although no member was lost (rank {self.group.rank}, generation "
                 f"{self.group.generation}); the last error: {exc}"
             ) from exc
+
+    def _quiesce(self) -> None:
+        """Before the group is torn down: end the traffic on it (ZeRO's mirror exchange)."""
+        if self.zero is not None:
+            self.zero.settle()
 
     def _settle(self, job: Job) -> tuple[int, list[int]] | None:
         """The new generation's state: ZeRO's shards restored (and its next mirror), everyone

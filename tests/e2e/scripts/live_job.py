@@ -20,7 +20,8 @@ says at which steps the process called ``phalanx.checkpoint.load`` (a live recov
 
 Each step sleeps STEP_SLEEP_S (default 0.05), and 1 s while a member is missing, so that a
 replacement (which imports torch first: seconds on a loaded box) is admitted while the others
-still train.
+still train. ``LIVE_JOB_EXCHANGE_DELAY_S`` delays every ZeRO mirror exchange by that long, so
+that one is always in flight when a member is lost or admitted.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import phalanx
+from phalanx.recovery import shard_mirror
 
 out, kills = Path(sys.argv[1]), [k.split("@") for k in sys.argv[2].split(",") if k != "-"]
 pause = float(sys.argv[3]) if len(sys.argv) > 3 else 0.05
@@ -66,6 +68,17 @@ def spied_load(*args: object, **kwargs: object) -> object:
 
 
 phalanx.checkpoint.load = spied_load  # type: ignore[assignment]
+exchange_delay = float(os.environ.get("LIVE_JOB_EXCHANGE_DELAY_S", "0"))
+real_exchange = shard_mirror._exchange
+
+
+def slow_exchange(*args: object) -> object:
+    time.sleep(exchange_delay)
+    return real_exchange(*args)  # type: ignore[arg-type]
+
+
+if exchange_delay:
+    shard_mirror._exchange = slow_exchange  # type: ignore[assignment]
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -123,6 +136,7 @@ record = {
     "step": job.step_count,
     "world_size": job.world.world_size,
     "regroups": [[r.kind, r.world_size, r.step] for r in job.live.regroups],
+    "regroup_seconds": [r.seconds for r in job.live.regroups],
     "digest": hashlib.sha256(params.numpy().tobytes()).hexdigest(),
     "params": params.tolist(),
     "problems": job.live.ledger.problems(),
