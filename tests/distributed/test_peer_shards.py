@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -323,6 +324,37 @@ def test_bad_lost_ranks_are_refused_naming_the_value() -> None:
 def test_bad_every_is_refused_naming_the_value(every: Any, error: type[Exception]) -> None:
     with pytest.raises(error, match=rf"ShardMirror\(every={every!r}\): every must be an int >= 1"):
         ShardMirror(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0), every=every)
+
+
+@pytest.mark.parametrize(("timeout", "error"), [(0, ValueError), ("5", TypeError)])
+def test_bad_timeout_is_refused_naming_the_value(timeout: Any, error: type[Exception]) -> None:
+    with pytest.raises(error, match=rf"ShardMirror\(timeout={timeout!r}\): timeout must be"):
+        ShardMirror(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0), timeout=timeout)
+
+
+def _closed_under_a_waiting_peer() -> dict[str, Any]:
+    """Rank 0 starts an exchange that rank 1 never joins; rank 1 closes its mirror, which it
+    still holds (gloo closes a group's connections only when its object is freed, and the
+    group has torch's 30-minute timeout). Rank 0's exchange must fail at once, not wait."""
+    model, opt = _build(2, None)
+    mirror = ShardMirror(opt)
+    _step(model, opt, 1, None)
+    if dist.get_rank() == 0:
+        mirror.after_step(1)
+    dist.barrier()
+    out: dict[str, Any] = {}
+    if dist.get_rank() == 1:
+        mirror.close()
+    else:
+        start = time.monotonic()
+        out = {"error": repr(mirror.settle()), "seconds": time.monotonic() - start}
+    dist.barrier()  # rank 1 holds its mirror until rank 0 is done (the 20 s collective timeout)
+    return out
+
+
+def test_closing_a_mirror_frees_a_peer_waiting_on_its_part() -> None:
+    out = run_distributed(_closed_under_a_waiting_peer, world_size=2, timeout=60)[0]
+    assert out["error"] != "None" and out["seconds"] < 10, out
 
 
 def test_common_step_takes_the_newest_step_held_by_all() -> None:

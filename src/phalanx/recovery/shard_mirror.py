@@ -23,13 +23,15 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from phalanx._check import check_group, check_instance, check_int, fail
+from phalanx._check import check_float, check_group, check_instance, check_int, fail
 from phalanx.comm.codec import decode, encode
 from phalanx.recovery.shard_snapshot import Snapshot, pack, sections_of
+from phalanx.recovery.sockets import GroupSockets, socket_fds
 from phalanx.sharding.zero import ZeroRedundancyOptimizer
 from phalanx.sharding.zero3 import FullyShardedDataParallel
 
@@ -118,11 +120,13 @@ class ShardMirror:
         exchange_group: A gloo group over the same ranks as the ZeRO group, in the same order,
             for the exchange only. None: one is made with ``dist.new_group`` — collective over
             the default group, so every rank of it must build its mirror at the same time.
+        timeout: Collective timeout in seconds of the group made when ``exchange_group`` is
+            None (None: torch's default for gloo, 30 minutes).
 
     Call :meth:`after_step` after every optimizer step with the number of steps done, and
-    :meth:`wait` before the job ends. After a loss, restore with
-    :func:`~phalanx.recovery.restore_shards`, then build a new mirror over the new optimizer
-    (its exchange group is made over the new group).
+    :meth:`wait` before the job ends. After a loss, :meth:`close` it before the group is torn
+    down, restore with :func:`~phalanx.recovery.restore_shards`, then build a new mirror over
+    the new optimizer (its exchange group is made over the new group).
     """
 
     def __init__(
@@ -132,18 +136,26 @@ class ShardMirror:
         *,
         every: int = 1,
         exchange_group: dist.ProcessGroup | None = None,
+        timeout: float | None = None,
     ) -> None:
         where = "ShardMirror"
         self.every = check_int("every", every, min=1, where=where)
+        limit = None
+        if timeout is not None:
+            limit = timedelta(seconds=check_float("timeout", timeout, above=0, where=where))
         zero_group = _zero_group(optimizer, model)
         exchange_group = check_group("exchange_group", exchange_group, where=where)
         self.optimizer, self.model = optimizer, model
         self.kind = "zero3" if model is not None else "zero"
         self.world = dist.get_world_size(zero_group)
         self.rank = dist.get_rank(zero_group)
+        self._sockets = GroupSockets()
+        """The connections of the exchange group this mirror made (see :meth:`close`)."""
         if exchange_group is None:
             ranks = dist.get_process_group_ranks(zero_group) if zero_group is not None else None
-            exchange_group = dist.new_group(ranks, backend="gloo")
+            before = socket_fds()
+            exchange_group = dist.new_group(ranks, backend="gloo", timeout=limit)
+            self._sockets = GroupSockets.opened_since(before)
         size = dist.get_world_size(exchange_group)
         if size != self.world:
             raise fail(
@@ -232,6 +244,15 @@ class ShardMirror:
         if out.mirror is not None:
             self.mirrors = [*self.mirrors[-(KEEP - 1) :], out.mirror]
         return out.error
+
+    def close(self) -> None:
+        """The exchange is over (its group is about to be torn down): join the one in flight
+        (what arrived is kept, its error is not raised), then cut the connections of the
+        exchange group this mirror made. A peer still waiting on this rank's part (an
+        exchange that failed here before sending it) then fails at once; without the cut,
+        gloo would leave it waiting for the group's whole timeout. The snapshots stay."""
+        self.settle()
+        self._sockets.cut()
 
     def wait(self) -> None:
         """Join the exchange in flight; raise its error (a lost peer) on the training thread."""

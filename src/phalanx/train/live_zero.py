@@ -31,11 +31,9 @@ import contextlib
 import copy
 import logging
 from collections.abc import Iterator
-from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from phalanx.checkpoint.catalog import latest
 from phalanx.recovery import (
@@ -46,7 +44,6 @@ from phalanx.recovery import (
     ShardsLost,
     restore_shards,
 )
-from phalanx.recovery.sockets import GroupSockets, socket_fds
 from phalanx.sharding import ZeroRedundancyOptimizer
 from phalanx.sharding.zero3 import FullyShardedDataParallel
 from phalanx.train.live_state import Held, apply, collect
@@ -81,8 +78,6 @@ class LiveShards:
         counter bumped after ``job.step()`` belongs to that step)."""
         self.in_forward_backward = False
         """Inside ``job.forward_backward``, which redoes a failed forward (ZeRO-3's gathers)."""
-        self._sockets = GroupSockets()
-        """The connections of the mirror's exchange group (see :meth:`settle`)."""
 
     @staticmethod
     @contextlib.contextmanager
@@ -124,10 +119,7 @@ class LiveShards:
         exchange group over the current default group)."""
         self.settle()
         optimizer, model = self.objects(job)
-        before = socket_fds()
-        exchange = dist.new_group(backend="gloo", timeout=timedelta(seconds=group.timeout))
-        self._sockets = GroupSockets.opened_since(before)
-        self.mirror = ShardMirror(optimizer, model, every=self.every, exchange_group=exchange)
+        self.mirror = ShardMirror(optimizer, model, every=self.every, timeout=group.timeout)
         self.members, self.states = group.members, {}
         self._refresh(job, held)
 
@@ -165,14 +157,11 @@ class LiveShards:
         self.due = None
 
     def settle(self) -> None:
-        """Before the generation's groups are torn down: join the mirror's exchange in flight
-        (what arrived is kept, a lost peer's error is not raised), then cut the exchange
-        group's connections. A peer still waiting on this member's part of the exchange (an
-        exchange that failed here before sending it) then fails at once; torn down without
-        the cut, a gloo group leaves it waiting for its whole timeout."""
+        """Before the generation's groups are torn down: end the mirror's exchange
+        (:meth:`ShardMirror.close`: what arrived is kept, a lost peer's error is not raised,
+        and a peer waiting on this member's part fails at once)."""
         if self.mirror is not None:
-            self.mirror.settle()
-        self._sockets.cut()
+            self.mirror.close()
 
     def close(self) -> None:
         """The job ends: join the exchange in flight, drop the snapshots."""
