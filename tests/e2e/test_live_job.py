@@ -85,10 +85,10 @@ def test_zero_restores_a_lost_members_shards_from_peers_without_reading_the_chec
     assert [p.name for p in (tmp_path / "faults" / "ckpt").glob("step-*")], "no checkpoint saved"
     for name, record in run.items():
         assert record["loads"] == ([] if name.startswith(victim) else [0]), (name, record["loads"])
-    # ZeRO-2's exchanges are slowed, so one is in flight at the loss and at the admission:
-    # each member ends its own before the group is torn down and cuts its connections, so no
-    # peer waits on a dropped part for the exchange group's timeout (then the arrival deadline
-    # of the next generation excluded a live member: seen in CI).
+    # In the ZeRO-2 case the exchanges are slowed, so one is in flight at the loss and at the
+    # admission: each member ends its own before the group is torn down and cuts its
+    # connections, so no peer waits on a dropped part for the exchange group's timeout (then
+    # the next generation's arrival deadline excluded a live member: seen in CI).
     slowest = max(s for r in run.values() for s in r["regroup_seconds"])
     assert slowest < 25, {n: r["regroup_seconds"] for n, r in run.items()}
     # ZeRO at 4 and 3 members against the fixed-order DDP sum: reassociation only.
