@@ -5,7 +5,8 @@ gloo: with torch's class, then with phalanx's those that torch's passed. Then, p
 class must pass it or skip it for want of a GPU (the baseline: what can run here); phalanx's
 class must pass every test torch's passes, except the reviewed list in
 ``ddp_internal_only.txt``, whose entries must still fail on the torch-internal attribute they
-name (so the list cannot silently go stale).
+name (so the list cannot silently go stale). Then ``distributed_test`` once more with the default
+group on phalanx's ``backend="shm"``: both classes must pass there every test they pass on gloo.
 """
 
 from __future__ import annotations
@@ -41,22 +42,29 @@ def _internal_only() -> dict[str, str]:
 INTERNAL = _internal_only()
 
 
-@pytest.fixture(scope="module")
-def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    report = tmp_path_factory.mktemp("compat") / "outcomes.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "tests.compat.torch_suite",
-        "--impl",
-        "both",
-        "--json",
-        str(report),
-    ]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+def _run(tmp: Any, *args: str) -> dict[str, dict[str, Any]]:
+    report = tmp / "outcomes.json"
+    cmd = [sys.executable, "-m", "tests.compat.torch_suite", "--impl", "both", *args]
+    done = subprocess.run(
+        [*cmd, "--json", str(report)], cwd=ROOT, capture_output=True, text=True, timeout=900
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results: dict[str, dict[str, Any]] = json.loads(report.read_text())
     return results
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    return _run(tmp_path_factory.mktemp("compat"))
+
+
+@pytest.fixture(scope="module")
+def on_shm(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """``distributed_test`` with its default group on phalanx's ``backend="shm"`` (the RPC
+    suite makes groups of its own)."""
+    return _run(
+        tmp_path_factory.mktemp("compat_shm"), "--backend", "shm", "-k", "distributed_test::"
+    )
 
 
 def test_the_internal_only_list_names_selected_tests() -> None:
@@ -83,3 +91,21 @@ def test_phalanx_class(outcomes: dict[str, dict[str, Any]], case: str) -> None:
         assert INTERNAL[case] in got["detail"], got["detail"]
         pytest.xfail(f"needs torch's internal attribute {INTERNAL[case]}")
     assert got["status"] == "passed", got["detail"]
+
+
+def test_both_classes_pass_on_shm_what_they_pass_on_gloo(
+    outcomes: dict[str, dict[str, Any]], on_shm: dict[str, dict[str, Any]]
+) -> None:
+    for impl in ("torch", "phalanx"):
+        on_gloo = [
+            case
+            for case, o in outcomes[impl].items()
+            if o["status"] == "passed" and case.startswith("distributed_test::")
+        ]
+        assert len(on_gloo) >= 9, (impl, on_gloo)
+        lost = {
+            c: on_shm[impl][c]["detail"][-800:]
+            for c in on_gloo
+            if on_shm[impl][c]["status"] != "passed"
+        }
+        assert not lost, (impl, lost)

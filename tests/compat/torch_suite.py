@@ -46,6 +46,10 @@ RETRIED_DEADLINE = 30.0
 """The deadline of a test of a retried suite: its tests take about 1 s (5 on a loaded CI box),
 and its start-up race hangs; a race then costs 30 s before the retry, not 90."""
 RETRIED_SUITES = ("ddp_under_dist_autograd_test",)
+BACKEND_VAR = "PHALANX_SUITE_BACKEND"
+"""The backend ``distributed_test``'s default group is made with (``--backend``; gloo unless
+set). The suite's own ``BACKEND`` stays ``gloo``, so its gloo-specific expectations and skips
+hold: ``--backend shm`` runs the tests torch runs on gloo on phalanx's shared-memory backend."""
 """Suites whose failed test runs once more. Their fixture starts 4-6 RPC processes with
 TensorPipe and races on start-up ("Default process group has not been initialized" on the
 master, or the deadline) when a 2-core machine is loaded, with torch's class as with
@@ -215,7 +219,7 @@ def _run_body(case: Case, module: Any, instance: Any, rank: int) -> None:
     seconds = module.CUSTOM_PG_TIMEOUT.get(case.name, module.default_pg_timeout)
     dist.init_process_group(
         init_method=instance.init_method,
-        backend="gloo",
+        backend=os.environ.get(BACKEND_VAR, "gloo"),
         world_size=case.world_size,
         rank=rank,
         timeout=timedelta(seconds=seconds),
@@ -363,7 +367,8 @@ def _skipped_here(case: Case) -> Outcome | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m tests.compat.torch_suite [--impl torch|phalanx|both] [-k SUBSTRING]``.
+    """``python -m tests.compat.torch_suite [--impl torch|phalanx|both] [--backend gloo|shm]
+    [-k SUBSTRING]``.
 
     With ``both``, phalanx's class runs only the tests torch's passes: the others (no GPU
     here, or skipped by torch itself) say nothing about phalanx's class.
@@ -373,10 +378,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-k", dest="pattern", default="", help="only tests containing this")
     parser.add_argument("--json", help="write every outcome to this file")
     parser.add_argument(
+        "--backend",
+        choices=["gloo", "shm"],
+        default="gloo",
+        help="the default group's backend in distributed_test (shm: phalanx's shared memory)",
+    )
+    parser.add_argument(
         "--run-all", action="store_true", help="start the ranks of every test, even static skips"
     )
     args = parser.parse_args(argv)
     cases = [c for c in select() if args.pattern in c.id]
+    os.environ[BACKEND_VAR] = args.backend  # before the forkserver starts: its ranks inherit it
     report = {}
     if args.impl in ("torch", "both"):
         report["torch"] = run_suite("torch", cases, True, not args.run_all)

@@ -1,6 +1,7 @@
 """``ShmProcessGroup``: the c10d process group behind ``backend="shm"``.
 
-A Python subclass of ``torch.distributed.ProcessGroup``: torch's Python collectives call its
+A Python subclass of ``torch.distributed.ProcessGroup`` (``base.ShmGroup``, which takes torch's
+call forms and hands this class ``_allreduce`` and the rest): torch's Python collectives call its
 methods directly, and C++ callers (DDP's reducer, functional collectives) reach the ones that
 torch's ``PyProcessGroup`` trampoline forwards (allreduce, broadcast, allgather, barrier,
 all_gather_single, reduce_scatter(_single), all_to_all_single). Those run on shared memory.
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.comm.shm import collectives, zero_copy
+from phalanx.comm.shm.base import ShmGroup
 from phalanx.comm.shm.buffers import Regions
 from phalanx.comm.shm.channel import Channel, guarded
 from phalanx.comm.shm.descriptor import Call
@@ -34,18 +36,21 @@ from phalanx.comm.shm.settings import slot_bytes_from_env, spin_seconds_from_env
 from phalanx.comm.shm.sync import Arrivals
 from phalanx.comm.shm.worker import Executor, ShmWork
 
-__all__ = ["ShmGroup", "ShmProcessGroup", "flat_cpu"]
+__all__ = ["ShmProcessGroup", "flat_cpu"]
 
 _GLOO_PREFIX = "phalanx_shm_gloo/"
 _MAX_CALLS = 256
 
 
 def flat_cpu(t: torch.Tensor, name: str, where: str) -> torch.Tensor:
-    """``t`` as a flat view, refusing what the shm backend cannot take (naming ``where``)."""
+    """``t`` as a flat view outside autograd, refusing what the shm backend cannot take
+    (naming ``where``). Detached: a collective writes the data of a tensor that requires grad
+    (DDP's buckets under ``backward(create_graph=True)``) as gloo does, without autograd."""
     if not t.is_cpu:
         raise ValueError(f"{where}: backend 'shm' takes CPU tensors, {name} is on {t.device}")
     if not t.is_contiguous():
         raise ValueError(f"{where}: {name} must be contiguous (call .contiguous() first)")
+    t = t.detach()
     return t if t.dim() == 1 else t.view(-1)
 
 
@@ -53,29 +58,6 @@ def _one(tensors: Sequence[torch.Tensor], where: str) -> torch.Tensor:
     if len(tensors) != 1:
         raise ValueError(f"{where}: backend 'shm' takes one tensor per call, got {len(tensors)}")
     return tensors[0]
-
-
-class ShmGroup(dist.ProcessGroup):
-    """What every ``backend="shm"`` group says of itself to torch: its name, rank and size."""
-
-    def __init__(self, rank: int, world_size: int) -> None:
-        super().__init__(rank, world_size)  # type: ignore[call-arg]  # (store, ...) fails
-        self._rank, self._size = rank, world_size
-
-    def getBackendName(self) -> str:  # torch's C++ name
-        return "shm"
-
-    def getRank(self) -> int:
-        return self._rank
-
-    def getSize(self) -> int:
-        return self._size
-
-    def shutdown(self) -> None:
-        """Release what the group holds (subclasses)."""
-
-    def abort(self) -> None:
-        self.shutdown()
 
 
 class ShmProcessGroup(ShmGroup):
@@ -167,7 +149,7 @@ class ShmProcessGroup(ShmGroup):
             raise ValueError(f"{where}: root rank {root} is outside 0..{self._size - 1}")
         return root
 
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:  # type: ignore[override]
+    def _allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
         one_dense = len(tensors) == 1 and tensors[0].layout == torch.strided
         if not one_dense and any(t.layout != torch.strided for t in tensors):  # sparse: gloo's
             return self._gloo.allreduce(tensors, opts)  # type: ignore[attr-defined]
@@ -185,7 +167,7 @@ class ShmProcessGroup(ShmGroup):
             body = self._zero_copy(lambda: zero_copy.all_reduce(ch, regions, flat, code))
         return self._submit(call, body, tensors, opts)
 
-    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> ShmWork:  # type: ignore[override]
+    def _reduce(self, tensors: list[torch.Tensor], opts: Any) -> ShmWork:
         flat = flat_cpu(_one(tensors, "reduce"), "tensor", "reduce")
         code, root = op_code(opts.reduceOp), self._check_root(opts.rootRank, "reduce")
         check_reduction(code, flat.dtype, "reduce")
@@ -195,7 +177,7 @@ class ShmProcessGroup(ShmGroup):
             call, lambda: collectives.all_reduce(ch, flat, code, root), tensors, opts
         )
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> ShmWork:  # type: ignore[override]
+    def _broadcast(self, tensors: list[torch.Tensor], opts: Any) -> ShmWork:
         flat = flat_cpu(_one(tensors, "broadcast"), "tensor", "broadcast")
         check_dtype(flat.dtype, "broadcast")
         root = self._check_root(opts.rootRank, "broadcast")
@@ -203,7 +185,7 @@ class ShmProcessGroup(ShmGroup):
         ch = self._channel
         return self._submit(call, lambda: collectives.broadcast(ch, flat, root), tensors, opts)
 
-    def barrier(self, opts: Any = None) -> ShmWork:
+    def _barrier(self, opts: Any) -> ShmWork:
         ch = self._channel
         return self._submit(Call("barrier"), lambda: collectives.barrier(ch), [], opts)
 
@@ -229,13 +211,13 @@ class ShmProcessGroup(ShmGroup):
             body = self._zero_copy(lambda: zero_copy.all_gather(ch, regions, flats, flat))
         return self._submit(call, body, value, opts)
 
-    def allgather(  # type: ignore[override]
+    def _allgather(
         self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any
     ) -> ShmWork:
         inp = _one(input_tensors, "all_gather")
         return self._gather_into(output_tensors[0], inp, output_tensors, opts)
 
-    def all_gather_single(self, output: torch.Tensor, inp: torch.Tensor, opts: Any) -> ShmWork:  # type: ignore[override]
+    def _all_gather_single(self, output: torch.Tensor, inp: torch.Tensor, opts: Any) -> ShmWork:
         out = flat_cpu(output, "output", "all_gather_into_tensor")
         if out.numel() != self._size * inp.numel():
             raise ValueError(
@@ -245,9 +227,7 @@ class ShmProcessGroup(ShmGroup):
         parts = list(out.split(inp.numel())) if inp.numel() else [out[:0]] * self._size
         return self._gather_into(parts, inp, [output], opts)
 
-    _allgather_base = all_gather_single  # type: ignore[assignment]
-
-    def reduce_scatter_single(self, output: torch.Tensor, inp: torch.Tensor, opts: Any) -> ShmWork:
+    def _reduce_scatter_single(self, output: torch.Tensor, inp: torch.Tensor, opts: Any) -> ShmWork:
         out = flat_cpu(output, "output", "reduce_scatter_tensor")
         flat = flat_cpu(inp, "input", "reduce_scatter_tensor")
         code = op_code(opts.reduceOp)
@@ -265,19 +245,17 @@ class ShmProcessGroup(ShmGroup):
             body = self._zero_copy(lambda: zero_copy.reduce_scatter(ch, regions, out, flat, code))
         return self._submit(call, body, [output], opts)
 
-    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
-
-    def reduce_scatter(  # type: ignore[override]
+    def _reduce_scatter(
         self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any
     ) -> ShmWork:
         out = _one(output_tensors, "reduce_scatter")
         parts = input_tensors[0]
         if len(parts) != self._size:
             raise ValueError(f"reduce_scatter: {len(parts)} inputs for a group of {self._size}")
-        joined = torch.cat([p.reshape(-1) for p in parts]) if parts else out.new_empty(0)
-        return self.reduce_scatter_single(out, joined, opts)  # its future: [out], as gloo's
+        joined = torch.cat([p.detach().reshape(-1) for p in parts]) if parts else out.new_empty(0)
+        return self._reduce_scatter_single(out, joined, opts)  # its future: [out], as gloo's
 
-    def all_to_all_single(  # type: ignore[override]
+    def _all_to_all_single(
         self,
         output: torch.Tensor,
         inp: torch.Tensor,
@@ -296,8 +274,6 @@ class ShmProcessGroup(ShmGroup):
         ch = self._channel
         body = lambda: collectives.all_to_all(ch, out, flat, sends, recvs)  # noqa: E731
         return self._submit(call, body, [output], opts)
-
-    alltoall_base = all_to_all_single  # type: ignore[assignment]
 
     def _counts(self, t: torch.Tensor, splits: Sequence[int], name: str) -> list[int]:
         """Elements per rank from the dim-0 split sizes (equal parts when none are given)."""

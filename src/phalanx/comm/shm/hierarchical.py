@@ -32,7 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx.comm.shm.backend import ShmGroup, ShmProcessGroup, flat_cpu
+from phalanx.comm.shm.backend import ShmProcessGroup, flat_cpu
+from phalanx.comm.shm.base import ShmGroup
 from phalanx.comm.shm.ops import AVG, check_reduction, op_code
 from phalanx.comm.shm.worker import Executor
 
@@ -92,7 +93,7 @@ class HierarchicalProcessGroup(ShmGroup):
             self.leaders.shutdown()
         self._gloo.shutdown()
 
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:  # type: ignore[override]
+    def _allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
         if len(tensors) != 1 or tensors[0].layout != torch.strided:  # sparse: gloo's
             return self._gloo.allreduce(tensors, opts)  # type: ignore[attr-defined]
         flat = flat_cpu(tensors[0], "tensor", "all_reduce")
@@ -125,32 +126,28 @@ class HierarchicalProcessGroup(ShmGroup):
     # left to the trampoline's fallback, gloo's enqueue ran holding the GIL, while gloo's worker
     # thread, holding its queue's lock, waited for the GIL to free a finished call's tensors (a
     # deadlock seen under load). Called from Python, gloo's bindings release the GIL.
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:  # type: ignore[override]
+    def _broadcast(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
         return self._gloo.broadcast(tensors, opts)  # type: ignore[attr-defined]
 
-    def allgather(  # type: ignore[override]
+    def _allgather(
         self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any
     ) -> dist.Work:
         return self._gloo.allgather(output_tensors, input_tensors, opts)  # type: ignore[attr-defined]
 
-    def all_gather_single(self, output: torch.Tensor, inp: torch.Tensor, opts: Any) -> dist.Work:  # type: ignore[override]
+    def _all_gather_single(self, output: torch.Tensor, inp: torch.Tensor, opts: Any) -> dist.Work:
         return self._gloo._allgather_base(output, inp, opts)  # type: ignore[attr-defined]
 
-    _allgather_base = all_gather_single  # type: ignore[assignment]
-
-    def reduce_scatter(  # type: ignore[override]
+    def _reduce_scatter(
         self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any
     ) -> dist.Work:
         return self._gloo.reduce_scatter(output_tensors, input_tensors, opts)  # type: ignore[attr-defined]
 
-    def reduce_scatter_single(
+    def _reduce_scatter_single(
         self, output: torch.Tensor, inp: torch.Tensor, opts: Any
     ) -> dist.Work:
         return self._gloo._reduce_scatter_base(output, inp, opts)  # type: ignore[attr-defined]
 
-    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
-
-    def all_to_all_single(  # type: ignore[override]
+    def _all_to_all_single(
         self,
         output: torch.Tensor,
         inp: torch.Tensor,
@@ -162,13 +159,11 @@ class HierarchicalProcessGroup(ShmGroup):
             output, inp, output_split_sizes, input_split_sizes, opts
         )
 
-    alltoall_base = all_to_all_single  # type: ignore[assignment]
-
-    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:  # type: ignore[override]
+    def _reduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
         return self._gloo.reduce(tensors, opts)  # type: ignore[attr-defined]
 
-    def barrier(self, opts: Any = None) -> dist.Work:
-        return self._gloo.barrier(opts if opts is not None else dist.BarrierOptions())  # type: ignore[attr-defined]
+    def _barrier(self, opts: Any) -> dist.Work:
+        return self._gloo.barrier(opts)  # type: ignore[attr-defined]
 
     def __repr__(self) -> str:
         return f"HierarchicalProcessGroup(rank={self._rank}, size={self._size}, hosts={self.hosts})"
