@@ -10,6 +10,7 @@ gloo does: before, the reduction's ``out=`` ops refused it, and torch's DDP cras
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -145,3 +146,23 @@ def test_collectives_on_tensors_that_require_grad_work_as_on_gloo() -> None:
     shm = run_distributed(_under_autograd, world_size=2, backend="shm", timeout=60)
     assert shm == run_distributed(_under_autograd, world_size=2, backend="gloo", timeout=60)
     assert shm[0][-1] == [3.0, 3.0, 3.0] and shm[0][0] == [3.0, 6.0, -9.0]
+
+
+def _call_timeout() -> tuple[float, str]:
+    g = dist.group.WORLD
+    start = time.monotonic()
+    try:
+        if dist.get_rank() == 1:
+            time.sleep(4)
+        g.barrier(timedelta(seconds=1)).wait()
+        return time.monotonic() - start, ""
+    except Exception as e:
+        return time.monotonic() - start, str(e)
+
+
+def test_a_calls_own_timeout_is_kept() -> None:
+    (waited, said), (_, peer_said) = run_distributed(
+        _call_timeout, world_size=2, backend="shm", timeout=60
+    )
+    assert "timed out after 1 s (the call's timeout)" in said and waited < 3.5, (waited, said)
+    assert peer_said, "the late rank must not pass the barrier its peer gave up on"

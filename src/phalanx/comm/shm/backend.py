@@ -127,8 +127,11 @@ class ShmProcessGroup(ShmGroup):
             channel.label = f"shm group {self.group_name!r} (rank {self._rank})"
             self._named = True
 
+        timeout = getattr(opts, "timeout", None)  # torch's "unset" is negative
+        seconds = timeout.total_seconds() if timeout is not None else 0.0
+
         def run() -> None:
-            channel.begin(call)
+            channel.begin(call, seconds if seconds > 0 else None)
             guarded(channel, body)
 
         return self._executor.submit(run, value, wake=bool(getattr(opts, "asyncOp", True)))

@@ -86,15 +86,17 @@ class Channel:
             self._views[key] = view
         return view
 
-    def begin(self, call: Call) -> None:
+    def begin(self, call: Call, timeout_s: float | None = None) -> None:
         """Number a new call on this group; raise if an earlier failure broke the group.
 
-        ``call``'s own number is ignored (so one ``Call`` may describe many calls alike)."""
+        ``call``'s own number is ignored (so one ``Call`` may describe many calls alike).
+        ``timeout_s``: the call's own timeout (None: the group's)."""
         if self.broken is not None:
             raise ShmError(
                 f"{self.label}: {call.kind} refused: the group failed earlier "
                 f"({self.broken}); destroy it and start a new one"
             )
+        self.arrivals.call_timeout_s = timeout_s
         self.calls += 1
         self._call = call
         self._packed = call.pack_as(self.calls)

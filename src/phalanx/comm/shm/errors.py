@@ -23,4 +23,4 @@ class PeerDiedError(ShmError):
 
 
 class ShmTimeoutError(ShmError):
-    """Ranks did not arrive within the group's timeout."""
+    """Ranks did not arrive within the group's timeout (or the call's own, where it set one)."""

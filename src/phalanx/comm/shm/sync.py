@@ -84,6 +84,9 @@ class Arrivals:
         self._processes = processes
         self.rank = rank
         self.timeout_s = timeout_s
+        """The group's timeout."""
+        self.call_timeout_s: float | None = None
+        """The running call's own timeout (torch's ``opts.timeout``), if it set one."""
         self._spin_s = spin_s
         self._peers = [r for r in range(n) if r != rank]
         self._count = 0
@@ -106,7 +109,7 @@ class Arrivals:
         self._cpu = self._cpus[self.rank].value = current_cpu()
         self._words[self.rank].value = self._count
         futex_wake(self._addresses[self.rank])
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + (self.call_timeout_s or self.timeout_s)
         for peer in self._peers:
             self._wait_for(peer, deadline, what)
         self._check_failed(what)
@@ -172,9 +175,11 @@ class Arrivals:
 
     def _timed_out(self, what: Callable[[], str]) -> None:
         missing = [p for p in self._peers if not self._reached(p)]
+        own = self.call_timeout_s is not None
+        hint = "pass the call a longer timeout" if own else "raise timeout= in init_process_group"
         raise ShmTimeoutError(
-            f"{what()}: timed out after {self.timeout_s:g} s (the group's timeout) waiting for "
-            f"rank(s) {missing}, alive but not arriving: they are stuck in other work or "
-            "called a different collective (PHALANX_DEBUG=1 compares every call); if their work "
-            "is that slow, raise timeout= in init_process_group"
+            f"{what()}: timed out after {self.call_timeout_s or self.timeout_s:g} s "
+            f"({'the call' if own else 'the group'}'s timeout) waiting for rank(s) {missing}, "
+            "alive but not arriving: they are stuck in other work or called a different "
+            f"collective (PHALANX_DEBUG=1 compares every call); if their work is that slow, {hint}"
         )
