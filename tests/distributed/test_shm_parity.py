@@ -3,7 +3,7 @@
 One job per world size runs every case on the default group (shm) and on a gloo group over the
 same ranks, from the same inputs, and returns the cases whose results differ. Integers, bool,
 MIN and MAX must be identical; floating SUM / PRODUCT / AVG too wherever the order of the
-additions is the same (always at two ranks; at three ranks the ranks' own reference in rank
+additions is the same (always at two ranks; at three and four ranks the ranks' own reference in rank
 order is the exact target, and gloo, whose ring adds in another order, agrees within rounding).
 A 64 KiB slot makes the larger sizes go through in several chunks.
 """
@@ -247,7 +247,7 @@ def _every_case() -> tuple[int, list[str]]:
     return c.count, c.failures
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_every_collective_matches_gloo(world_size: int) -> None:
     results = run_distributed(
         _every_case, world_size=world_size, backend="shm", timeout=120, env=SLOT
