@@ -17,7 +17,10 @@ CYCLES = 12
 
 
 def _cycles() -> list[float]:
-    phalanx.destroy_process_group()  # leave the harness's group: hvd.init() makes its own
+    # Leave the harness's group (hvd.init() makes its own), once every rank's connections are
+    # up: gloo's init returns on one rank while the other may still be connecting.
+    torch.distributed.barrier()
+    phalanx.destroy_process_group()
     sums = []
     for k in range(CYCLES):
         hvd.init()

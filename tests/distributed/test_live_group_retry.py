@@ -21,7 +21,10 @@ from phalanx.testing import run_distributed
 
 def _fail_once_then_form(path: str) -> float:
     rank = phalanx.world().rank
-    phalanx.destroy_process_group()  # this test builds its own groups
+    # This test builds its own groups. A barrier first: gloo's init returns on one rank while
+    # the other may still be connecting, and a group destroyed then fails the peer's init.
+    dist.barrier()
+    phalanx.destroy_process_group()
     store = dist.FileStore(path, 2)
     if rank == 0:  # a generation whose peer never arrives: gloo's rendezvous times out
         with pytest.raises(RuntimeError):
