@@ -1,10 +1,11 @@
-"""Reproduce a known stall: DTensor's functional collectives on a backend="shm" group under load.
+"""FSDP2 on a backend="shm" group, then DTensor's ``full_tensor()``, in a loop: the check for a
+deadlock fixed in ``comm/shm/base.py`` (see docs/shm.md, "DTensor's functional collectives").
 
-FSDP2 trains on shm; ``full_tensor()`` then all-gathers through torch's functional collectives,
-which the dispatcher sends to the group's gloo backend underneath. With other processes holding
-the cores, a gloo send sometimes times out (20 s): a rank never issued its part. With
-backend="gloo" the same loop passes. Not in ``make test``. Run beside CPU burners, e.g.
-``for i in 1 2 3 4; do python -c 'while 1: pass' & done; python tools/shm_dtensor_stall.py 10``.
+Before the fix, torch's functional collectives went to the group's gloo backend with the GIL
+held, and beside CPU burners a run stalled until gloo's send timeout (20 s). Not in
+``make test``. Run beside burners, e.g.
+``for i in 1 2 3 4; do python -c 'while 1: pass' & done; python tools/shm_dtensor_stall.py 10``
+(``... 10 gloo`` runs the same loop on gloo).
 """
 
 import sys

@@ -166,3 +166,31 @@ def test_a_calls_own_timeout_is_kept() -> None:
     )
     assert "timed out after 1 s (the call's timeout)" in said and waited < 3.5, (waited, said)
     assert peer_said, "the late rank must not pass the barrier its peer gave up on"
+
+
+def _functional(g: Any) -> list[list[float]]:
+    import torch.distributed._functional_collectives as funcol
+
+    x = torch.arange(6, dtype=torch.float32) + 10 * dist.get_rank()
+    gathered = funcol.all_gather_tensor(x, 0, g)
+    scattered = funcol.reduce_scatter_tensor(x * 2, "sum", 0, g)
+    reduced = funcol.all_reduce(x + 1, "max", g)
+    return [torch.as_tensor(t).tolist() for t in (gathered, scattered, reduced)]
+
+
+def _functional_on_both() -> tuple[list[list[float]], list[list[float]], int]:
+    shm = dist.group.WORLD
+    before = shm._channel.calls  # type: ignore[union-attr]
+    ours = _functional(shm)
+    on_shm = shm._channel.calls - before  # type: ignore[union-attr]
+    return ours, _functional(dist.new_group(backend="gloo")), on_shm
+
+
+def test_functional_collectives_run_on_shared_memory() -> None:
+    """torch's functional collectives (DTensor's path) on an shm group: gloo's results, and on
+    the group's own calls, not the gloo group underneath (there, with the GIL held, they could
+    deadlock with gloo's worker thread: tools/shm_dtensor_stall.py)."""
+    for ours, gloo, on_shm in run_distributed(
+        _functional_on_both, world_size=2, backend="shm", timeout=60
+    ):
+        assert ours == gloo and on_shm >= 3, (ours, gloo, on_shm)

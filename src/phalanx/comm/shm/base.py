@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions  # not re-exported by torch.distributed
 
+from phalanx.comm.shm.worker import Executor
+
 __all__ = ["ShmGroup"]
 
 _SUM = dist.ReduceOp.SUM
@@ -57,6 +59,9 @@ def _reduce_opts(cls: type, given: Any, where: str, timeout: timedelta | None) -
 
 class ShmGroup(dist.ProcessGroup):
     """A ``backend="shm"`` group: its name, rank and size, and torch's call forms."""
+
+    _executor: Executor
+    """The subclass's ordered queue of calls (``worker.py``)."""
 
     def __init__(self, rank: int, world_size: int) -> None:
         super().__init__(rank, world_size)  # type: ignore[call-arg]  # (store, ...) fails
@@ -172,6 +177,50 @@ class ShmGroup(dist.ProcessGroup):
         """``barrier(opts)``, ``barrier(timeout)`` or ``barrier()``."""
         timeout, opts = (opts, None) if isinstance(opts, timedelta) else (None, opts)
         return self._barrier(_options(dist.BarrierOptions, opts, "barrier", timeout))
+
+    # -- coalesced calls: what torch's functional collectives (DTensor) come in as ----------
+    # Left to the C++ base, these went to the gloo group underneath with the GIL held, while
+    # gloo's worker thread, holding its queue's lock, waited for the GIL to free a finished
+    # call's tensors: a deadlock under load (tools/shm_dtensor_stall.py).
+    def all_gather_single_coalesced(
+        self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], opts: Any = None
+    ) -> dist.Work:
+        """``all_gather_into_tensor`` of each (output, input) pair, as one work."""
+        opts = _options(AllgatherOptions, opts, "allgather_into_tensor_coalesced", None)
+        works = [self._all_gather_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+        return self._joined(works, list(outputs), opts)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]
+
+    def reduce_scatter_single_coalesced(
+        self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], opts: Any = None
+    ) -> dist.Work:
+        """``reduce_scatter_tensor`` of each (output, input) pair, as one work."""
+        opts = _reduce_opts(dist.ReduceScatterOptions, opts, "reduce_scatter_coalesced", None)
+        pairs = zip(outputs, inputs, strict=True)
+        works = [self._reduce_scatter_single(o, i, opts) for o, i in pairs]
+        return self._joined(works, list(outputs), opts)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]
+
+    def allreduce_coalesced(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> dist.Work:
+        """``all_reduce`` of each tensor, as one work."""
+        given = _options(dist.AllreduceCoalescedOptions, opts, "allreduce_coalesced", None)
+        one = _options(dist.AllreduceOptions, None, "allreduce_coalesced", None)
+        one.reduceOp, one.timeout = given.reduceOp, given.timeout
+        works = [self._allreduce([t], one) for t in tensors]
+        return self._joined(works, list(tensors), given)
+
+    def _joined(self, works: list[dist.Work], value: object, opts: Any) -> dist.Work:
+        """One work that completes when every one of ``works`` has (raising the first error):
+        a call queued after them on the group's executor, so waiting on it from C++ with the
+        GIL held runs them on the waiting thread and needs no other thread."""
+
+        def wait_all() -> None:
+            for work in works:
+                work.wait()
+
+        return self._executor.submit(wait_all, value, wake=bool(getattr(opts, "asyncOp", True)))
 
     # -- what a subclass implements: lists of tensors and one options object ----------------
     def _allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
