@@ -8,38 +8,18 @@ held, and beside CPU burners a run stalled until gloo's send timeout (20 s). Not
 (``... 10 gloo`` runs the same loop on gloo).
 """
 
+import os
 import sys
 
-import torch
-import torch.distributed as dist
-from torch import nn
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tests.distributed.test_shm_backend import _fsdp2_sums
 
 from phalanx.testing import run_distributed
 
 BACKEND = sys.argv[2] if len(sys.argv) > 2 else "shm"
 
-
-def body(n: int) -> list[float]:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    for layer in (model[0], model[2], model):
-        fully_shard(layer, mesh=mesh)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(dist.get_rank())
-    s: list[float] = []
-    for _ in range(n):
-        opt.zero_grad()
-        model(torch.randn(4, 8, generator=g)).sum().backward()
-        opt.step()
-        s = [p.full_tensor().sum().item() for p in model.parameters()]  # type: ignore[attr-defined]
-    return s
-
-
 if __name__ == "__main__":
     for k in range(int(sys.argv[1])):
-        run_distributed(body, 200, world_size=2, backend=BACKEND, timeout=60)
+        run_distributed(_fsdp2_sums, 200, world_size=2, backend=BACKEND, timeout=60)
         print(k, "ok", flush=True)

@@ -226,7 +226,9 @@ def test_stuck_peer_times_out_named_without_burning_cpu() -> None:
     assert results[1]["took"] < 0.5
 
 
-def _fsdp2_sums() -> list[float]:
+def _fsdp2_sums(steps: int = 3) -> list[float]:
+    """FSDP2 training; after each step, every parameter made whole (DTensor's functional
+    collectives); the last step's sums. ``tools/shm_dtensor_stall.py`` runs it long."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -237,11 +239,13 @@ def _fsdp2_sums() -> list[float]:
         fully_shard(layer, mesh=mesh)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(dist.get_rank())
-    for _ in range(3):
+    sums: list[float] = []
+    for _ in range(steps):
         opt.zero_grad()
         model(torch.randn(4, 8, generator=g)).sum().backward()
         opt.step()
-    return [p.full_tensor().sum().item() for p in model.parameters()]
+        sums = [p.full_tensor().sum().item() for p in model.parameters()]
+    return sums
 
 
 def test_torch_fsdp2_trains_as_on_gloo() -> None:

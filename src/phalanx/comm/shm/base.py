@@ -12,7 +12,7 @@ pass ``(tensors, opts)``. Each public method here takes every form, makes it
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -60,8 +60,18 @@ def _reduce_opts(cls: type, given: Any, where: str, timeout: timedelta | None) -
 class ShmGroup(dist.ProcessGroup):
     """A ``backend="shm"`` group: its name, rank and size, and torch's call forms."""
 
+    # What a subclass provides: its ordered queue of calls (``worker.py``), and each collective
+    # on lists of tensors and one options object, which the public forms below call.
     _executor: Executor
-    """The subclass's ordered queue of calls (``worker.py``)."""
+    _allreduce: Callable[[list[torch.Tensor], Any], dist.Work]
+    _reduce: Callable[[list[torch.Tensor], Any], dist.Work]
+    _broadcast: Callable[[list[torch.Tensor], Any], dist.Work]
+    _allgather: Callable[[list[list[torch.Tensor]], list[torch.Tensor], Any], dist.Work]
+    _all_gather_single: Callable[[torch.Tensor, torch.Tensor, Any], dist.Work]
+    _reduce_scatter: Callable[[list[torch.Tensor], list[list[torch.Tensor]], Any], dist.Work]
+    _reduce_scatter_single: Callable[[torch.Tensor, torch.Tensor, Any], dist.Work]
+    _all_to_all_single: Callable[[torch.Tensor, torch.Tensor, list[int], list[int], Any], dist.Work]
+    _barrier: Callable[[Any], dist.Work]
 
     def __init__(self, rank: int, world_size: int) -> None:
         super().__init__(rank, world_size)  # type: ignore[call-arg]  # (store, ...) fails
@@ -221,44 +231,3 @@ class ShmGroup(dist.ProcessGroup):
                 work.wait()
 
         return self._executor.submit(wait_all, value, wake=bool(getattr(opts, "asyncOp", True)))
-
-    # -- what a subclass implements: lists of tensors and one options object ----------------
-    def _allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
-        raise NotImplementedError
-
-    def _reduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
-        raise NotImplementedError
-
-    def _broadcast(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
-        raise NotImplementedError
-
-    def _allgather(
-        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any
-    ) -> dist.Work:
-        raise NotImplementedError
-
-    def _all_gather_single(self, output: torch.Tensor, inp: torch.Tensor, opts: Any) -> dist.Work:
-        raise NotImplementedError
-
-    def _reduce_scatter(
-        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any
-    ) -> dist.Work:
-        raise NotImplementedError
-
-    def _reduce_scatter_single(
-        self, output: torch.Tensor, inp: torch.Tensor, opts: Any
-    ) -> dist.Work:
-        raise NotImplementedError
-
-    def _all_to_all_single(
-        self,
-        output: torch.Tensor,
-        inp: torch.Tensor,
-        output_split_sizes: list[int],
-        input_split_sizes: list[int],
-        opts: Any,
-    ) -> dist.Work:
-        raise NotImplementedError
-
-    def _barrier(self, opts: Any) -> dist.Work:
-        raise NotImplementedError
