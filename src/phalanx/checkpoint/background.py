@@ -17,6 +17,7 @@ exits.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ from phalanx.checkpoint.errors import CheckpointError
 from phalanx.comm import group
 
 __all__ = ["in_flight", "start", "wait"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -38,6 +41,7 @@ class _Write:
 
 _CURRENT: _Write | None = None
 _LOCK = threading.Lock()
+_AT_EXIT: list[bool] = []  # [True] once the exit hook is registered
 
 
 def _run(write: _Write, work: Callable[[], Path]) -> None:
@@ -56,6 +60,7 @@ def start(what: str, work: Callable[[], Path]) -> None:
     """
     global _CURRENT
     group.before_destroy(wait)  # phalanx.destroy_process_group waits for the write
+    _register_exit_hook()
     with _LOCK:
         assert _CURRENT is None, f"{_CURRENT.what} is still in flight; wait() first"
         write = _Write(what)
@@ -64,6 +69,31 @@ def start(what: str, work: Callable[[], Path]) -> None:
         )
         _CURRENT = write
     write.thread.start()
+
+
+def _register_exit_hook() -> None:
+    """Have the interpreter's thread shutdown wait for the write (once per process).
+
+    ``threading._register_atexit`` runs its hooks, newest first, when the main thread ends and
+    before non-daemon threads are joined: ours (registered after ``concurrent.futures``
+    imported) runs before that module stops its pools. ``atexit`` would run too late.
+    """
+    hook = getattr(threading, "_register_atexit", None)
+    if hook is not None and not _AT_EXIT:
+        hook(_wait_at_exit)
+        _AT_EXIT.append(True)
+
+
+def _wait_at_exit() -> None:
+    """The interpreter is exiting: commit the write in flight, or say loudly that it failed."""
+    write = _CURRENT
+    if write is None:
+        return
+    log.warning("waiting for %s before exiting (call Job.close() to wait earlier)", write.what)
+    try:
+        wait()
+    except CheckpointError as exc:
+        log.error("%s", exc)
 
 
 def in_flight() -> bool:

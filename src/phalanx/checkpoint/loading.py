@@ -61,6 +61,9 @@ class CheckpointInfo:
     """Number of ranks that saved it."""
     notes: tuple[str, ...] = ()
     """What could not be restored exactly (e.g. RNG of ranks that do not exist now)."""
+    sampler: dict[str, Any] | None = None
+    """This rank's saved sampler state (None: ``save`` got no sampler), loaded or not: a
+    sampler made after the load can take it."""
 
 
 def _resolve(directory: str | os.PathLike[str], path: str | os.PathLike[str] | None) -> str | None:
@@ -234,7 +237,9 @@ def _restore(ckpt: Path, session: Session, to: _Targets) -> CheckpointInfo:
         except ValueError as exc:  # names the file
             raise CheckpointError(str(exc)) from None
     extra = structure.unflatten(manifest.extra, {}, str(ckpt / "manifest.json"))
-    return CheckpointInfo(ckpt, manifest.step, extra, manifest.world_size, tuple(notes))
+    return CheckpointInfo(
+        ckpt, manifest.step, extra, manifest.world_size, tuple(notes), own["sampler"]
+    )
 
 
 def _agree(session: Session, error: BaseException | None) -> None:

@@ -77,7 +77,19 @@ def parallel(calls: Sequence[Callable[[], T]]) -> list[T]:
     if _POOL is None:
         workers = min(max(4, os.cpu_count() or 1), 8)  # I/O waits: more threads than cores
         _POOL = ThreadPoolExecutor(workers, thread_name_prefix=_THREAD_PREFIX)
-    return list(_POOL.map(lambda c: c(), calls))
+    try:
+        return list(_POOL.map(lambda c: c(), calls))
+    except RuntimeError:  # the interpreter is exiting and stopped the pool: go on in line
+        if not _pool_stopped():
+            raise
+        return [c() for c in calls]
+
+
+def _pool_stopped() -> bool:
+    """Whether the interpreter's shutdown stopped ``concurrent.futures``' thread pools."""
+    from concurrent.futures import thread
+
+    return bool(getattr(thread, "_shutdown", False))
 
 
 def _shards(tensors: dict[str, torch.Tensor], limit: int) -> list[dict[str, torch.Tensor]]:

@@ -47,12 +47,14 @@ from phalanx.train.loop_helpers import (
 from phalanx.train.lr_schedule import check_schedule
 from phalanx.train.metrics import MetricsLogger
 from phalanx.train.precision import Precision
+from phalanx.train.preemption import EXIT_STATUS, Preemption
 from phalanx.train.profiling import profile
 from phalanx.train.resume_point import ResumePoint
 from phalanx.train.slowdown import Slowdown
 from phalanx.train.straggler_rule import StragglerRule
 from phalanx.train.strategies import JobOptions, Runner, Strategy, resolve
 from phalanx.train.strategies.base import LossFn, Scheduler, Stateful
+from phalanx.train.train_state import TrainState
 
 __all__ = ["DATA_SEED", "Job"]
 
@@ -95,6 +97,9 @@ class Job(JobReports):
             "restart": a lost rank ends the job's processes
             (the launcher restarts them from the newest checkpoint); None: what the launcher
             was told (``--recovery``).
+        save_on_sigterm: With a ``checkpoint_dir``, a SIGTERM (a scheduler's preemption) makes
+            the ranks agree on a step, save it and exit with status 143
+            (:mod:`phalanx.train.preemption`); False keeps SIGTERM's default action.
     """
 
     @check_job_args
@@ -114,6 +119,7 @@ class Job(JobReports):
         straggler_check_every: int = 5,
         straggler_rule: StragglerRule | None = None,
         recovery: str | None = None,
+        save_on_sigterm: bool = True,
     ) -> None:
         chosen = resolve(strategy)  # a preset's own errors come before any process group
         mode = live_recovery(recovery)
@@ -159,6 +165,10 @@ class Job(JobReports):
             metrics_file, checkpoint_dir, tensorboard_dir, self.runner.metrics_group()
         )
         self.profiler = profile(profile_dir)
+        catch = save_on_sigterm and checkpoint_dir is not None and self.live is None
+        self.preemption = Preemption(self.world, catch and self.runner.logs_in_step())
+        """SIGTERM caught as a preemption (:mod:`phalanx.train.preemption`)."""
+        self._closed = False
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Scheduler | None = None
@@ -169,16 +179,37 @@ class Job(JobReports):
         self.sampler: DistributedSampler | ElasticSampler | None = None
         self.slowdown: Slowdown | None = None
         """An injected straggler (:meth:`slow_down`), for experiments."""
-        self.step_count = 0
+        self.state = TrainState()
+        """Where the job is: step, epoch, the open accumulation window, whether it resumed
+        (see :mod:`phalanx.train.train_state`)."""
+        self.resume_point = ResumePoint(self.state, accumulates=grad_accum > 1)
+        """The job's place in its data and the moment a checkpoint resumes at (the loader's
+        position, generator states; :mod:`phalanx.train.resume_point`)."""
+        self.throughput = Timer()
+        """Samples and seconds of the epochs so far (``summary()``'s samples/s)."""
+
+    @property
+    def step_count(self) -> int:
         """Optimizer steps taken (restored on resume)."""
-        self.epoch = 0
-        self._micro = 0
-        self._last_batch = False
-        self._resumed = False
-        self._resume_point = ResumePoint(accumulates=grad_accum > 1)
-        self.resumed_extra: dict[str, object] = {}
+        return self.state.step
+
+    @step_count.setter
+    def step_count(self, value: int) -> None:
+        self.state.step = value
+
+    @property
+    def epoch(self) -> int:
+        """The epoch in training (see :attr:`TrainState.epoch`)."""
+        return self.state.epoch
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self.state.epoch = value
+
+    @property
+    def resumed_extra(self) -> dict[str, object]:
         """The keyword values given to the ``save()`` this job resumed from (see :meth:`save`)."""
-        self._timer = Timer()
+        return self.state.resumed_extra
 
     # ---- setup ---------------------------------------------------------------------------------
     def setup(
@@ -255,11 +286,12 @@ class Job(JobReports):
         n = check_epochs(n)
         if self.runner.serving():
             return
-        epoch = self.resume() if not self._resumed else self.epoch
+        epoch = self.resume() if not self.state.resumed else self.epoch
+        self.state.epochs_driven = True
         while epoch < n:
             self.epoch = epoch
-            if self.sampler is not None and self.live is None:  # a live job's moves by commits
-                self.sampler.set_epoch(epoch)
+            if isinstance(self.sampler, DistributedSampler):  # a live job's moves by commits
+                self.resume_point.align(self.sampler)
             yield epoch
             if self.schedule == "epoch" and self.scheduler is not None:
                 self.scheduler.step()
@@ -272,12 +304,24 @@ class Job(JobReports):
     def progress(self, loader: Iterable[object], desc: str | None = None) -> Iterator[object]:
         """Iterate ``loader`` with a progress bar on rank 0, moving batches (of any structure:
         ``loop_helpers.to_device``) to the device; ``train/job_data.py``."""
-        return job_data.progress(self, loader, desc)
+        return job_data.progress(self, loader, desc, self._next_batch)
+
+    def _next_batch(self, last: bool) -> bool:
+        """A training batch is about to be handed out (``last``: the epoch's last): arm the
+        gradient sync, pull fresh parameters (parameter servers), start the step's clock;
+        False: stop the epoch."""
+        self.state.last_batch = last
+        self._arm_sync()
+        if not self.runner.before_batch():
+            return False
+        if self.slowdown is not None:
+            self.slowdown.begin()
+        return True
 
     def _arm_sync(self) -> None:
         # DDP decides at *forward* time whether the coming backward communicates (torch's and
         # ours alike), so the flag is set before each micro-step's forward, not in backward.
-        last = self._micro + 1 >= self.grad_accum or self._last_batch
+        last = self.state.syncs_now(self.grad_accum)
         exact = self.live is not None and self.live.exact  # it reduces the shards itself
         self.runner.require_backward_grad_sync(last and not exact)
 
@@ -320,10 +364,11 @@ class Job(JobReports):
         """
         opt = optimizer or self.optimizer
         # Micro-steps done in this window; back to 0 ends it (so does the epoch's last batch).
-        self._micro = 0 if self._last_batch else (self._micro + 1) % self.grad_accum
-        self._resume_point.stepped(pending=self._micro != 0)
+        state = self.state
+        state.micro = 0 if state.last_batch else (state.micro + 1) % self.grad_accum
+        self.resume_point.stepped(pending=state.micro != 0)
         self._arm_sync()
-        if self._micro:
+        if state.micro:
             self.timing.enter("data")  # the next micro-batch
             return False
         self.timing.enter("optimizer")
@@ -339,7 +384,17 @@ class Job(JobReports):
         if live is not None and not live.after_step(self):
             return False  # a live ZeRO job lost a member here and rolled this step back
         self.timing.end_step(self.step_count, self.metrics)
+        if self.preemption.due(self.step_count):
+            self._stop_preempted()
         return True
+
+    def _stop_preempted(self) -> None:
+        """SIGTERM: commit this step's checkpoint, close the job and exit with status 143."""
+        path = self.save(async_=False)
+        if self.world.is_main:
+            log.warning("SIGTERM: step %d committed in %s; exiting", self.step_count, path)
+        self.close()
+        raise SystemExit(EXIT_STATUS)
 
     # ---- metrics and checkpoints -----------------------------------------------------------------
     def track(self, name: str, obj: Stateful) -> Stateful:
@@ -379,7 +434,11 @@ class Job(JobReports):
 
     def close(self) -> None:
         """Wait for a background checkpoint write (raising its error); flush metrics; leave
-        the process group if the job created it."""
+        the process group if the job created it. Closing twice does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        self.preemption.close()
         job_checkpoint.wait(self)  # before the process group, whose store the write uses
         self.runner.finish()
         self.timing.close()

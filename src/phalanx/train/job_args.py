@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from phalanx._check import (
+    check_bool,
     check_choice,
     check_float,
     check_instance,
@@ -74,6 +75,7 @@ check_job_args = checked(
     straggler_check_every=rule(check_int, min=0),
     straggler_rule=optional(_straggler_rule),
     recovery=optional(rule(check_choice, choices=("live", "live-exact", "restart"))),
+    save_on_sigterm=rule(check_bool),
 )
 """Decorates ``Job.__init__``: every argument the caller passed, checked by its row."""
 

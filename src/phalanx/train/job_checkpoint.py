@@ -49,7 +49,7 @@ def track(job: Job, name: object, obj: object) -> None:
         raise ValueError(f"Job.track(name={name!r}): an object is tracked as {name!r} already")
     # A live job's replacement received its state in setup(): what it tracks next loads it.
     pending = job.live is not None and name in job.live.held.tracked
-    if job._resumed and not pending:
+    if job.state.resumed and not pending:
         raise ValueError(
             f"Job.track({name!r}, ...) after the job resumed (job.epochs() started): track "
             f"objects before the loop, so that resuming restores them"
@@ -94,7 +94,7 @@ def save(job: Job, async_: bool = True, **extra: object) -> Path:
     if job.live is not None:
         return _save_live(job, **extra)
     model, optimizer = job.runner.checkpointed(saving=True)
-    point = job._resume_point.record(job.epoch)
+    point = job.resume_point.record(job.epoch)
     job_state = point.job_state()
     if job.precision.scaler is not None:  # unchanged by pending micro-steps
         job_state["scaler"] = job.precision.scaler.state_dict()
@@ -169,7 +169,7 @@ def resume(job: Job) -> int:
     Afterwards ``job.resumed_extra`` holds the keyword values given to the ``save()`` that
     wrote the checkpoint (``{}`` when there was none).
     """
-    job._resumed = True
+    job.state.resumed = True
     if job.checkpoint_dir is None:
         return 0
     from phalanx import checkpoint
@@ -187,12 +187,13 @@ def resume(job: Job) -> int:
         return 0
     job.step_count = info.step
     job_state, values = _split(info.extra)
-    job.resumed_extra = dict(values)
+    job.state.resumed_extra = dict(values)
     if job.live is not None:  # the elastic sampler was loaded; the ledger goes on
         job.live.resumed(info.extra.get("ledger"))
         job.epoch = int(job_state["epoch"]) + bool(job_state.get("epoch_done"))
     else:
-        job.epoch = job._resume_point.resumed(job_state, str(info.path / "manifest.json"))
+        where = str(info.path / "manifest.json")
+        job.epoch = job.resume_point.resumed(job_state, info.sampler, where)
     if job.schedule == "epoch" and job.scheduler is not None and job_state.get("epoch_done"):
         _step_after_resume(job.scheduler)
     if job.precision.scaler is not None and "scaler" in job_state:

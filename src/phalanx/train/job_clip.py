@@ -34,7 +34,7 @@ def clip(job: Job, max_norm: float, norm_type: float) -> torch.Tensor:
     max_norm, norm_type = check_clip(max_norm, norm_type)
     if job.model is None:
         raise ValueError("Job.clip_grad_norm_() needs Job.setup(model, ...) first")
-    if not (job._micro + 1 >= job.grad_accum or job._last_batch):
+    if not job.state.syncs_now(job.grad_accum):
         return torch.tensor(float("nan"))
     if job.precision.scaler is not None:
         if job.optimizer is None:

@@ -15,7 +15,7 @@ do not apply.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sized
+from collections.abc import Callable, Iterable, Iterator, Sized
 from typing import TYPE_CHECKING
 
 import torch
@@ -60,13 +60,13 @@ def make_loader(
             )
     if eval:  # not shuffled unless asked; not the job's sampler
         order = False if shuffle is None else shuffle
-        sampler = EvalSampler(dataset, replicas, replica, order, job.data_seed)
-        return EvalLoader(dataset, batch_size, sampler=sampler, **kwargs)  # type: ignore[arg-type]
+        once = EvalSampler(dataset, replicas, replica, order, job.data_seed)
+        return EvalLoader(dataset, batch_size, sampler=once, **kwargs)  # type: ignore[arg-type]
     if job.live is not None:  # global batches over the membership of each step
         order = True if shuffle is None else shuffle
         shards = job.live.batch_sampler(job, dataset, batch_size, order, drop_last)
         return torch.utils.data.DataLoader(dataset, batch_sampler=shards, **kwargs)  # type: ignore[arg-type]
-    job.sampler = DistributedSampler(
+    sampler = DistributedSampler(
         dataset,
         num_replicas=replicas,
         rank=replica,
@@ -76,25 +76,29 @@ def make_loader(
         even_batches=even_batches,
         batch_size=batch_size,
     )
-    job._resume_point.follow(job.sampler)
+    job.resume_point.follow(sampler)
+    job.sampler = sampler
     return ResumableLoader(
-        job._resume_point,
+        job.resume_point,
         dataset,
         batch_size=batch_size,
-        sampler=job.sampler,
+        sampler=sampler,
         drop_last=drop_last,
         **kwargs,
     )
 
 
-def progress(job: Job, loader: Iterable[object], desc: str | None) -> Iterator[object]:
+def progress(
+    job: Job, loader: Iterable[object], desc: str | None, next_batch: Callable[[bool], bool]
+) -> Iterator[object]:
     """``job.progress(loader)``: batches moved to the device, with a bar on one rank.
 
     Batches of any structure are moved (tensors inside tuples, lists, dicts, namedtuples,
     ``UserDict`` mappings such as Hugging Face's ``BatchEncoding``; see
     ``loop_helpers.to_device``). A training loader's batch is a micro-step: the gradient-sync
-    flag is armed, parameter servers pull, phases are marked. An ``eval=True`` loader's batches
-    are only moved (also after training, on parameter-server workers).
+    flag is armed, parameter servers pull, phases are marked (``next_batch(last)``, the job's;
+    False: stop). An ``eval=True`` loader's batches are only moved (also after training, on
+    parameter-server workers).
     """
     from phalanx.train.progress import progress as bar_over
 
@@ -106,33 +110,24 @@ def progress(job: Job, loader: Iterable[object], desc: str | None) -> Iterator[o
         return
     if job.runner.serving():
         return
+    if isinstance(job.sampler, DistributedSampler):  # the job's epoch, before counting
+        job.resume_point.align(job.sampler)
     total = batches_left(loader, job.sampler)
     batches = loader if job.live is None else job.live.batches(job, loader)
     bar = bar_over(batches, desc=desc or f"epoch {job.epoch}", total=total, enabled=shown)
-    job._timer.start_epoch()
+    job.throughput.start_epoch()
     job.timing.enter("data")
     try:
         for i, batch in enumerate(bar):
-            job._last_batch = total is not None and i == total - 1
-            job._arm_sync()
-            if not _before_batch(job):
+            if not next_batch(total is not None and i == total - 1):
                 break
             batch = to_device(batch, job.world.device)
             job.timing.mark_batch()
             yield batch
-            job._timer.count(batch_len(batch))
+            job.throughput.count(batch_len(batch))
             job.profiler.step()
     finally:  # evaluation and checkpoints between epochs are no step's phase
         job.timing.enter(None)
-
-
-def _before_batch(job: Job) -> bool:
-    """Pull fresh parameters (parameter servers) and start the step's clock; False: stop."""
-    if not job.runner.before_batch():
-        return False
-    if job.slowdown is not None:
-        job.slowdown.begin()
-    return True
 
 
 def gather_values(job: Job, value: torch.Tensor | Number) -> torch.Tensor | list[Number]:

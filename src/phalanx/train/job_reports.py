@@ -26,14 +26,14 @@ class JobReports:
     world: World
     runner: Runner
     timing: JobPhases
-    _timer: Timer
+    throughput: Timer
 
     def summary(self) -> dict[str, float]:
         """Samples/s over the job, this rank's seconds waiting for communication
         (``comm_wait_seconds``) and their share of its time (``comm_share``; :meth:`phase_shares`
         has each phase's). Both are NaN where the strategy's wait is not measured, never a
         silent 0."""
-        times = self._timer.summary(self.world.world_size)
+        times = self.throughput.summary(self.world.world_size)
         return {**times, **self.timing.comm_summary(self.runner.comm_measured)}
 
     def phase_shares(self) -> dict[str, float]:

@@ -18,6 +18,13 @@ one, or draws other dropout masks:
   drew its seed before the save), before the fetch (in-process augmentation) and the forward
   (dropout). A save between epochs restores them at once, before the next epoch's iterator.
 
+**Which epoch a loader reads** is the job's (:class:`.train_state.TrainState`), not the
+sampler's, so a loader made inside the epoch loop is as good as one made before it: a new loader
+takes over the job's position (:meth:`ResumePoint.follow`: the previous loader's sampler, or the
+state a resume loaded before any loader existed), and each iteration first moves the sampler to
+the job's epoch (:meth:`ResumePoint.align`). Without ``Job.epochs()`` (a plain ``range``), a
+loader iterated again after handing out its whole epoch moves the job to the next epoch.
+
 Not restored: random draws inside DataLoader worker processes (their seeds come from the
 iterator, which a mid-epoch resume creates anew), and anything random the loop does between
 ``save()`` and its next batch.
@@ -33,6 +40,7 @@ import torch
 
 from phalanx.checkpoint import rng
 from phalanx.data.sampler import DistributedSampler
+from phalanx.train.train_state import TrainState
 
 __all__ = ["Record", "ResumableLoader", "ResumePoint", "SamplerState"]
 
@@ -82,24 +90,49 @@ class ResumePoint:
     """Follows the job's loader and optimizer steps; records and restores the resume point.
 
     Args:
+        state: The job's training state (its epoch, moved here by the loader as described
+            above).
         accumulates: The job accumulates gradients over micro-steps (``grad_accum > 1``);
             only then are windows snapshotted (one generator snapshot per optimizer step,
             ~0.1 ms).
     """
 
-    def __init__(self, accumulates: bool) -> None:
+    def __init__(self, state: TrainState, accumulates: bool) -> None:
+        self.state = state
         self.accumulates = accumulates
         self.sampler: DistributedSampler | None = None
         """The sampler of the job's loader, whose position the checkpoint records."""
+        self._loaded: dict[str, Any] | None = None  # resumed before any loader existed
         self._pending = False
         self._window: _Mark | None = None
         self._started_epoch: int | None = None
         self._replay: rng.Snapshot | None = None
 
     def follow(self, sampler: DistributedSampler) -> None:
-        """``job.loader()`` made ``sampler`` the job's: its position is the one saved."""
-        self.sampler = sampler
+        """``job.loader()`` made ``sampler`` the job's: it takes over the position of the
+        previous one (or the one a resume loaded), which is the position saved from now on.
+
+        Raises:
+            ValueError: naming both sizes, when the job's loader is mid-epoch over a dataset
+                of another size (an evaluation loader made without ``eval=True``).
+        """
+        before = self.sampler.state_dict() if self.sampler is not None else self._loaded
+        if before is not None:
+            _check_same_data(before, sampler)
+            sampler.load_state_dict(before)
+        self.sampler, self._loaded = sampler, None
         self._started_epoch, self._window = None, None
+
+    def align(self, sampler: DistributedSampler) -> None:
+        """Before an iteration of the job's loader: the sampler reads the job's epoch, and
+        without ``Job.epochs()`` a finished epoch moves the job on to the next."""
+        if sampler is not self.sampler:
+            return
+        finished = sampler.remaining == 0 and sampler.epoch == self.state.epoch
+        if finished and not self.state.epochs_driven:
+            self.state.epoch += 1
+        if sampler.epoch != self.state.epoch:
+            sampler.set_epoch(self.state.epoch)
 
     # ---- events of the loop ----------------------------------------------------------------
     def started(self, sampler: DistributedSampler) -> None:
@@ -142,11 +175,13 @@ class ResumePoint:
         rng_at = REPLAY_AT_BATCH if iterating and not done else REPLAY_NOW
         return Record(int(state["epoch"]), done, state, rng.capture(snap), rng_at)
 
-    def resumed(self, state: dict[str, Any], where: str) -> int:
+    def resumed(self, state: dict[str, Any], sampler: dict[str, Any] | None, where: str) -> int:
         """A checkpoint was loaded (generators restored); return the epoch to start from.
 
-        ``state`` is :meth:`Record.job_state` as saved. After a mid-epoch save the restored
-        generators are set aside and replayed when the loader fetches its first batch.
+        ``state`` is :meth:`Record.job_state` as saved; ``sampler`` the saved sampler state,
+        taken over by the job's loader when it is made after the resume (loaded directly into
+        one made before). After a mid-epoch save the restored generators are set aside and
+        replayed when the loader fetches its first batch.
 
         Raises:
             ValueError: naming ``where`` when ``state`` is malformed.
@@ -158,7 +193,22 @@ class ResumePoint:
             raise ValueError(f"{where}: malformed job state {state!r} ({exc!r})") from None
         self._pending, self._window, self._started_epoch = False, None, None
         self._replay = rng.snapshot() if rng_at == REPLAY_AT_BATCH else None
+        if self.sampler is None:
+            self._loaded = sampler
         return epoch + 1 if done else epoch
+
+
+def _check_same_data(before: dict[str, Any], sampler: DistributedSampler) -> None:
+    """A new training loader mid-epoch must read the same dataset as the job's."""
+    saved, here = before.get("dataset_len"), sampler.state_dict().get("dataset_len")
+    position, count = int(before.get("position", 0)), before.get("num_samples")
+    mid_epoch = position > 0 and position != count
+    if mid_epoch and saved is not None and saved != here:
+        raise ValueError(
+            f"Job.loader(dataset of {here} samples): the job's training loader is in the "
+            f"middle of an epoch over {saved} samples; a loader over other data for "
+            f"evaluation takes eval=True (job.loader(dataset, batch_size, eval=True))"
+        )
 
 
 class ResumableLoader(torch.utils.data.DataLoader[Any]):
@@ -170,9 +220,10 @@ class ResumableLoader(torch.utils.data.DataLoader[Any]):
         self.point = point
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # a generator, not torch's
-        batches = super().__iter__()  # draws the workers' base seed from torch's generator
         sampler = self.sampler
         assert isinstance(sampler, DistributedSampler)
+        self.point.align(sampler)
+        batches = super().__iter__()  # draws the workers' base seed from torch's generator
         self.point.started(sampler)
         return self._hand_out(batches, sampler)
 
