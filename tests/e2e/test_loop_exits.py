@@ -1,0 +1,139 @@
+"""How training scripts end: the README's Quick start as written, no ``close()``, a SIGTERM.
+
+Each runs under the real launcher (``phalanx run``), in a process group of its own that the
+deadline kills. None of them may lose the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.launching import DEADLINE_S, ROOT, SCRIPTS, finish, launcher_env, standalone
+
+LOOP_EXIT = str(SCRIPTS / "loop_exit.py")
+STEPS_PER_EPOCH = 8  # loop_exit.py: 256 samples, 2 ranks x 16 per batch
+
+
+def quick_start() -> str:
+    """The first Python block after the README's ``## Quick start`` heading, as written."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Quick start") :]
+    found = re.search(r"```python\n(.*?)```", section, re.S)
+    assert found is not None, "the README's Quick start has no python block"
+    return found.group(1)
+
+
+def _launch(cwd: Path, *cmd: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [*standalone(2), *cmd],
+        cwd=cwd,
+        env=launcher_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _run(cwd: Path, *cmd: str) -> tuple[int, str]:
+    proc = _launch(cwd, *cmd)
+    out, err = finish(proc)
+    return proc.returncode, out + err
+
+
+def _committed(ckpt: Path) -> list[str]:
+    return sorted(p.name for p in ckpt.glob("step-*"))
+
+
+def _digest(output: str) -> str:
+    return next(line.split()[-1] for line in output.splitlines() if "DIGEST" in line)
+
+
+def test_the_readme_quick_start_commits_its_last_checkpoint_and_a_rerun_trains_nothing(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "train.py").write_text(quick_start())
+    code, output = _run(tmp_path, "train.py")
+    assert code == 0, output
+    # 1024 samples, 2 ranks x 64 a batch, 4 micro-steps a step: 2 steps an epoch, 10 epochs.
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-000020", output
+    metrics = (tmp_path / "ckpt" / "metrics.jsonl").read_text()
+    code, again = _run(tmp_path, "train.py")
+    assert code == 0, again
+    assert "resumed from" in again and "(step 20, epoch 10)" in again, again
+    assert (tmp_path / "ckpt" / "metrics.jsonl").read_text() == metrics  # nothing trained
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-000020"
+
+
+def test_a_script_without_close_commits_its_last_asynchronous_save(tmp_path: Path) -> None:
+    code, output = _run(tmp_path, LOOP_EXIT, str(tmp_path / "ckpt"), "3")
+    assert code == 0, output
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-000024", output
+    assert "waiting for checkpoint step 24" in output  # said, not silent
+
+
+def test_sigterm_commits_the_last_step_and_the_rerun_resumes_bit_identically(
+    tmp_path: Path,
+) -> None:
+    ckpt, stamp = tmp_path / "preempted", tmp_path / "stamp"
+    # A job of 1000 epochs: only the SIGTERM ends it. The launcher passes the signal on to its
+    # workers (as SLURM signals every task) and waits up to --shutdown-timeout for them.
+    proc = _launch(
+        tmp_path,
+        "--shutdown-timeout",
+        "60",
+        LOOP_EXIT,
+        str(ckpt),
+        "1000",
+        "--stamp",
+        str(stamp),
+        "--stamp-step",
+        "5",
+    )
+    deadline = time.monotonic() + DEADLINE_S
+    while not stamp.exists():
+        assert proc.poll() is None, finish(proc)
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"no step 5 within {DEADLINE_S} s: {finish(proc)}")
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGTERM)
+    out, err = finish(proc)
+    output = out + err
+    assert proc.returncode == 128 + signal.SIGTERM, output
+    stopped = re.search(r"SIGTERM: step (\d+) committed", output)
+    assert stopped is not None, output
+    step = int(stopped.group(1))
+    assert step >= 5 and (ckpt / "latest").read_text().strip() == f"step-{step:06d}", output
+    # Resumed, it ends as a run never interrupted: same parameters, bit for bit.
+    epochs = str(step // STEPS_PER_EPOCH + 2)
+    code, resumed = _run(tmp_path, LOOP_EXIT, str(ckpt), epochs)
+    assert code == 0 and f"(step {step}," in resumed, resumed
+    code, clean = _run(tmp_path, LOOP_EXIT, str(tmp_path / "clean"), epochs)
+    assert code == 0, clean
+    assert _digest(resumed) == _digest(clean)
+
+
+def test_save_on_sigterm_false_keeps_the_default_action(tmp_path: Path) -> None:
+    script = tmp_path / "plain.py"
+    script.write_text(
+        "import os, signal, phalanx\n"
+        "job = phalanx.Job('ddp', checkpoint_dir='ckpt', save_on_sigterm=False)\n"
+        "print('DEFAULT', signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, flush=True)\n"
+        "job.close()\n"
+        "job = phalanx.Job('ddp', checkpoint_dir='ckpt')\n"
+        "print('CAUGHT', signal.getsignal(signal.SIGTERM) != signal.SIG_DFL, flush=True)\n"
+        "job.close()\n"
+        "print('RESTORED', signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, flush=True)\n"
+    )
+    code, output = _run(tmp_path, str(script))
+    assert code == 0, output
+    for word in ("DEFAULT", "CAUGHT", "RESTORED"):
+        assert output.count(f"{word} True") == 2, output
