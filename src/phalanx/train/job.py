@@ -152,7 +152,7 @@ class Job(JobReports):
             raise
         self.loss_fn: LossFn | None = None
         self.timing = JobPhases(
-            self.world, straggler_check_every, straggler_rule, self.runner.peer_sets()
+            self.world, straggler_check_every, straggler_rule, self.runner.role.peer_sets()
         )
         """Phase marks and the straggler monitor (see :mod:`phalanx.train.job_phases`)."""
         self.grad_accum = grad_accum
@@ -162,11 +162,11 @@ class Job(JobReports):
             seed_everything(seed)
         configure_logging(self.world.rank)
         self.metrics = MetricsLogger.for_job(
-            metrics_file, checkpoint_dir, tensorboard_dir, self.runner.metrics_group()
+            metrics_file, checkpoint_dir, tensorboard_dir, self.runner.role.metrics_group()
         )
         self.profiler = profile(profile_dir)
         catch = save_on_sigterm and checkpoint_dir is not None and self.live is None
-        self.preemption = Preemption(self.world, catch and self.runner.logs_in_step())
+        self.preemption = Preemption(self.world, catch and self.runner.role.logs_in_step())
         """SIGTERM caught as a preemption (:mod:`phalanx.train.preemption`)."""
         self._closed = False
         self.model: nn.Module | None = None
@@ -275,7 +275,7 @@ class Job(JobReports):
         """Make rank (or parameter-server worker) ``who``, or a random one each step with
         ``who="random"``, ``factor`` times slower: the straggler of experiments
         (:mod:`phalanx.train.slowdown`). Call it before the loop."""
-        place = self.runner.participants()
+        place = self.runner.role.participants(self.world)
         if place is not None:  # servers do not compute steps
             count, index = place
             self.slowdown = Slowdown(factor, who, index=index, count=count, seed=self.data_seed)
@@ -284,7 +284,7 @@ class Job(JobReports):
     def epochs(self, n: int) -> Iterator[int]:
         """Yield epoch numbers ``start..n-1``, resuming from the newest checkpoint if any."""
         n = check_epochs(n)
-        if self.runner.serving():
+        if self.runner.role.serving():
             return
         epoch = self.resume() if not self.state.resumed else self.epoch
         self.state.epochs_driven = True
@@ -295,11 +295,11 @@ class Job(JobReports):
             yield epoch
             if self.schedule == "epoch" and self.scheduler is not None:
                 self.scheduler.step()
-            if self.runner.finished():
+            if self.runner.role.finished():
                 break
             # A live ZeRO job may roll back into the epoch before; the next follows that one.
             epoch = epoch + 1 if self.live is None else self.epoch + 1
-        self.runner.finish()
+        self.runner.role.finish()
 
     def progress(self, loader: Iterable[object], desc: str | None = None) -> Iterator[object]:
         """Iterate ``loader`` with a progress bar on rank 0, moving batches (of any structure:
@@ -312,7 +312,7 @@ class Job(JobReports):
         False: stop the epoch."""
         self.state.last_batch = last
         self._arm_sync()
-        if not self.runner.before_batch():
+        if not self.runner.role.before_batch():
             return False
         if self.slowdown is not None:
             self.slowdown.begin()
@@ -424,7 +424,7 @@ class Job(JobReports):
         while another is mid-epoch), so there each worker returns its own values, without
         communication, and the first worker writes its own.
         """
-        in_step = self.runner.logs_in_step() and (self.live is None or not self.live.failed)
+        in_step = self.runner.role.logs_in_step() and (self.live is None or not self.live.failed)
         record = self.metrics.log if in_step else self.metrics.log_local
         averaged = record(self.step_count, **metrics)
         if self.metrics.is_writer:
@@ -440,7 +440,7 @@ class Job(JobReports):
         self._closed = True
         self.preemption.close()
         job_checkpoint.wait(self)  # before the process group, whose store the write uses
-        self.runner.finish()
+        self.runner.role.finish()
         self.timing.close()
         self.metrics.close()
         self.profiler.stop()

@@ -102,13 +102,13 @@ def progress(
     """
     from phalanx.train.progress import progress as bar_over
 
-    shown = job.world.rank == job.runner.progress_rank()
+    shown = job.world.rank == job.runner.role.progress_rank()
     if isinstance(loader, EvalLoader):
         bar = bar_over(loader, desc=desc or "eval", total=len(loader), enabled=shown)
         for batch in bar if not job.is_server else ():
             yield to_device(batch, job.world.device)
         return
-    if job.runner.serving():
+    if job.runner.role.serving():
         return
     if isinstance(job.sampler, DistributedSampler):  # the job's epoch, before counting
         job.resume_point.align(job.sampler)

@@ -14,8 +14,6 @@ from phalanx.train.loop_helpers import Timer
 from phalanx.train.phases import PhaseClock
 from phalanx.train.straggler_rule import StragglerFinding
 from phalanx.train.strategies import Runner
-from phalanx.train.strategies.mesh import MeshRunner
-from phalanx.train.strategies.ps import PSRunner
 
 __all__ = ["JobReports"]
 
@@ -55,14 +53,14 @@ class JobReports:
     @property
     def groups(self) -> ParallelGroups | None:
         """Process groups along dp / pp / tp of a ``phalanx.Mesh`` (None for others)."""
-        return self.runner.groups if isinstance(self.runner, MeshRunner) else None
+        return self.runner.groups
 
     @property
     def is_server(self) -> bool:
         """True on a parameter-server rank (which serves instead of training)."""
-        return isinstance(self.runner, PSRunner) and self.runner.is_server
+        return self.runner.role.is_server
 
     @property
     def server_report(self) -> ServerReport | None:
         """What this parameter server did (server ranks, once served); None elsewhere."""
-        return self.runner.report if isinstance(self.runner, PSRunner) else None
+        return self.runner.role.report

@@ -18,7 +18,7 @@ A pipeline or a parameter server subclasses :class:`Runner`.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -29,9 +29,11 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from phalanx._fields import check_fields
 from phalanx.comm.group import World
+from phalanx.mesh.groups import ParallelGroups
 from phalanx.train.grad_scaler import GradShards
 from phalanx.train.loop_helpers import repoint
 from phalanx.train.precision import Precision
+from phalanx.train.strategies.role import Role
 
 __all__ = [
     "JobOptions",
@@ -176,6 +178,9 @@ class Strategy:
 class Runner:
     """One job's strategy at work: the protocol :class:`phalanx.Job` calls.
 
+    Its :attr:`role` says whether and with whom this rank trains (``strategies/role.py``);
+    :attr:`groups` are a ``phalanx.Mesh``'s process groups (None for the others).
+
     Args:
         strategy: The options it runs.
         world: This process's place in the job.
@@ -187,6 +192,9 @@ class Runner:
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self._owners: list[SyncOwner] = []
+        self.groups: ParallelGroups | None = None
+        self.role = Role()
+        """Whether and with whom this rank trains (parameter servers have their own)."""
         self.comm_measured = strategy.comm_measured
         """Whether :attr:`phalanx.Job.summary`'s ``comm_share`` is measured (else NaN)."""
 
@@ -282,39 +290,3 @@ class Runner:
     def checkpointed(self, saving: bool) -> tuple[nn.Module | None, torch.optim.Optimizer | None]:
         """The model and optimizer as checkpoints see them (``saving``: about to be saved)."""
         return self.model, self.optimizer
-
-    # ---- roles (parameter servers override) ----------------------------------------------------
-    def serving(self) -> bool:
-        """Serve (once) where this rank is a server; True when it has no batches to train on."""
-        return False
-
-    def before_batch(self) -> bool:
-        """Called before each batch; False stops the loop (a parameter server said so)."""
-        return True
-
-    def finished(self) -> bool:
-        """True once this rank is told to stop training (a parameter server's budget)."""
-        return False
-
-    def finish(self) -> None:
-        """The loop is over: leave any role (idempotent)."""
-
-    def participants(self) -> tuple[int, int] | None:
-        """(how many ranks compute steps, this rank's index among them), or None if it does not."""
-        return self.world.world_size, self.world.rank
-
-    def metrics_group(self) -> dist.ProcessGroup | None:
-        """The group metrics average over (None: every rank). Collective: call once, in turn."""
-        return None
-
-    def logs_in_step(self) -> bool:
-        """True when the ranks train in step, so metrics may be averaged over them."""
-        return True
-
-    def progress_rank(self) -> int:
-        """The rank that draws the progress bar."""
-        return 0
-
-    def peer_sets(self) -> Iterable[list[int]] | None:
-        """Ranks doing the same work, for the straggler monitor: None, all; [] compares none."""
-        return None

@@ -101,7 +101,7 @@ class MeshRunner(Runner):
     ) -> None:
         super().__init__(strategy, world)
         self.config = config
-        self.groups = groups
+        self.groups: ParallelGroups = groups
         """Process groups along dp / pp / tp."""
         self.parallel: ParallelModel | None = None
 

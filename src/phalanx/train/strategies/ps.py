@@ -23,7 +23,7 @@ from torch import nn
 from phalanx._check import FLAG, check_choice, check_int, optional, rule
 from phalanx.comm import wait_clock
 from phalanx.comm.group import World
-from phalanx.parameter_server import ParameterServer, ServerReport
+from phalanx.parameter_server import ParameterServer
 from phalanx.train.precision import Precision
 from phalanx.train.strategies.base import (
     JobOptions,
@@ -36,6 +36,7 @@ from phalanx.train.strategies.base import (
 )
 from phalanx.train.strategies.initial_state import start_from_rank0
 from phalanx.train.strategies.optimizers import rebuild_by_name
+from phalanx.train.strategies.role import Role
 
 __all__ = ["PS", "PSRunner"]
 
@@ -104,19 +105,77 @@ class PS(Strategy):
         return PSRunner(self, world)
 
 
+class PSRole(Role):
+    """A parameter-server job's rank: a server (serves until every worker has finished) or a
+    worker (trains on its own, not in step with the other workers)."""
+
+    def __init__(self, world: World, servers: int) -> None:
+        self.world, self.servers = world, servers
+        self.is_server = world.rank < servers
+        self.server: ParameterServer | None = None
+        """The server (on server ranks) or client (on workers) of this rank; set by setup."""
+        self.done = False
+        self.workers: dist.ProcessGroup | None = None
+        """The workers' group (made by :meth:`metrics_group`, which ``Job()`` calls)."""
+
+    def serving(self) -> bool:
+        if self.server is None:
+            return False
+        if self.is_server and not self.done:  # serve once, until every worker has finished
+            self.report = self.server.serve()
+            self.done = True
+        return self.done
+
+    def before_batch(self) -> bool:
+        """Worker ranks: fresh parameters for the next batch; False (and done) when stopped."""
+        if self.server is None:
+            return True
+        with wait_clock.blocked():  # the servers' answer is communication wait
+            if self.done or not self.server.pull():
+                self.finish()
+                return False
+        return True
+
+    def finished(self) -> bool:
+        return self.done
+
+    def finish(self) -> None:
+        """Worker ranks: leave and load the final parameters (once)."""
+        if self.server is not None and not self.done and not self.is_server:
+            self.done = True
+            self.server.close()
+
+    def participants(self, world: World) -> tuple[int, int] | None:
+        """Workers only: servers do not compute steps."""
+        index = world.rank - self.servers
+        return (world.world_size - self.servers, index) if index >= 0 else None
+
+    def metrics_group(self) -> dist.ProcessGroup | None:
+        """The workers' group (servers do not log); every rank calls this, in the same order."""
+        self.workers = dist.new_group(list(range(self.servers, self.world.world_size)))
+        return self.workers
+
+    def logs_in_step(self) -> bool:
+        # Workers are not in step (one may be told to stop while another is mid-epoch).
+        return False
+
+    def progress_rank(self) -> int:
+        return self.servers
+
+    def peer_sets(self) -> Iterable[list[int]] | None:
+        # Workers are not in step: a collective among them would re-couple them.
+        return []
+
+
 class PSRunner(Runner):
-    """This rank's parameter-server role inside a :class:`phalanx.Job`."""
+    """This rank's parameter-server strategy inside a :class:`phalanx.Job`; its
+    :class:`PSRole` serves or trains."""
 
     def __init__(self, strategy: PS, world: World) -> None:
         super().__init__(strategy, world)
         self.options = strategy
-        self.server: ParameterServer | None = None
-        """The server (on server ranks) or client (on workers) of this rank; set by setup."""
+        self.role: PSRole = PSRole(world, strategy.servers)
         self.scheduler: Scheduler | None = None
-        self.report: ServerReport | None = None
-        """What the server did (server ranks, once served)."""
-        self.done = False
-        self.workers: dist.ProcessGroup | None = None
 
     def setup(
         self,
@@ -148,7 +207,7 @@ class PSRunner(Runner):
         o = self.options
         if o.servers > 1:  # each server serves its shard of its own build (seed=None)
             start_from_rank0(model)
-        self.server = ParameterServer(
+        self.role.server = ParameterServer(
             model,
             make_optimizer,
             group,
@@ -163,38 +222,15 @@ class PSRunner(Runner):
         self.model = model
         return Prepared(model, optimizer, None, None, loss_fn)
 
-    @property
-    def is_server(self) -> bool:
-        """True on server ranks."""
-        return self.world.rank < self.options.servers
-
     def _on_version(self, version: int, flat: torch.Tensor) -> None:
         assert self.scheduler is not None
         self.scheduler.step()
 
-    def serving(self) -> bool:
-        if self.server is None:
-            return False
-        if self.is_server and not self.done:  # serve once, until every worker has finished
-            self.report = self.server.serve()
-            self.done = True
-        return self.done
-
-    def before_batch(self) -> bool:
-        """Worker ranks: fresh parameters for the next batch; False (and done) when stopped."""
-        if self.server is None:
-            return True
-        with wait_clock.blocked():  # the servers' answer is communication wait
-            if self.done or not self.server.pull():
-                self.finish()
-                return False
-        return True
-
     def step(self, optimizer: torch.optim.Optimizer | None, precision: Precision) -> bool:
         """Push the gradients to the servers (which step the optimizer and the scheduler)."""
-        assert self.server is not None and self.model is not None
+        assert self.role.server is not None and self.model is not None
         with wait_clock.blocked():
-            self.server.push()
+            self.role.server.push()
         self.model.zero_grad(set_to_none=True)
         return False
 
@@ -214,41 +250,11 @@ class PSRunner(Runner):
                 f"schedule='step'"
             )
 
-    def finished(self) -> bool:
-        return self.done
-
-    def finish(self) -> None:
-        """Worker ranks: leave and load the final parameters (once)."""
-        if self.server is not None and not self.done and not self.is_server:
-            self.done = True
-            self.server.close()
-
-    def participants(self) -> tuple[int, int] | None:
-        """Workers only: servers do not compute steps."""
-        index = self.world.rank - self.options.servers
-        return (self.world.world_size - self.options.servers, index) if index >= 0 else None
-
     def data_shard(self) -> tuple[int, int]:
         """(workers, this worker) for a parameter-server job's data shards."""
         workers = self.world.world_size - self.options.servers
         return workers, max(0, self.world.rank - self.options.servers)
 
-    def metrics_group(self) -> dist.ProcessGroup | None:
-        """The workers' group (servers do not log); every rank calls this, in the same order."""
-        self.workers = dist.new_group(list(range(self.options.servers, self.world.world_size)))
-        return self.workers
-
     def replica_group(self) -> dist.ProcessGroup | None:
-        """The workers' group (made by :meth:`metrics_group`, which ``Job()`` calls)."""
-        return self.workers
-
-    def logs_in_step(self) -> bool:
-        # Workers are not in step (one may be told to stop while another is mid-epoch).
-        return False
-
-    def progress_rank(self) -> int:
-        return self.options.servers
-
-    def peer_sets(self) -> Iterable[list[int]] | None:
-        # Workers are not in step: a collective among them would re-couple them.
-        return []
+        """The workers' group."""
+        return self.role.workers
