@@ -1,15 +1,19 @@
-"""``Job(recovery=...)``'s rules and the live job's pure parts (shards, peer failures)."""
+"""``Job(recovery=...)``'s rules and the live job's parts that need no peers (shards, peer failures,
+the loop over its loader at a fixed membership)."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import DataLoader
 
 import phalanx
-from phalanx.data.elastic_sampler import ElasticSampler
-from phalanx.train.live import is_peer_failure
-from phalanx.train.live_shards import ShardBatches, owned_shards
+from phalanx.train.live import LiveTraining, is_peer_failure
+from phalanx.train.live_shards import owned_shards
 from phalanx.train.live_zero import LiveShards
 
 
@@ -34,15 +38,92 @@ def test_every_shard_is_owned_once_contiguously(shards: int, world: int) -> None
     assert max(map(len, owned)) - min(map(len, owned)) <= 1
 
 
-def test_shard_batches_deal_the_owned_shards_of_each_step() -> None:
-    sampler = ElasticSampler(range(50), 8, 4, 0, shuffle=True, seed=3)
-    batches = ShardBatches(sampler, owned_shards(4, 3, 0))  # shards 0 and 1
-    got = list(batches)
-    plans = list(sampler.plans())
-    assert len(got) == len(batches) == 2 * len(plans) == 14
-    for i, plan in enumerate(plans):
-        assert got[2 * i] == sampler.indices(plan, 0)
-        assert got[2 * i + 1] == sampler.indices(plan, 1)
+class _Member:
+    """What the live loop uses of a LiveGroup when nobody joins or leaves."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+
+    def admit(self, before_change: object) -> bool:
+        return False
+
+
+def _live_job(rank: int = 0, world: int = 1, launched: int = 2, exact: bool = False) -> Any:
+    """A LiveTraining over a group that never changes, and what its loop reads of a Job."""
+    live = LiveTraining(_Member(rank, world), launched, exact)  # type: ignore[arg-type]
+    runner = SimpleNamespace(model=None, step=lambda optimizer, precision: True)
+    state = SimpleNamespace(epochs_driven=True)  # the loop runs inside Job.epochs()
+    job = SimpleNamespace(
+        live=live,
+        sampler=None,
+        data_seed=0,
+        tracked={},
+        state=state,
+        runner=runner,
+        epoch=0,
+        precision=None,
+        step_count=0,
+    )
+    return job
+
+
+def _loader(job: Any, data: Any = range(20)) -> DataLoader[Any]:
+    """``job.loader(data, batch_size=2, shuffle=False)`` of a live job (job_data's build)."""
+    return DataLoader(data, batch_sampler=job.live.batch_sampler(job, data, 2, False, False))
+
+
+def _train(job: Any, loader: DataLoader[Any], steps: int | None = None) -> list[list[int]]:
+    """A plain loop over ``loader`` (a step per batch), for ``steps`` batches or to the end."""
+    seen = []
+    for batch in loader:
+        seen.append(batch.tolist())
+        job.live.step(job, None)
+        if len(seen) == steps:
+            break
+    return seen
+
+
+def test_a_plain_loop_over_the_live_loader_trains_each_step_of_the_epoch_once() -> None:
+    job = _live_job()  # one member of a job launched with two: 4 samples a step
+    loader = _loader(job)
+    assert len(loader) == 5
+    assert _train(job, loader) == [[4 * s + i for i in range(4)] for s in range(5)]
+    assert job.sampler.epoch == 1 and job.step_count == 0  # the Job counts its steps itself
+    assert _train(job, loader) == []  # the epoch is over until Job.epochs() moves the job on
+    job.epoch = 1
+    assert len(_train(job, loader)) == 5 and job.live.ledger.problems() == []
+    assert job.live.ledger.epochs == [0, 1]
+
+
+def test_a_loader_made_again_goes_on_from_the_previous_ones_place() -> None:
+    job = _live_job(rank=1, world=2, launched=2, exact=True)  # shard 1 of each step
+    first = _loader(job)
+    assert _train(job, first, steps=2) == [[2, 3], [6, 7]]
+    again = _loader(job)  # made again inside the epoch loop
+    assert _train(job, again) == [[10, 11], [14, 15], [18, 19]]
+    with pytest.raises(ValueError, match=r"replaced by a newer job.loader\(...\)"):
+        _train(job, first)
+    with pytest.raises(ValueError, match=r"dataset_len.*make evaluation loaders with eval=True"):
+        _loader(job, range(12))
+
+
+def test_a_batch_asked_for_before_its_step_is_refused_naming_the_fix() -> None:
+    job = _live_job()
+    batches = iter(_loader(job))
+    next(batches)
+    with pytest.raises(ValueError, match=r"call job.step\(\) after every batch.*num_workers=0"):
+        next(batches)  # as a DataLoader's workers read ahead
+    with pytest.raises(ValueError, match=r"trains on job.loader\(...\)'s loader"):
+        job.live.batches(job, [1, 2])
+
+
+def test_a_step_without_a_batch_of_the_live_loader_is_refused() -> None:
+    job = _live_job()
+    with pytest.raises(ValueError, match=r"job.step\(\) without a batch of job.loader"):
+        job.live.step(job, None)
+    _train(job, _loader(job), steps=1)
+    with pytest.raises(ValueError, match=r"steps once per batch"):
+        job.live.step(job, None)  # twice for one batch
 
 
 def test_peer_failures_are_told_from_bugs() -> None:

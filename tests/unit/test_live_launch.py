@@ -24,6 +24,7 @@ from phalanx.launch.options import build_parser
 from phalanx.launch.summary import Failure
 from phalanx.launch.worker_env import JobContext, Placement, worker_env
 from phalanx.launch.workers import WorkerGroup, WorkerSpec
+from phalanx.recovery.keys import FINISHED
 
 SECRET = b"k" * 32
 PLACE = Placement(rank=5, local_rank=2, world_size=8, local_world_size=4, node_rank=1, nnodes=2)
@@ -211,3 +212,10 @@ def test_a_death_after_a_finish_is_not_replaced_and_fails_the_job() -> None:
     assert outcome.finished == ["0.0"] and [d.late for d in outcome.deaths] == [True]
     assert "not replaced, since a worker of the job already finished" in lines[0]
     assert verdict([outcome], 5).exit_code == 3
+
+
+def test_a_worker_that_exits_0_tells_waiting_replacements_that_the_job_is_over() -> None:
+    node, _ = _live_node([_slot(0, "pass")], max_replacements=1)
+    assert node.dead.get(FINISHED) is None
+    outcome = _until_all_exited(node)
+    assert outcome.finished == ["0.0"] and node.dead.get(FINISHED) == "0.0"

@@ -13,8 +13,11 @@ When a worker of this node exits non-zero or by a signal, the agent
 
 With no replacement left the slot is *lost* and the others go on at a smaller world. A worker
 that dies after some worker of the job finished is not replaced: the job was ending, so that
-death fails it (:mod:`.live_outcome`). Once every worker here has exited, the agent publishes
-the node's outcome; the job's exit code follows from every node's.
+death fails it (:mod:`.live_outcome`). When a worker exits 0 the agent writes the finish marker
+in the worker store, so that a replacement still waiting to join exits 0 instead of waiting
+out its ``join_timeout`` (the finished worker may not have closed its job). Once every worker
+here has exited, the agent publishes the node's outcome; the job's exit code follows from every
+node's.
 
 Agent-store keys (signed under the job's nonce, as the rest of the agents' protocol):
 ``phalanx/live/replacement/<n>`` (who took the n-th replacement; the first valid claim wins),
@@ -33,7 +36,13 @@ from collections.abc import Callable
 
 from phalanx.comm.signed import SignedStore
 from phalanx.launch.events import Events
-from phalanx.launch.live_keys import INCARNATION_ENV, MEMBER_ENV, replacement_env, report_death
+from phalanx.launch.live_keys import (
+    INCARNATION_ENV,
+    MEMBER_ENV,
+    replacement_env,
+    report_death,
+    report_finished,
+)
 from phalanx.launch.live_outcome import Death, NodeOutcome, node_outcome, to_json
 from phalanx.launch.rendezvous import store_call
 from phalanx.launch.summary import failure_of
@@ -138,7 +147,7 @@ class LiveNode:
         self.node = node
         self.board = board
         self.dead = dead
-        """Signer of the death markers in the worker store."""
+        """Signer of the live keys in the worker store (death and finish markers)."""
         self.log = log
         self.events = events
         self.first = [w.spec for w in workers.workers]
@@ -175,6 +184,7 @@ class LiveNode:
         self.finished.append(member)
         self.ended.add(self._slot(worker))
         self.board.note_finished(member)
+        self._mark_finished(member)
 
     def _on_death(self, worker: Worker, member: str) -> None:
         local, incarnation = self._slot(worker), int(worker.spec.env[INCARNATION_ENV])
@@ -212,6 +222,16 @@ class LiveNode:
     def _spec(self, local: int, incarnation: int) -> WorkerSpec:
         first = self.first[local]
         return dataclasses.replace(first, env=replacement_env(first.env, incarnation))
+
+    def _mark_finished(self, member: str) -> None:
+        """Tell a replacement still waiting to join that the training is over (the worker may
+        have exited without closing its job, which says so too)."""
+        try:
+            report_finished(self.dead, member)
+        except (RuntimeError, OSError) as exc:
+            self.log(
+                f"cannot write the end of member {member}'s training to the worker store: {exc}"
+            )
 
     def _mark_dead(self, member: str, incarnation: int) -> None:
         try:

@@ -14,8 +14,10 @@ the environment it passes on.
 The worker store (``MASTER_ADDR:MASTER_PORT``, hosted by node 0's agent) lives for the whole
 live job. When an agent sees a worker die (non-zero exit or a signal) it records the death there
 with :func:`phalanx.recovery.keys.report_death` (key ``phalanx/live/dead/<member_id>``, the
-incarnation that died, signed under ``<join nonce>/live``): the store protocol and the variable
-names have one home, :mod:`phalanx.recovery.keys`, which the workers' library reads.
+incarnation that died, signed under ``<join nonce>/live``), and when a worker exits 0 it records
+that the job's training is over with :func:`phalanx.recovery.keys.report_finished` (key
+``phalanx/live/finished``: a replacement still waiting to join exits 0). The store protocol and
+the variable names have one home, :mod:`phalanx.recovery.keys`, which the workers' library reads.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from phalanx.recovery.keys import (
     dead_incarnation,
     live_signer,
     report_death,
+    report_finished,
 )
 
 __all__ = [
@@ -43,6 +46,7 @@ __all__ = [
     "member_id",
     "replacement_env",
     "report_death",
+    "report_finished",
 ]
 
 

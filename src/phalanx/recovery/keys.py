@@ -22,6 +22,9 @@ nor forge a membership. Per key (``M`` a slot id, ``k`` a generation)::
     g<k>/here/M      int    M's incarnation arrived at the agreement of generation k
     g<k>/ready/M     int    M read the membership of k and is about to build its process group
     g<k>/pg/...      torch's own rendezvous keys for generation k's process group (unsigned)
+    finished         the job's training is over: written by a member that closes its group,
+                     and by the launcher when a worker exits 0 (a script that never calls
+                     ``Job.close()``); a replacement still waiting to join then exits 0
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch.distributed as dist
 from phalanx.comm.signed import SignedStore
 
 __all__ = [
+    "FINISHED",
     "INCARNATION_ENV",
     "LIVE_ENV",
     "MEMBER_ENV",
@@ -40,9 +44,12 @@ __all__ = [
     "dead_key",
     "live_signer",
     "report_death",
+    "report_finished",
 ]
 
 PREFIX = "phalanx/live/"
+FINISHED = "finished"
+"""Key that says the job's training is over: no generation will admit anyone after it."""
 RECOVERY_ENV = "PHALANX_RECOVERY"
 MEMBER_ENV = "PHALANX_MEMBER_ID"
 INCARNATION_ENV = "PHALANX_INCARNATION"
@@ -82,6 +89,13 @@ def report_death(live: SignedStore, member_id: str, incarnation: int) -> None:
     known = live.get(dead_key(member_id), _as_incarnation)
     if known is None or known < incarnation:
         live.put(dead_key(member_id), incarnation)
+
+
+def report_finished(live: SignedStore, member_id: str) -> None:
+    """Record that slot ``member_id``'s worker finished training (the launcher's call, when it
+    exits 0): a replacement still waiting to be admitted then learns that nothing is left to
+    join and exits 0, whether or not the finished worker closed its group."""
+    live.put(FINISHED, member_id)
 
 
 def dead_incarnation(live: SignedStore, member_id: str) -> int | None:

@@ -31,7 +31,7 @@ from phalanx.recovery import startup
 from phalanx.recovery.agree import POLL_S, Board, members_key
 from phalanx.recovery.errors import Excluded, JobFinished, RecoveryError
 from phalanx.recovery.heartbeat import Heartbeat
-from phalanx.recovery.keys import PREFIX, _as_incarnation, dead_key, live_signer
+from phalanx.recovery.keys import FINISHED, PREFIX, _as_incarnation, dead_key, live_signer
 from phalanx.recovery.membership import Member, admissible, is_dead, parse_members, sort_members
 from phalanx.recovery.sockets import GroupSockets, InitWatch, abandon_group, socket_fds
 
@@ -41,8 +41,8 @@ INIT_TIMEOUT_S = 3.0
 """Rendezvous timeout of a generation's group: every member already said ready, so gloo's
 connections take milliseconds; a member that died meanwhile then costs seconds, not minutes."""
 
-FINISHED = "finished"
-"""Key a member writes when it closes: no generation will admit anyone after it."""
+MEMBERS_CHECK_S = 0.5
+"""How often a waiting replacement checks that a member of the job is still alive."""
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,8 @@ class LiveGroup:
         heartbeat_interval: Seconds between two heartbeats of this member.
         heartbeat_timeout: A member whose heartbeat has not moved for this long is dead.
         join_timeout: How long a replacement waits to be admitted (and the first generation to
-            gather), in seconds.
+            gather), in seconds. A replacement stops waiting as soon as the job's training is
+            over (:class:`JobFinished`) or every member of the job died (:class:`RecoveryError`).
         secret: The job secret that signs the live-recovery keys (None: unsigned).
         nonce: The nonce of the store's join record (the scope of the signatures).
     """
@@ -367,6 +368,7 @@ class LiveGroup:
         slot = self._live.bump("joins", 1)
         self._live.put(f"join/{slot}", [self.me.to_json()])
         deadline = time.monotonic() + self._join_timeout
+        members_checked = 0.0
         while time.monotonic() < deadline:
             current = self._live.get("current", _as_incarnation) or 0
             for k in range(current + 1, current + 4):
@@ -375,23 +377,45 @@ class LiveGroup:
                     if not self._form(k, agreed):
                         self._advance(k + 1, agreed, None)
                     return
-            if self._live.get(FINISHED) is not None:
-                self._heartbeat.stop()
-                raise JobFinished(
-                    f"member {self.me} arrived after the job's members finished training: "
-                    f"nothing is left to join; exit this process with success"
-                )
-            died = self._live.get(dead_key(self.me.member_id), _as_incarnation)
-            if died is not None and died >= self.me.incarnation:
-                self._heartbeat.stop()
-                raise Excluded(
-                    f"member {self.me} was declared dead before it was admitted (incarnation "
-                    f"{died} of slot {self.me.member_id} is recorded dead); exit this process: "
-                    f"the launcher starts the slot's next incarnation"
-                )
+            self._check_not_over()
+            if time.monotonic() - members_checked > MEMBERS_CHECK_S:
+                self._check_someone_left(current)
+                members_checked = time.monotonic()
             time.sleep(POLL_S)
         raise RecoveryError(
             f"member {self.me} was not admitted within join_timeout={self._join_timeout:g} s; "
             f"the members admit replacements only in LiveGroup.admit(): check that the training "
             f"loop calls it at every step boundary, or raise join_timeout"
         )
+
+    def _check_not_over(self) -> None:
+        """A waiting replacement: raise when the job finished or this member was declared dead."""
+        if self._live.get(FINISHED) is not None:
+            self._heartbeat.stop()
+            raise JobFinished(
+                f"member {self.me} arrived after the job's members finished training: "
+                f"nothing is left to join; exit this process with success"
+            )
+        died = self._live.get(dead_key(self.me.member_id), _as_incarnation)
+        if died is not None and died >= self.me.incarnation:
+            self._heartbeat.stop()
+            raise Excluded(
+                f"member {self.me} was declared dead before it was admitted (incarnation "
+                f"{died} of slot {self.me.member_id} is recorded dead); exit this process: "
+                f"the launcher starts the slot's next incarnation"
+            )
+
+    def _check_someone_left(self, current: int) -> None:
+        """A waiting replacement: raise when every member of generation ``current`` is dead:
+        nobody is left to admit it or to hand it the training state."""
+        members = self._live.get(members_key(current), parse_members)
+        if not members:
+            return  # the first generation has not formed yet
+        dead = self._board.dead(members)
+        if all(is_dead(m, dead) for m in members):
+            self._heartbeat.stop()
+            raise RecoveryError(
+                f"member {self.me} cannot join: every member of generation {current} "
+                f"({', '.join(map(str, members))}) died, so nobody holds the training state; "
+                f"see their errors, then restart the job from its newest checkpoint"
+            )

@@ -5,10 +5,16 @@ default group is a :class:`phalanx.recovery.LiveGroup`, ``job.loader`` deals glo
 ``batch_size x`` the launcher's world size with a :class:`phalanx.data.ElasticSampler`, and the
 job's own collectives are guarded. The training loop does not change:
 
+* **The loader runs the loop.** ``job.loader``'s batch sampler (:class:`LiveBatches`) is asked
+  for each step's indices when the training loop asks for its next batch, so ``for x, y in
+  loader`` and ``for x, y in job.progress(loader)`` take the same path (:meth:`LiveTraining.deal`):
+  a step boundary, then the step planned at the membership it settled. A loader made again
+  (each epoch) goes on from the previous one's place. The loader deals one step at a time, so it
+  takes no DataLoader workers (they would read ahead of the loop: refused, naming the fix).
 * **A failed step is redone.** When a collective of ``job.backward`` / ``job.step`` raises
   because a peer died (gloo raises within about 0.1 s; a hung peer times out), this member
   drops the step's gradients, agrees with the other survivors on the next generation
-  (``LiveGroup.recover``), and ``job.step`` returns False. ``job.progress`` then hands out the
+  (``LiveGroup.recover``), and ``job.step`` returns False. The loader then hands out the
   same global batch again, re-split over the new membership, and each member's loss is scaled so
   that the average is still the global batch's mean (``StepPlan.mean_scale``).
 * **No committed step is lost.** A survivor may have completed the failed step (its all-reduce
@@ -39,6 +45,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import DataLoader, Sampler
 
 from phalanx.checkpoint.sync import set_peer_check
 from phalanx.comm import group as pg
@@ -57,7 +64,7 @@ from phalanx.train.live_rules import (
     live_recovery,
     live_strategy,
 )
-from phalanx.train.live_shards import ShardBatches, ShardGrads, owned_shards
+from phalanx.train.live_shards import ShardGrads, owned_shards
 from phalanx.train.live_state import Held, exchange
 from phalanx.train.live_zero import LiveShards
 from phalanx.train.strategies.base import Strategy
@@ -66,10 +73,16 @@ from phalanx.train.strategies.zero import Zero
 if TYPE_CHECKING:  # the job calls these with itself; no import at run time
     from phalanx.train.job import Job
 
-__all__ = ["MAX_IDLE_RECOVERIES", "LiveTraining", "Regroup", "is_peer_failure", "live_recovery"]
+__all__ = [
+    "MAX_IDLE_RECOVERIES",
+    "LiveBatches",
+    "LiveTraining",
+    "Regroup",
+    "is_peer_failure",
+    "live_recovery",
+]
 
 log = logging.getLogger(__name__)
-_END = object()
 
 
 class LiveTraining:
@@ -87,16 +100,14 @@ class LiveTraining:
         self.launch_world_size = launch_world_size
         self.exact = exact
         self.held = Held()
-        self.shards: ShardBatches | None = None
         self.grads = ShardGrads()  # exact: this step's shard gradients so far
         self._micro = 0  # index of the shard in training among this member's
+        self._step_calls = 0  # job.step() calls so far: the loader deals after each
         self._idle = (-1, 0)  # (step, recoveries in a row at it that lost nobody)
         self.regroups: list[Regroup] = []
         """Every membership change this member went through, in order."""
         self.failed = False
         """The step in progress failed: its gradients are dropped and it is redone."""
-        self.changed = False
-        """The membership changed since ``job.progress`` opened its loader iterator."""
         self.plan: StepPlan | None = None
         """The step in progress (its global batch and this membership's split)."""
         self.zero: LiveShards | None = None
@@ -170,54 +181,88 @@ class LiveTraining:
     def _shard_count(self) -> int:
         return self.launch_world_size if self.exact else self.group.world_size
 
-    def _owned(self) -> list[int]:
+    def owned(self) -> list[int]:
+        """The shards this member trains in each step at the current membership."""
         return owned_shards(self._shard_count(), self.group.world_size, self.group.rank)
 
     def batch_sampler(
         self, job: Job, dataset: Sized, batch_size: int, shuffle: bool, drop_last: bool
-    ) -> ShardBatches:
+    ) -> LiveBatches:
         """``job.loader``'s batch sampler: global batches of ``batch_size x`` the launch world
-        size, each member's shards of each step (``job.sampler`` is the ElasticSampler)."""
-        owned = self._owned()
+        size, each member's shards of each step (``job.sampler`` is the ElasticSampler).
+
+        A loader made again (inside the epoch loop) goes on from the previous one's place: the
+        sampler's position is the job's, committed step by committed step.
+
+        Raises:
+            ValueError: the job's loader already deals another dataset or global batch (an
+                evaluation loader needs ``eval=True``).
+        """
         made = ElasticSampler(
             dataset,
             batch_size * self.launch_world_size,
             self._shard_count(),
-            owned[0],
+            self.owned()[0],
             shuffle=shuffle,
             seed=job.data_seed,
             drop_last=drop_last,
         )
+        if isinstance(job.sampler, ElasticSampler):
+            _go_on(job.sampler, made)
         job.sampler = made
         self.held.settle(job)
         if self.zero is not None:
             self.zero.sampler_built(made.state_dict())
         if self.held.ledger is None:
             self.held.ledger = SampleLedger.for_sampler(made)
-        self.shards = ShardBatches(made, owned)
-        return self.shards
+        return LiveBatches(self, job, made)
 
     # ---- the loop ----------------------------------------------------------------------------
     def batches(self, job: Job, loader: Iterable[object]) -> Iterator[object]:
-        """The epoch's batches: before each, a boundary; after a change, a new iterator."""
-        sampler = job.sampler
-        if not isinstance(sampler, ElasticSampler):
+        """``job.progress``'s batches: the loader's own, whose iteration runs the live loop
+        (:meth:`deal`), as a plain ``for batch in loader`` does."""
+        if not isinstance(loader, DataLoader) or not isinstance(loader.batch_sampler, LiveBatches):
             raise ValueError("Job.progress(loader): a live job trains on job.loader(...)'s loader")
-        batches: Iterator[object] | None = None
-        while sampler.epoch == job.epoch and sampler.plan() is not None:
+        return iter(loader)
+
+    def deal(self, job: Job, sampler: ElasticSampler) -> Iterator[list[int]]:
+        """The live loop, run each time the training loop asks the loader for a batch: a
+        boundary before each step (admissions; a failed step's generation settled), then the
+        indices of each shard this member trains in the step, planned at the membership just
+        settled. Ends when the job's epoch has no step left (its last step committed, or a
+        state received at a boundary ended it).
+
+        The boundary comes before the end is checked: a member whose last step of the epoch
+        committed meets there one whose step failed, and both leave the epoch together, with no
+        step open (``failed`` is False: what follows the epoch, ``job.log`` or ``job.save``,
+        communicates on every member).
+
+        Raises:
+            ValueError: a loader replaced by a newer ``job.loader(...)``; a batch asked for
+                before ``job.step()`` ran for the one handed out (DataLoader workers read
+                ahead, or the loop skipped ``job.step()``).
+        """
+        if sampler is not job.sampler:
+            raise ValueError(
+                "Job(recovery='live'): this loader was replaced by a newer job.loader(...) "
+                "call; iterate the newest one (a live job has one training loader, whose place "
+                "each new one takes over)"
+            )
+        if not job.state.epochs_driven:  # no Job.epochs(): a new pass reads the next epoch
+            job.epoch = max(job.epoch, sampler.epoch)
+        while True:
             self.boundary(job)
-            if batches is None or self.changed:
-                batches, self.changed = iter(loader), False
-            if sampler.epoch != job.epoch or sampler.plan() is None:
-                return  # a state received at the boundary ended the epoch
-            self.plan, self.failed = sampler.plan(), False
-            for micro in range(len(self._owned())):
-                self._micro = micro
-                batch = next(batches, _END)
-                if batch is _END:
-                    return
-                yield batch
-                if self.failed or self.changed:
+            plan, self.failed = sampler.plan(), False  # every change is settled: no step is open
+            if plan is None or sampler.epoch > job.epoch:
+                self.plan = None
+                return
+            self.plan = plan
+            for micro, shard in enumerate(self.owned()):
+                self._micro, calls = micro, self._step_calls
+                yield sampler.indices(plan, shard)
+                if self._step_calls == calls:
+                    raise ValueError(_READ_AHEAD)
+                if self.failed:
                     break
 
     def boundary(self, job: Job) -> None:
@@ -240,7 +285,7 @@ class LiveTraining:
         the global batch's mean; plain: DDP reduces, exact: the last shard reduces them all."""
         if self.failed:
             return
-        shard = self._owned()[self._micro]
+        shard = self.owned()[self._micro]
         scale = 1.0 if self.plan is None else self.plan.mean_scale(shard)
         scaled = loss if scale == 1.0 else loss * scale
         if not self.exact:
@@ -249,7 +294,7 @@ class LiveTraining:
         job.precision.backward(scaled)  # no communication: DDP's sync is off
         params = self._params(job)
         self.grads.stash(params)
-        if self._micro + 1 == len(self._owned()):
+        if self._micro + 1 == len(self.owned()):
             shards, size = self._shard_count(), self.group.world_size
             self.guard(job, lambda: self.grads.reduce(params, shards, size))
 
@@ -271,8 +316,20 @@ class LiveTraining:
     def step(self, job: Job, optimizer: torch.optim.Optimizer | None) -> bool | None:
         """``job.step``'s optimizer step: None when it does not step now (between shards, or
         the step failed: its gradients are dropped and the loader redoes it); else whether
-        the job's scheduler steps too. A stepped step is committed."""
-        if self.exact and not self.failed and self._micro + 1 < len(self._owned()):
+        the job's scheduler steps too. A stepped step is committed.
+
+        Raises:
+            ValueError: no batch of ``job.loader(...)``'s loader is in training (another
+                loader's, or ``job.step()`` called twice for one batch).
+        """
+        if self.plan is None:
+            raise ValueError(
+                "Job(recovery='live'): job.step() without a batch of job.loader(...)'s loader "
+                "in training; a live job steps once per batch of the loader job.loader(...) "
+                "returned (iterated directly or through job.progress)"
+            )
+        self._step_calls += 1
+        if self.exact and not self.failed and self._micro + 1 < len(self.owned()):
             return None
         stepped: list[bool] = []
         if self.guard(job, lambda: self.sync_buffers(job)) and self.guard(
@@ -370,7 +427,7 @@ class LiveTraining:
 
     def _regroup(self, job: Job, kind: str, started: float) -> None:
         """Settle a new generation: worlds, the committed step, the model's group, the sampler."""
-        self.failed = self.changed = True
+        self.failed = True
         while True:
             job.world = self.world(job.world)
             job.runner.world = job.world
@@ -385,9 +442,8 @@ class LiveTraining:
         if job.optimizer is not None:
             job.optimizer.zero_grad(set_to_none=True)
         self.grads.clear()
-        if isinstance(job.sampler, ElasticSampler) and self.shards is not None:
-            self.shards.owned = self._owned()
-            job.sampler.set_membership(self._shard_count(), self.shards.owned[0])
+        if isinstance(job.sampler, ElasticSampler):
+            job.sampler.set_membership(self._shard_count(), self.owned()[0])
         event = Regroup(
             kind,
             self.group.generation,
@@ -398,3 +454,47 @@ class LiveTraining:
         )
         self.regroups.append(event)
         event.log()
+
+
+_READ_AHEAD = (
+    "Job(recovery='live'): the loader was asked for another batch before job.step() ran for "
+    "the one it handed out. A live job's loader deals each step after the previous one "
+    "committed or failed (a lost member's step is redone, re-split), so call job.step() after "
+    "every batch, and make the loader with num_workers=0 (DataLoader workers read ahead)"
+)
+
+
+def _go_on(previous: ElasticSampler, made: ElasticSampler) -> None:
+    """``made`` (a new loader's sampler) takes over ``previous``'s place in the epochs."""
+    try:
+        made.load_state_dict(previous.state_dict())
+    except ValueError as exc:
+        raise ValueError(
+            f"Job.loader(...): a live job has one training loader, and its new loader must deal "
+            f"the same data to go on from the previous one's place ({exc}); make evaluation "
+            f"loaders with eval=True"
+        ) from None
+
+
+class LiveBatches(Sampler[list[int]]):
+    """``job.loader``'s batch sampler in a live job: iterating it runs the live loop.
+
+    A DataLoader without workers asks its batch sampler for the next indices when the training
+    loop asks for the next batch, so :meth:`LiveTraining.deal` runs each step's boundary there,
+    for ``for batch in loader`` and ``job.progress(loader)`` alike.
+
+    Args:
+        live: The job's live side.
+        job: The job.
+        sampler: The job's :class:`ElasticSampler` when the loader was made.
+    """
+
+    def __init__(self, live: LiveTraining, job: Job, sampler: ElasticSampler) -> None:
+        self.live, self.job, self.sampler = live, job, sampler
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return self.live.deal(self.job, self.sampler)
+
+    def __len__(self) -> int:
+        """Micro-batches left in the sampler's epoch at the current membership."""
+        return len(self.sampler) * len(self.live.owned())

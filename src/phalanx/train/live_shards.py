@@ -1,7 +1,7 @@
 """A live job's data shards, and the exact reduction that makes a run membership-independent.
 
 A step's global batch is split into *shards* (``StepPlan`` over the shard count) and each member
-trains the shards it owns, one micro-step each (:class:`ShardBatches` deals their indices):
+trains the shards it owns, one micro-step each (``LiveTraining.deal`` deals their indices):
 
 * **plain** (``recovery="live"``): one shard per member, reduced by DDP's bucketed all-reduce
   during backward. After a change of membership the average is over another number of terms, so
@@ -17,17 +17,14 @@ trains the shards it owns, one micro-step each (:class:`ShardBatches` deals thei
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import Sampler
 
 from phalanx.data.elastic_plan import split_counts
-from phalanx.data.elastic_sampler import ElasticSampler
 
 __all__ = [
-    "ShardBatches",
     "ShardGrads",
     "exact_average",
     "flat_grads",
@@ -41,29 +38,6 @@ def owned_shards(shards: int, world_size: int, rank: int) -> list[int]:
     counts = split_counts(shards, world_size)
     first = sum(counts[:rank])
     return list(range(first, first + counts[rank]))
-
-
-class ShardBatches(Sampler[list[int]]):
-    """``job.loader``'s batch sampler: per step, the indices of each shard this member owns.
-
-    Args:
-        sampler: The job's :class:`ElasticSampler`, whose membership is the shard count.
-        owned: The shards of this member (updated on every membership change).
-    """
-
-    def __init__(self, sampler: ElasticSampler, owned: Sequence[int]) -> None:
-        self.sampler = sampler
-        self.owned = list(owned)
-
-    def __iter__(self) -> Iterator[list[int]]:
-        """Each remaining step's shards in order, assuming the steps commit (as the sampler's)."""
-        sampler = self.sampler
-        for plan in sampler.plans():
-            for shard in self.owned:
-                yield sampler.indices(plan, shard)
-
-    def __len__(self) -> int:
-        return len(self.sampler) * len(self.owned)
 
 
 def flat_grads(params: Sequence[torch.Tensor]) -> torch.Tensor:

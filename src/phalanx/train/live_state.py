@@ -110,7 +110,7 @@ def apply(job: Job, state: dict[str, Any], held: Held) -> None:
     if job.precision.scaler is not None and "scaler" in state:
         job.precision.scaler.load_state_dict(state["scaler"])
     job.step_count, job.epoch = int(state["step"]), int(state["epoch"])
-    job._resumed = True  # the state came from a live member: no checkpoint to resume from
+    job.state.resumed = True  # the state came from a live member: no checkpoint to resume from
     set_rng_state(state["rng"])
     held.sampler, held.ledger_state, held.tracked = (
         state["sampler"],

@@ -51,6 +51,7 @@ from phalanx.train.strategies.base import (
     check_fields,
 )
 from phalanx.train.strategies.initial_state import start_from_rank0
+from phalanx.train.strategies.role import Role
 
 __all__ = ["DiLoCo", "LocalSGD", "ReplicaRunner", "ReplicaStrategy", "bucket_bytes"]
 
@@ -174,6 +175,27 @@ class DiLoCo(ReplicaStrategy):
         return self.late_policy
 
 
+class ReplicaRole(Role):
+    """Every rank trains; with ``late_policy="weighted"`` not in step between rounds."""
+
+    def __init__(self, weighted: bool) -> None:
+        self.weighted = weighted
+        self.sync: PeriodicSync | None = None
+        """The runner's algorithm, once set up."""
+
+    def finish(self) -> None:
+        """The loop is over: wait for any synchronisation still in flight."""
+        if self.sync is not None:
+            self.sync.finish()
+
+    def logs_in_step(self) -> bool:
+        return not self.weighted
+
+    def peer_sets(self) -> Iterable[list[int]] | None:
+        # Weighted: the ranks are not in step; a collective among them would re-couple them.
+        return [] if self.weighted else None
+
+
 class ReplicaRunner(Runner):
     """A :class:`ReplicaStrategy` at work: local steps, then the algorithm's synchronisation."""
 
@@ -182,6 +204,7 @@ class ReplicaRunner(Runner):
         self.options = strategy
         self.sync: PeriodicSync | None = None
         """The algorithm (set by :meth:`setup`); its ``stats`` count syncs, bytes, seconds."""
+        self.role: ReplicaRole = ReplicaRole(strategy.late() == "weighted")
 
     def setup(
         self,
@@ -200,31 +223,15 @@ class ReplicaRunner(Runner):
         start_from_rank0(model)
         precision.wrap_forward(model)
         self.model, self.optimizer = model, optimizer
-        self.sync = self.options.make_sync(Replica.of(model), None)
+        self.sync = self.role.sync = self.options.make_sync(Replica.of(model), None)
         return Prepared(model, optimizer, optimizer, scheduler, loss_fn)
 
-    def step(self, optimizer: torch.optim.Optimizer | None, precision: Precision) -> bool:
+    def step(self, optimizer: torch.optim.Optimizer | None, precision: Precision) -> bool | None:
         """The local step; every ``sync_every`` steps, the synchronisation."""
         stepped = super().step(optimizer, precision)
         assert self.sync is not None
         self.sync.after_step()
         return stepped
-
-    def finish(self) -> None:
-        """The loop is over: wait for any synchronisation still in flight."""
-        if self.sync is not None:
-            self.sync.finish()
-
-    def weighted(self) -> bool:
-        """``late_policy="weighted"``: the ranks are not in step between rounds."""
-        return self.options.late() == "weighted"
-
-    def logs_in_step(self) -> bool:
-        return not self.weighted()
-
-    def peer_sets(self) -> Iterable[list[int]] | None:
-        # Weighted: the ranks are not in step; a collective among them would re-couple them.
-        return [] if self.weighted() else None
 
     def checkpointed(self, saving: bool) -> tuple[nn.Module | None, torch.optim.Optimizer | None]:
         """Per-rank views of the replica and inner optimizer (``local_sgd/checkpoint.py``).

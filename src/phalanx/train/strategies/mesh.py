@@ -23,6 +23,7 @@ from torch import nn
 
 from phalanx.comm.group import World
 from phalanx.mesh import ParallelConfig, ParallelGroups, ParallelModel, make_groups, parallelize
+from phalanx.mesh.topology import Topology
 from phalanx.train.grad_scaler import GradShards
 from phalanx.train.precision import Precision
 from phalanx.train.strategies.base import (
@@ -35,6 +36,7 @@ from phalanx.train.strategies.base import (
 )
 from phalanx.train.strategies.initial_state import start_from_rank0
 from phalanx.train.strategies.optimizers import rebuild_by_name
+from phalanx.train.strategies.role import Role
 
 __all__ = ["Mesh", "MeshRunner", "default_loss"]
 
@@ -93,6 +95,22 @@ def default_loss(model: nn.Module, groups: ParallelGroups) -> LossFn | None:
     )
 
 
+class StageRole(Role):
+    """Every rank trains in step; a pipeline's stages do different work."""
+
+    def __init__(self, topology: Topology) -> None:
+        self.topology = topology
+
+    def peer_sets(self) -> Iterable[list[int]] | None:
+        """With a pipeline, the ranks of each stage (for the straggler monitor); else all."""
+        if self.topology.pp == 1:
+            return None
+        stages = dict[int, list[int]]()
+        for r in range(self.topology.world_size):
+            stages.setdefault(self.topology.coords(r)["pp"], []).append(r)
+        return list(stages.values())
+
+
 class MeshRunner(Runner):
     """A split model at work: its schedule is the forward and backward; per-rank checkpoints."""
 
@@ -103,6 +121,7 @@ class MeshRunner(Runner):
         self.config = config
         self.groups: ParallelGroups = groups
         """Process groups along dp / pp / tp."""
+        self.role = StageRole(groups.topology)
         self.parallel: ParallelModel | None = None
 
     def setup(
@@ -193,12 +212,3 @@ class MeshRunner(Runner):
         views = self.parallel.checkpoint_views(self.optimizer)
         # checkpoint.save / load take these sharded views where they take a model / optimizer
         return cast(tuple[nn.Module, torch.optim.Optimizer | None], views)
-
-    def peer_sets(self) -> Iterable[list[int]] | None:
-        """With a pipeline, the ranks of each stage (stages do different work); else all."""
-        if self.groups.topology.pp == 1:
-            return None
-        topology, stages = self.groups.topology, dict[int, list[int]]()
-        for r in range(topology.world_size):
-            stages.setdefault(topology.coords(r)["pp"], []).append(r)
-        return list(stages.values())
