@@ -180,3 +180,45 @@ def test_every_loop_shape_trains_and_resumes_exactly(
     assert not wrong, f"{name}: {len(wrong)} of {len(ranks) * (len(got) - 1)} fail:\n" + "\n".join(
         wrong
     )
+
+
+def _eval_inside_and_twice(root: str) -> dict[str, Any]:
+    """An eval loader read inside the training loop, the training loader read twice in an
+    epoch, and a training loader over other data mid-epoch."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(BLOCK, 1)
+    with phalanx.Job("ddp", checkpoint_dir=Path(root) / "ckpt", straggler_check_every=0) as job:
+        model, opt = job.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        data = _data(job.world.world_size)
+        loader = job.loader(data, batch_size=PER_RANK_BATCH, shuffle=True)
+        held_out = job.loader(_data(1), batch_size=3, eval=True)
+        trained, evaluated, again = [], [], []
+        for epoch in job.epochs(2):
+            for x, _, idx in loader:
+                model(x.float()).mean().backward()
+                job.step(opt)
+                trained.append((epoch, idx.tolist()))
+                evaluated.append([i.tolist() for _, _, i in held_out])  # eval inside the loop
+            again.append([idx.tolist() for _, _, idx in loader])  # a second pass, same epoch
+        mid = iter(loader)
+        next(mid)
+        try:
+            job.loader(_data(2 * job.world.world_size), batch_size=PER_RANK_BATCH)
+            refused = ""
+        except ValueError as exc:
+            refused = str(exc)
+        return {"trained": trained, "evaluated": evaluated, "again": again, "refused": refused}
+
+
+def test_eval_loaders_inside_the_loop_and_a_second_pass_leave_training_alone(
+    tmp_path: Path,
+) -> None:
+    ranks = run_distributed(_eval_inside_and_twice, str(tmp_path), world_size=2, timeout=120)
+    for rank, got in enumerate(ranks):
+        by_epoch = [[idx for e, idx in got["trained"] if e == epoch] for epoch in range(2)]
+        assert by_epoch[0] != by_epoch[1] and all(len(b) == BATCHES for b in by_epoch)
+        # Re-reading the loader inside an epoch repeats that epoch's order (torch's set_epoch).
+        assert got["again"] == by_epoch, f"rank {rank}"
+        # The eval loader reads its whole (unshuffled) data every time, whatever training does.
+        assert all(e == got["evaluated"][0] for e in got["evaluated"]), f"rank {rank}"
+        assert "in the middle of an epoch" in got["refused"] and "eval=True" in got["refused"]

@@ -12,9 +12,11 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import phalanx
+from phalanx.train.job_data import LoaderArgs
 from phalanx.train.live import LiveTraining, is_peer_failure
 from phalanx.train.live_shards import owned_shards
 from phalanx.train.live_zero import LiveShards
+from phalanx.train.train_state import TrainState
 
 
 def test_bad_recovery_names_the_argument_and_the_value() -> None:
@@ -49,27 +51,18 @@ class _Member:
 
 
 def _live_job(rank: int = 0, world: int = 1, launched: int = 2, exact: bool = False) -> Any:
-    """A LiveTraining over a group that never changes, and what its loop reads of a Job."""
+    """A LiveTraining over a group that never changes, bound to a stand-in runner and a
+    training state inside ``Job.epochs()``."""
     live = LiveTraining(_Member(rank, world), launched, exact)  # type: ignore[arg-type]
     runner = SimpleNamespace(model=None, step=lambda optimizer, precision: True)
-    state = SimpleNamespace(epochs_driven=True)  # the loop runs inside Job.epochs()
-    job = SimpleNamespace(
-        live=live,
-        sampler=None,
-        data_seed=0,
-        tracked={},
-        state=state,
-        runner=runner,
-        epoch=0,
-        precision=None,
-        step_count=0,
-    )
-    return job
+    state = TrainState(precision=None, epochs_driven=True)  # type: ignore[arg-type]
+    live.bind(runner, state, None)  # type: ignore[arg-type]
+    return SimpleNamespace(live=live, state=state)
 
 
 def _loader(job: Any, data: Any = range(20)) -> DataLoader[Any]:
-    """``job.loader(data, batch_size=2, shuffle=False)`` of a live job (job_data's build)."""
-    return DataLoader(data, batch_sampler=job.live.batch_sampler(job, data, 2, False, False))
+    """``job.loader(data, batch_size=2, shuffle=False)`` of a live job."""
+    return job.live.loader(LoaderArgs(data, 2, False, False, True, 0), None)
 
 
 def _train(job: Any, loader: DataLoader[Any], steps: int | None = None) -> list[list[int]]:
@@ -77,7 +70,7 @@ def _train(job: Any, loader: DataLoader[Any], steps: int | None = None) -> list[
     seen = []
     for batch in loader:
         seen.append(batch.tolist())
-        job.live.step(job, None)
+        job.live.step_optimizer(None)
         if len(seen) == steps:
             break
     return seen
@@ -88,9 +81,9 @@ def test_a_plain_loop_over_the_live_loader_trains_each_step_of_the_epoch_once() 
     loader = _loader(job)
     assert len(loader) == 5
     assert _train(job, loader) == [[4 * s + i for i in range(4)] for s in range(5)]
-    assert job.sampler.epoch == 1 and job.step_count == 0  # the Job counts its steps itself
+    assert job.state.sampler.epoch == 1 and job.state.step == 0  # the Job counts its steps
     assert _train(job, loader) == []  # the epoch is over until Job.epochs() moves the job on
-    job.epoch = 1
+    job.state.epoch = 1
     assert len(_train(job, loader)) == 5 and job.live.ledger.problems() == []
     assert job.live.ledger.epochs == [0, 1]
 
@@ -113,17 +106,15 @@ def test_a_batch_asked_for_before_its_step_is_refused_naming_the_fix() -> None:
     next(batches)
     with pytest.raises(ValueError, match=r"call job.step\(\) after every batch.*num_workers=0"):
         next(batches)  # as a DataLoader's workers read ahead
-    with pytest.raises(ValueError, match=r"trains on job.loader\(...\)'s loader"):
-        job.live.batches(job, [1, 2])
 
 
 def test_a_step_without_a_batch_of_the_live_loader_is_refused() -> None:
     job = _live_job()
     with pytest.raises(ValueError, match=r"job.step\(\) without a batch of job.loader"):
-        job.live.step(job, None)
+        job.live.step_optimizer(None)
     _train(job, _loader(job), steps=1)
     with pytest.raises(ValueError, match=r"steps once per batch"):
-        job.live.step(job, None)  # twice for one batch
+        job.live.step_optimizer(None)  # twice for one batch
 
 
 def test_peer_failures_are_told_from_bugs() -> None:
@@ -146,27 +137,23 @@ class _Group:
             self.members = self.members[:-1]
 
 
-class _Job:
-    step_count = 7
-
-
 def test_a_failure_that_loses_nobody_is_redone_twice_then_raised() -> None:
     from phalanx.recovery import RecoveryError
     from phalanx.train.live import MAX_IDLE_RECOVERIES, LiveTraining
 
     failure = RuntimeError("Connection reset by peer")
     live = LiveTraining(_Group([True, False, False, True, False, False, False]), 3)  # type: ignore[arg-type]
-    job = _Job()
-    live._recover(job, failure)  # type: ignore[arg-type]  # a member lost
+    live.bind(SimpleNamespace(), TrainState(None, step=7), None)  # type: ignore[arg-type]
+    live._recover(failure)  # a member lost
     for _ in range(MAX_IDLE_RECOVERIES - 1):
-        live._recover(job, failure)  # type: ignore[arg-type]  # nobody lost: redo
-    live._recover(job, failure)  # type: ignore[arg-type]  # a loss resets the count
-    live._recover(job, failure)  # type: ignore[arg-type]
-    live._recover(job, failure)  # type: ignore[arg-type]
+        live._recover(failure)  # nobody lost: redo
+    live._recover(failure)  # a loss resets the count
+    live._recover(failure)
+    live._recover(failure)
     with pytest.raises(RecoveryError, match=r"step 7 failed 3 times in a row.*Connection reset"):
-        live._recover(job, failure)  # type: ignore[arg-type]
+        live._recover(failure)
     with pytest.raises(ValueError, match="a bug"):
-        live._recover(job, ValueError("a bug"))  # type: ignore[arg-type]
+        live._recover(ValueError("a bug"))
 
 
 def test_a_zero3_forward_outside_forward_backward_is_refused_while_training() -> None:

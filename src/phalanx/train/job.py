@@ -29,20 +29,25 @@ import torch
 from torch import nn
 
 from phalanx.comm import group as pg
+from phalanx.comm.group import World
 from phalanx.data.elastic_sampler import ElasticSampler
+from phalanx.data.eval import EvalLoader
 from phalanx.data.sampler import DistributedSampler
-from phalanx.train import job_checkpoint, job_clip, job_data
-from phalanx.train.gather import Number
-from phalanx.train.job_args import check_epochs, check_job_args, check_slow_down
-from phalanx.train.job_data import DATA_SEED
+from phalanx.train import job_start
+from phalanx.train.gather import Number, gather
+from phalanx.train.job_args import check_clip, check_epochs, check_job_args, check_slow_down
+from phalanx.train.job_checkpoint import Checkpoints
+from phalanx.train.job_data import DATA_SEED, LoaderArgs, eval_loader
 from phalanx.train.job_phases import JobPhases
 from phalanx.train.job_reports import JobReports
-from phalanx.train.live import LiveTraining, live_recovery
-from phalanx.train.live_rules import check_strategy
+from phalanx.train.live import LiveTraining
 from phalanx.train.loop_helpers import (
     Timer,
+    batch_len,
+    batches_left,
     configure_logging,
     seed_everything,
+    to_device,
 )
 from phalanx.train.lr_schedule import check_schedule
 from phalanx.train.metrics import MetricsLogger
@@ -121,38 +126,43 @@ class Job(JobReports):
         recovery: str | None = None,
         save_on_sigterm: bool = True,
     ) -> None:
-        chosen = resolve(strategy)  # a preset's own errors come before any process group
-        mode = live_recovery(recovery)
-        if mode is not None:
-            check_strategy(chosen, grad_accum, mode == "live-exact")
-            straggler_check_every = 0  # its asynchronous gathers would outlive a group
-        self.owns_group = not pg.is_initialized()
-        self.live = None if mode is None else LiveTraining.start(mode == "live-exact")
+        # A preset's own errors and live recovery's rules come before any process group.
+        joined = job_start.start(recovery, resolve(strategy), grad_accum, backend)
+        self.owns_group = joined.owns_group
+        self.live: LiveTraining | None = joined.live
         """Live recovery at work (``recovery="live"``), else None: its ``regroups`` and
-        ``ledger`` say what happened."""
-        self.strategy = chosen if self.live is None else self.live.strategy(chosen)
+        ``ledger`` say what happened (``train/live_runner.py`` wraps the runner in it)."""
+        self.strategy = joined.strategy
         """The strategy's options (a preset name resolved: ``Job("zero2").strategy`` is
         ``Zero(stage=2)``)."""
-        if self.live is not None:
-            self.world = self.live.world()
-        else:
-            self.world = pg.init_process_group(backend) if self.owns_group else pg.world()
+        world = joined.world
         self.seed = seed
         """The seed given (None: no generator was seeded)."""
         self.data_seed = DATA_SEED if seed is None else seed
         """The loaders' shuffle seed (and an injected straggler's draw): the same on every rank."""
         options = JobOptions(precision, grad_accum, checkpoint_dir)
         try:  # a mistake in any option leaves no half-made job (nor its process group) behind
-            self.precision = Precision(precision, self.world.device)
-            self.runner: Runner = self.strategy.start(self.world, options)
-            """The strategy at work: the protocol this job calls (see ``strategies/base.py``)."""
+            self.precision = Precision(precision, world.device)
+            runner = self.strategy.start(world, options)
         except ValueError:
             if self.owns_group:
                 pg.destroy_process_group()
             raise
+        self.state = TrainState(self.precision)
+        """What the job trains and where it is: step, epoch, the open accumulation window,
+        scheduler, sampler, tracked objects (see :mod:`phalanx.train.train_state`)."""
+        self.resume_point = ResumePoint(self.state, accumulates=grad_accum > 1)
+        """The job's place in its data and the moment a checkpoint resumes at (the loader's
+        position, generator states; :mod:`phalanx.train.resume_point`)."""
+        self.checkpoints = Checkpoints(
+            checkpoint_dir, keep_last, self.state, self.resume_point, runner, joined.saves()
+        )
+        """Save, resume and track (:mod:`phalanx.train.job_checkpoint`)."""
+        self.runner: Runner = joined.wrap(runner, self.state, self.checkpoints)
+        """The strategy at work: the protocol this job calls (see ``strategies/base.py``)."""
         self.loss_fn: LossFn | None = None
         self.timing = JobPhases(
-            self.world, straggler_check_every, straggler_rule, self.runner.role.peer_sets()
+            world, straggler_check_every, straggler_rule, self.runner.role.peer_sets()
         )
         """Phase marks and the straggler monitor (see :mod:`phalanx.train.job_phases`)."""
         self.grad_accum = grad_accum
@@ -160,33 +170,51 @@ class Job(JobReports):
         self.keep_last = keep_last
         if seed is not None:
             seed_everything(seed)
-        configure_logging(self.world.rank)
+        configure_logging(world.rank)
         self.metrics = MetricsLogger.for_job(
             metrics_file, checkpoint_dir, tensorboard_dir, self.runner.role.metrics_group()
         )
         self.profiler = profile(profile_dir)
-        catch = save_on_sigterm and checkpoint_dir is not None and self.live is None
-        self.preemption = Preemption(self.world, catch and self.runner.role.logs_in_step())
+        catch = save_on_sigterm and self.checkpoints.policy.preemptible and bool(checkpoint_dir)
+        self.preemption = Preemption(world, catch and self.runner.role.logs_in_step())
         """SIGTERM caught as a preemption (:mod:`phalanx.train.preemption`)."""
         self._closed = False
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
-        self.scheduler: Scheduler | None = None
         self.schedule = "step"
         """When the job steps :attr:`scheduler`: "step", "epoch" or "manual" (see ``setup``)."""
-        self.tracked: dict[str, Stateful] = {}
-        """Objects checkpointed by name with every save (:meth:`track`)."""
-        self.sampler: DistributedSampler | ElasticSampler | None = None
         self.slowdown: Slowdown | None = None
         """An injected straggler (:meth:`slow_down`), for experiments."""
-        self.state = TrainState()
-        """Where the job is: step, epoch, the open accumulation window, whether it resumed
-        (see :mod:`phalanx.train.train_state`)."""
-        self.resume_point = ResumePoint(self.state, accumulates=grad_accum > 1)
-        """The job's place in its data and the moment a checkpoint resumes at (the loader's
-        position, generator states; :mod:`phalanx.train.resume_point`)."""
         self.throughput = Timer()
         """Samples and seconds of the epochs so far (``summary()``'s samples/s)."""
+
+    @property
+    def world(self) -> World:
+        """This process's place in the job (live recovery changes it with the membership)."""
+        return self.runner.world
+
+    @property
+    def tracked(self) -> dict[str, Stateful]:
+        """Objects checkpointed by name with every save (:meth:`track`)."""
+        return self.state.tracked
+
+    @property
+    def scheduler(self) -> Scheduler | None:
+        """The learning-rate scheduler given to :meth:`setup`."""
+        return self.state.scheduler
+
+    @scheduler.setter
+    def scheduler(self, value: Scheduler | None) -> None:
+        self.state.scheduler = value
+
+    @property
+    def sampler(self) -> DistributedSampler | ElasticSampler | None:
+        """The sampler of the job's training loader (None before :meth:`loader`)."""
+        return self.state.sampler
+
+    @sampler.setter
+    def sampler(self, value: DistributedSampler | ElasticSampler | None) -> None:
+        self.state.sampler = value
 
     @property
     def step_count(self) -> int:
@@ -239,13 +267,12 @@ class Job(JobReports):
         """
         self.schedule = check_schedule(schedule, scheduler, self.runner)
         self.precision.place(model, self.world.device)
+        self.checkpoints.epoch_scheduler = self.schedule == "epoch"
         made = self.runner.setup(model, optimizer, scheduler, loss_fn, self.precision)
-        self.model, self.optimizer, self.scheduler = made.model, made.stepped, made.scheduler
+        self.model, self.optimizer, self.state.scheduler = made.model, made.stepped, made.scheduler
         self.loss_fn = made.loss_fn
         self._arm_sync()
         self.runner.attach_phases(self.timing.enter)
-        if self.live is not None:
-            self.live.after_setup(self)
         return made.model, made.optimizer
 
     def loader(
@@ -260,15 +287,36 @@ class Job(JobReports):
         **kwargs: object,
     ) -> torch.utils.data.DataLoader[object]:
         """A DataLoader over this rank's shard: the job's resumable training loader, or with
-        ``eval=True`` one that reads every sample exactly once (``train/job_data.py``)."""
-        return job_data.make_loader(
-            self, dataset, batch_size, shuffle, drop_last, even_batches, eval, kwargs
+        ``eval=True`` one that reads every sample exactly once (``train/job_data.py``).
+
+        The job has one training loader: a new one (made inside the epoch loop, say) takes
+        over the previous one's place, so its epoch and position are the job's."""
+        args = LoaderArgs(
+            dataset, batch_size, shuffle, drop_last, even_batches, self.data_seed, kwargs
         )
+        if eval:
+            return eval_loader(args, *self.runner.data_shard())
+        return self.runner.loader(args, self.state, self.resume_point)
 
     def gather(self, value: torch.Tensor | Number) -> torch.Tensor | list[Number]:
-        """``value`` from every replica in rank order, for exact evaluation metrics
-        (collective over the data-parallel group; ``train/job_data.py``)."""
-        return job_data.gather_values(self, value)
+        """``value`` from every replica, in replica (rank) order: exact evaluation metrics.
+
+        A tensor of any leading size per rank (the predictions of an ``eval=True`` loader's
+        uneven batches, concatenated) comes back as one tensor joined along dimension 0; a
+        Python number as the list of every replica's. Ranks of one replica (pipeline stages,
+        tensor shards of a ``phalanx.Mesh``) read the same samples, so the gather runs over the
+        data-parallel group only (``job.groups.dp``; the workers of a parameter server).
+        Collective: every rank of that group calls it, once per value (after the eval loop,
+        not per batch). Nothing is dropped or deduplicated: an eval loader pads nothing.
+
+        Raises:
+            TypeError: ``value`` is neither a tensor nor a number.
+            ValueError: the ranks' tensors differ in dtype or beyond the first dimension (on
+                every rank alike); called on a parameter-server rank.
+        """
+        if self.is_server:
+            raise ValueError("Job.gather(): a parameter-server rank holds no replica's values")
+        return gather(value, self.runner.replica_group(), self.world.device)
 
     @check_slow_down
     def slow_down(self, who: int | str, factor: float) -> None:
@@ -298,13 +346,46 @@ class Job(JobReports):
             if self.runner.role.finished():
                 break
             # A live ZeRO job may roll back into the epoch before; the next follows that one.
-            epoch = epoch + 1 if self.live is None else self.epoch + 1
+            epoch = self.epoch + 1
         self.runner.role.finish()
 
     def progress(self, loader: Iterable[object], desc: str | None = None) -> Iterator[object]:
-        """Iterate ``loader`` with a progress bar on rank 0, moving batches (of any structure:
-        ``loop_helpers.to_device``) to the device; ``train/job_data.py``."""
-        return job_data.progress(self, loader, desc, self._next_batch)
+        """Iterate ``loader`` with a progress bar on rank 0, moving batches to the device.
+
+        Batches of any structure are moved (tensors inside tuples, lists, dicts, namedtuples,
+        ``UserDict`` mappings such as Hugging Face's ``BatchEncoding``; see
+        ``loop_helpers.to_device``). A training loader's batch is a micro-step: the
+        gradient-sync flag is armed, parameter servers pull, phases are marked. An
+        ``eval=True`` loader's batches are only moved (also after training, on
+        parameter-server workers).
+        """
+        from phalanx.train.progress import progress as bar_over
+
+        shown = self.world.rank == self.runner.role.progress_rank()
+        if isinstance(loader, EvalLoader):
+            bar = bar_over(loader, desc=desc or "eval", total=len(loader), enabled=shown)
+            for batch in bar if not self.is_server else ():
+                yield to_device(batch, self.world.device)
+            return
+        if self.runner.role.serving():
+            return
+        if isinstance(self.sampler, DistributedSampler):  # the job's epoch, before counting
+            self.resume_point.align(self.sampler)
+        total = batches_left(loader, self.sampler)
+        bar = bar_over(loader, desc=desc or f"epoch {self.epoch}", total=total, enabled=shown)
+        self.throughput.start_epoch()
+        self.timing.enter("data")
+        try:
+            for i, batch in enumerate(bar):
+                if not self._next_batch(total is not None and i == total - 1):
+                    break
+                batch = to_device(batch, self.world.device)
+                self.timing.mark_batch()
+                yield batch
+                self.throughput.count(batch_len(batch))
+                self.profiler.step()
+        finally:  # evaluation and checkpoints between epochs are no step's phase
+            self.timing.enter(None)
 
     def _next_batch(self, last: bool) -> bool:
         """A training batch is about to be handed out (``last``: the epoch's last): arm the
@@ -321,9 +402,7 @@ class Job(JobReports):
     def _arm_sync(self) -> None:
         # DDP decides at *forward* time whether the coming backward communicates (torch's and
         # ours alike), so the flag is set before each micro-step's forward, not in backward.
-        last = self.state.syncs_now(self.grad_accum)
-        exact = self.live is not None and self.live.exact  # it reduces the shards itself
-        self.runner.require_backward_grad_sync(last and not exact)
+        self.runner.require_backward_grad_sync(self.state.syncs_now(self.grad_accum))
 
     def forward_backward(self, inputs: object, targets: object) -> torch.Tensor:
         """``loss_fn(model(inputs), targets)`` and its backward, for every strategy.
@@ -333,27 +412,38 @@ class Job(JobReports):
         """
         if self.model is None or self.loss_fn is None:
             raise ValueError("Job.forward_backward() needs Job.setup(model, ..., loss_fn=...)")
-        if self.live is not None:
-            loss = self.live.forward_backward(self, inputs, targets)
-        else:
-            loss = self.runner.forward_backward(inputs, targets, self.loss_fn, self.backward)
+        loss = self.runner.forward_backward(inputs, targets, self.loss_fn, self.backward)
         self.timing.enter("optimizer")
         return loss
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss / grad_accum``; gradients sync only on the last micro-step."""
         self.timing.mark_backward()
-        if self.live is not None:
-            self.live.backward(self, loss)
-        else:
-            self.precision.backward(loss / self.grad_accum if self.grad_accum > 1 else loss)
+        self.runner.backward(loss, self.precision, self.grad_accum)
         self.timing.enter("optimizer")
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients by the whole model's norm and return it, as torch's
         ``clip_grad_norm_`` on one process; call it between the step's last ``backward`` and
-        ``step()`` (unscaled first in fp16; see ``train/job_clip.py``)."""
-        return job_clip.clip(self, max_norm, norm_type)
+        ``step()``.
+
+        In fp16 the gradients are unscaled first (once per step; ``step()`` does not unscale
+        again). On a micro-step still accumulating it clips nothing and returns NaN.
+
+        Raises:
+            ValueError: a parameter-server strategy (the servers apply each worker's own
+                gradient), no model set up, or a bad ``max_norm`` / ``norm_type``.
+        """
+        max_norm, norm_type = check_clip(max_norm, norm_type)
+        if self.model is None:
+            raise ValueError("Job.clip_grad_norm_() needs Job.setup(model, ...) first")
+        if not self.state.syncs_now(self.grad_accum):
+            return torch.tensor(float("nan"))
+        if self.precision.scaler is not None:
+            if self.optimizer is None:
+                raise ValueError("Job.clip_grad_norm_() in fp16 needs the optimizer in setup()")
+            self.precision.unscale_(self.optimizer, self.runner.grad_shards(self.optimizer))
+        return self.runner.clip_grad_norm_(max_norm, norm_type)
 
     def step(self, optimizer: torch.optim.Optimizer | None = None) -> bool:
         """Step the optimizer (and with ``schedule="step"`` the scheduler) at the end of an
@@ -374,14 +464,14 @@ class Job(JobReports):
         self.timing.enter("optimizer")
         if self.slowdown is not None:
             self.slowdown.end(self.step_count)
-        live = self.live  # parameter servers step the optimizer (and scheduler) on the servers
-        stepped = self.runner.step(opt, self.precision) if live is None else live.step(self, opt)
+        # Parameter servers step the optimizer (and scheduler) on the servers: False.
+        stepped = self.runner.step(opt, self.precision)
         if stepped is None:
             return False  # a live job's failed step: redone
         if stepped and self.schedule == "step" and self.scheduler is not None:
             self.scheduler.step()
-        self.step_count += 1
-        if live is not None and not live.after_step(self):
+        state.step += 1
+        if not self.runner.after_step():
             return False  # a live ZeRO job lost a member here and rolled this step back
         self.timing.end_step(self.step_count, self.metrics)
         if self.preemption.due(self.step_count):
@@ -401,7 +491,7 @@ class Job(JobReports):
         """Checkpoint ``obj`` (anything with ``state_dict()`` / ``load_state_dict()``) under
         ``name`` with every :meth:`save` and load it on resume; call it before ``epochs()``.
         Returns ``obj`` (``train/job_checkpoint.py``)."""
-        job_checkpoint.track(self, name, obj)
+        self.checkpoints.track(name, obj)
         return obj
 
     def save(self, *, async_: bool = True, **extra: object) -> Path:
@@ -411,11 +501,12 @@ class Job(JobReports):
         default it returns once the state is staged and writes in the background (the next
         ``save`` and ``close()`` wait); ``async_=False`` commits before returning
         (``train/job_checkpoint.py``)."""
-        return job_checkpoint.save(self, async_, **extra)
+        return self.checkpoints.save(async_, **extra)
 
     def resume(self) -> int:
-        """Load the newest committed checkpoint (if any); return the epoch to start from."""
-        return job_checkpoint.resume(self)
+        """Load the newest committed checkpoint (if any); return the epoch to start from
+        (``range(job.resume(), n)`` is the plain loop's ``job.epochs(n)``)."""
+        return self.checkpoints.resume()
 
     def log(self, **metrics: float) -> dict[str, float]:
         """Average ``metrics`` over the ranks, write them (rank 0) and return the averages.
@@ -424,7 +515,7 @@ class Job(JobReports):
         while another is mid-epoch), so there each worker returns its own values, without
         communication, and the first worker writes its own.
         """
-        in_step = self.runner.role.logs_in_step() and (self.live is None or not self.live.failed)
+        in_step = self.runner.role.logs_in_step()
         record = self.metrics.log if in_step else self.metrics.log_local
         averaged = record(self.step_count, **metrics)
         if self.metrics.is_writer:
@@ -439,14 +530,13 @@ class Job(JobReports):
             return
         self._closed = True
         self.preemption.close()
-        job_checkpoint.wait(self)  # before the process group, whose store the write uses
+        self.checkpoints.wait()  # before the process group, whose store the write uses
         self.runner.role.finish()
         self.timing.close()
         self.metrics.close()
         self.profiler.stop()
-        if self.live is not None:
-            self.live.close()
-        elif self.owns_group:
+        self.runner.close()
+        if self.owns_group:
             pg.destroy_process_group()
 
     def __enter__(self) -> Job:

@@ -6,7 +6,6 @@ the training loop in ``job.py``; ``Job`` inherits them.
 
 from __future__ import annotations
 
-from phalanx.comm.group import World
 from phalanx.mesh.groups import ParallelGroups
 from phalanx.parameter_server import ServerReport
 from phalanx.train.job_phases import JobPhases
@@ -21,7 +20,6 @@ __all__ = ["JobReports"]
 class JobReports:
     """The reporting half of :class:`phalanx.Job` (which sets these attributes)."""
 
-    world: World
     runner: Runner
     timing: JobPhases
     throughput: Timer
@@ -31,7 +29,7 @@ class JobReports:
         (``comm_wait_seconds``) and their share of its time (``comm_share``; :meth:`phase_shares`
         has each phase's). Both are NaN where the strategy's wait is not measured, never a
         silent 0."""
-        times = self.throughput.summary(self.world.world_size)
+        times = self.throughput.summary(self.runner.world.world_size)
         return {**times, **self.timing.comm_summary(self.runner.comm_measured)}
 
     def phase_shares(self) -> dict[str, float]:

@@ -40,8 +40,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Sized
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -56,6 +56,7 @@ from phalanx.data.ledger import SampleLedger
 from phalanx.data_parallel.module_state import broadcast_coalesced
 from phalanx.recovery import JobFinished, LiveGroup, RecoveryError
 from phalanx.sharding.zero3 import FullyShardedDataParallel
+from phalanx.train.job_data import LoaderArgs
 from phalanx.train.live_rules import (
     MAX_IDLE_RECOVERIES,
     Regroup,
@@ -67,11 +68,12 @@ from phalanx.train.live_rules import (
 from phalanx.train.live_shards import ShardGrads, owned_shards
 from phalanx.train.live_state import Held, exchange
 from phalanx.train.live_zero import LiveShards
-from phalanx.train.strategies.base import Strategy
+from phalanx.train.strategies.base import LossFn, Runner, Scheduler, Strategy
 from phalanx.train.strategies.zero import Zero
+from phalanx.train.train_state import TrainState
 
-if TYPE_CHECKING:  # the job calls these with itself; no import at run time
-    from phalanx.train.job import Job
+if TYPE_CHECKING:  # annotations only
+    from phalanx.train.job_checkpoint import Checkpoints
 
 __all__ = [
     "MAX_IDLE_RECOVERIES",
@@ -112,6 +114,31 @@ class LiveTraining:
         """The step in progress (its global batch and this membership's split)."""
         self.zero: LiveShards | None = None
         """ZeRO's shard mirrors and restores (:mod:`.live_zero`); None under DDP."""
+        self._runner: Runner | None = None
+        self._state: TrainState | None = None
+        self._checkpoints: Checkpoints | None = None
+
+    def bind(self, runner: Runner, state: TrainState, checkpoints: Checkpoints | None) -> None:
+        """Train ``runner`` (the strategy's) on ``state`` (the job's); ``checkpoints`` (the
+        job's) load the newest checkpoint when ZeRO's shards are in no member's memory."""
+        self._runner, self._state, self._checkpoints = runner, state, checkpoints
+
+    @property
+    def runner(self) -> Runner:
+        """The strategy's runner this live job trains (:meth:`bind`)."""
+        assert self._runner is not None, "LiveTraining.bind() comes first"
+        return self._runner
+
+    @property
+    def state(self) -> TrainState:
+        """The job's training state, which the members exchange (:meth:`bind`)."""
+        assert self._state is not None, "LiveTraining.bind() comes first"
+        return self._state
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps committed."""
+        return self.state.step
 
     @classmethod
     def start(cls, exact: bool = False) -> LiveTraining:
@@ -159,14 +186,16 @@ class LiveTraining:
             self.zero = LiveShards(chosen.mirror_every)
         return live_strategy(chosen, self.group.joined)
 
-    def after_setup(self, job: Job) -> None:
-        """The first generation takes rank 0's model; a replacement receives the state."""
-        model = job.runner.model
+    def after_setup(self, scheduler: Scheduler | None) -> None:
+        """The first generation takes rank 0's model; a replacement receives the state
+        (``scheduler``'s among it: the one ``setup`` returned)."""
+        self.state.scheduler = scheduler
+        model = self.runner.model
         assert model is not None
         if self.zero is not None and isinstance(model, FullyShardedDataParallel):
             model.register_forward_pre_hook(self.zero.check_forward)
         if self.group.joined:  # a replacement admitted into the running job
-            self._regroup(job, "joined", time.monotonic())
+            self._regroup("joined", time.monotonic())
             return
         # ZeRO's constructors broadcast rank 0's parameters (ZeRO-3's its buffers too).
         tensors = [] if self.zero is not None else [p.detach() for p in model.parameters()]
@@ -176,7 +205,7 @@ class LiveTraining:
         if self.group.rank in self.group.newcomers:  # it took a dead first process's place
             self.group.state_received()
         if self.zero is not None:
-            self.zero.start(job, self.group, self.held)
+            self.zero.start(self.runner, self.state, self.group, self.held)
 
     def _shard_count(self) -> int:
         return self.launch_world_size if self.exact else self.group.world_size
@@ -185,11 +214,10 @@ class LiveTraining:
         """The shards this member trains in each step at the current membership."""
         return owned_shards(self._shard_count(), self.group.world_size, self.group.rank)
 
-    def batch_sampler(
-        self, job: Job, dataset: Sized, batch_size: int, shuffle: bool, drop_last: bool
-    ) -> LiveBatches:
-        """``job.loader``'s batch sampler: global batches of ``batch_size x`` the launch world
-        size, each member's shards of each step (``job.sampler`` is the ElasticSampler).
+    def loader(self, args: LoaderArgs, loaded: dict[str, Any] | None) -> DataLoader[Any]:
+        """``job.loader``'s loader: global batches of ``batch_size x`` the launch world size,
+        each member's shards of each step (the job's sampler is the ElasticSampler).
+        ``loaded``: a sampler state a resume loaded before any loader existed.
 
         A loader made again (inside the epoch loop) goes on from the previous one's place: the
         sampler's position is the job's, committed step by committed step.
@@ -199,33 +227,30 @@ class LiveTraining:
                 evaluation loader needs ``eval=True``).
         """
         made = ElasticSampler(
-            dataset,
-            batch_size * self.launch_world_size,
+            args.dataset,
+            args.batch_size * self.launch_world_size,
             self._shard_count(),
             self.owned()[0],
-            shuffle=shuffle,
-            seed=job.data_seed,
-            drop_last=drop_last,
+            shuffle=True if args.shuffle is None else args.shuffle,
+            seed=args.seed,
+            drop_last=args.drop_last,
         )
-        if isinstance(job.sampler, ElasticSampler):
-            _go_on(job.sampler, made)
-        job.sampler = made
-        self.held.settle(job)
+        state = self.state
+        if isinstance(state.sampler, ElasticSampler):
+            _go_on(state.sampler, made)
+        elif loaded is not None:
+            made.load_state_dict(loaded)
+        state.sampler = made
+        self.held.settle(state)
         if self.zero is not None:
             self.zero.sampler_built(made.state_dict())
         if self.held.ledger is None:
             self.held.ledger = SampleLedger.for_sampler(made)
-        return LiveBatches(self, job, made)
+        batches = LiveBatches(self, made)
+        return DataLoader(args.dataset, batch_sampler=batches, **args.kwargs)
 
     # ---- the loop ----------------------------------------------------------------------------
-    def batches(self, job: Job, loader: Iterable[object]) -> Iterator[object]:
-        """``job.progress``'s batches: the loader's own, whose iteration runs the live loop
-        (:meth:`deal`), as a plain ``for batch in loader`` does."""
-        if not isinstance(loader, DataLoader) or not isinstance(loader.batch_sampler, LiveBatches):
-            raise ValueError("Job.progress(loader): a live job trains on job.loader(...)'s loader")
-        return iter(loader)
-
-    def deal(self, job: Job, sampler: ElasticSampler) -> Iterator[list[int]]:
+    def deal(self, sampler: ElasticSampler) -> Iterator[list[int]]:
         """The live loop, run each time the training loop asks the loader for a batch: a
         boundary before each step (admissions; a failed step's generation settled), then the
         indices of each shard this member trains in the step, planned at the membership just
@@ -242,18 +267,19 @@ class LiveTraining:
                 before ``job.step()`` ran for the one handed out (DataLoader workers read
                 ahead, or the loop skipped ``job.step()``).
         """
-        if sampler is not job.sampler:
+        state = self.state
+        if sampler is not state.sampler:
             raise ValueError(
                 "Job(recovery='live'): this loader was replaced by a newer job.loader(...) "
                 "call; iterate the newest one (a live job has one training loader, whose place "
                 "each new one takes over)"
             )
-        if not job.state.epochs_driven:  # no Job.epochs(): a new pass reads the next epoch
-            job.epoch = max(job.epoch, sampler.epoch)
+        if not state.epochs_driven:  # no Job.epochs(): a new pass reads the next epoch
+            state.epoch = max(state.epoch, sampler.epoch)
         while True:
-            self.boundary(job)
+            self.boundary()
             plan, self.failed = sampler.plan(), False  # every change is settled: no step is open
-            if plan is None or sampler.epoch > job.epoch:
+            if plan is None or sampler.epoch > state.epoch:
                 self.plan = None
                 return
             self.plan = plan
@@ -265,22 +291,22 @@ class LiveTraining:
                 if self.failed:
                     break
 
-    def boundary(self, job: Job) -> None:
+    def boundary(self) -> None:
         """Admit waiting replacements (every member calls it before every step)."""
         if self.zero is not None:
-            self.zero.at_boundary(job, self.held)
+            self.zero.at_boundary(self.state, self.held)
         started = time.monotonic()
         while True:
             try:
                 if not self.group.admit(self._quiesce):
                     return
             except Exception as exc:
-                self._recover(job, exc)
-                self._regroup(job, "lost", started)
+                self._recover(exc)
+                self._regroup("lost", started)
                 continue
-            self._regroup(job, "joined", started)
+            self._regroup("joined", started)
 
-    def backward(self, job: Job, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor) -> None:
         """The backward of one shard: its mean loss scaled so that the average over shards is
         the global batch's mean; plain: DDP reduces, exact: the last shard reduces them all."""
         if self.failed:
@@ -289,31 +315,33 @@ class LiveTraining:
         scale = 1.0 if self.plan is None else self.plan.mean_scale(shard)
         scaled = loss if scale == 1.0 else loss * scale
         if not self.exact:
-            self.guard(job, lambda: job.precision.backward(scaled))
+            self.guard(lambda: self.state.precision.backward(scaled))
             return
-        job.precision.backward(scaled)  # no communication: DDP's sync is off
-        params = self._params(job)
+        self.state.precision.backward(scaled)  # no communication: DDP's sync is off
+        params = self._params()
         self.grads.stash(params)
         if self._micro + 1 == len(self.owned()):
             shards, size = self._shard_count(), self.group.world_size
-            self.guard(job, lambda: self.grads.reduce(params, shards, size))
+            self.guard(lambda: self.grads.reduce(params, shards, size))
 
-    def forward_backward(self, job: Job, inputs: object, targets: object) -> torch.Tensor:
+    def forward_backward(
+        self,
+        inputs: object,
+        targets: object,
+        loss_fn: LossFn,
+        backward: Callable[[torch.Tensor], None],
+    ) -> torch.Tensor:
         """``job.forward_backward``, guarded (ZeRO-3's forward communicates); a failed step's
         loss is NaN (the step is redone)."""
-        loss_fn = job.loss_fn
-        assert loss_fn is not None
         loss: list[torch.Tensor] = []
+        runner = self.runner
         with LiveShards.forwarding(self.zero):
             self.guard(
-                job,
-                lambda: loss.append(
-                    job.runner.forward_backward(inputs, targets, loss_fn, job.backward)
-                ),
+                lambda: loss.append(runner.forward_backward(inputs, targets, loss_fn, backward))
             )
         return loss[0] if loss and not self.failed else torch.full((), float("nan"))
 
-    def step(self, job: Job, optimizer: torch.optim.Optimizer | None) -> bool | None:
+    def step_optimizer(self, optimizer: torch.optim.Optimizer | None) -> bool | None:
         """``job.step``'s optimizer step: None when it does not step now (between shards, or
         the step failed: its gradients are dropped and the loader redoes it); else whether
         the job's scheduler steps too. A stepped step is committed.
@@ -332,28 +360,28 @@ class LiveTraining:
         if self.exact and not self.failed and self._micro + 1 < len(self.owned()):
             return None
         stepped: list[bool] = []
-        if self.guard(job, lambda: self.sync_buffers(job)) and self.guard(
-            job, lambda: stepped.append(job.runner.step(optimizer, job.precision))
+        runner, precision = self.runner, self.state.precision
+        if self.guard(self.sync_buffers) and self.guard(
+            lambda: stepped.append(bool(runner.step(optimizer, precision)))
         ):
-            self.commit(job)
+            self.commit()
             return stepped[0]
         self.grads.clear()
         if optimizer is not None:
             optimizer.zero_grad(set_to_none=True)
         return None
 
-    def after_step(self, job: Job) -> bool:
+    def after_step(self) -> bool:
         """The step is counted: ZeRO refreshes its neighbour's copy when due. False when that
         found a member lost (the job then rolled back to a step all shards are held at)."""
         zero = self.zero
-        return zero is None or self.guard(job, lambda: zero.after_step(job, self.held))
+        return zero is None or self.guard(lambda: zero.after_step(self.state, self.held))
 
-    @staticmethod
-    def _params(job: Job) -> list[torch.Tensor]:
-        model = job.runner.model
+    def _params(self) -> list[torch.Tensor]:
+        model = self.runner.model
         return [] if model is None else [p for p in model.parameters() if p.requires_grad]
 
-    def guard(self, job: Job, what: Callable[[], object]) -> bool:
+    def guard(self, what: Callable[[], object]) -> bool:
         """Run ``what`` (a step's communication); False after a peer failure (now recovered)."""
         if self.failed:
             return False
@@ -362,19 +390,20 @@ class LiveTraining:
             what()
             return True
         except Exception as exc:
-            self._recover(job, exc)
-            self._regroup(job, "lost", started)
+            self._recover(exc)
+            self._regroup("lost", started)
             return False
 
-    def sync_buffers(self, job: Job) -> None:
+    def sync_buffers(self) -> None:
         """Rank 0's buffers to everyone (what DDP's forward would have broadcast)."""
-        buffers = [] if job.runner.model is None else list(job.runner.model.buffers())
+        model = self.runner.model
+        buffers = [] if model is None else list(model.buffers())
         if buffers:
             broadcast_coalesced(buffers, 0, None)
 
-    def commit(self, job: Job) -> None:
+    def commit(self) -> None:
         """The step committed: move the sampler on and record every rank's samples."""
-        sampler, plan = job.sampler, self.plan
+        sampler, plan = self.state.sampler, self.plan
         assert isinstance(sampler, ElasticSampler) and plan is not None
         sampler.commit(plan)
         if self.held.ledger is not None:
@@ -388,7 +417,7 @@ class LiveTraining:
             self.held.ledger = SampleLedger.from_dict(ledger)
 
     # ---- membership changes ------------------------------------------------------------------
-    def _recover(self, job: Job, exc: Exception) -> None:
+    def _recover(self, exc: Exception) -> None:
         """Form the next generation after ``exc``, or raise it: when no peer failed (a bug of
         this rank), or when the same step keeps failing with nobody lost (the failure is not a
         lost member's: ``MAX_IDLE_RECOVERIES`` in a row)."""
@@ -399,10 +428,11 @@ class LiveTraining:
         self.group.recover(exc)
         idle = self.group.members == before
         step, count = self._idle
-        self._idle = (job.step_count, count + 1 if idle and step == job.step_count else int(idle))
+        now = self.state.step
+        self._idle = (now, count + 1 if idle and step == now else int(idle))
         if self._idle[1] >= MAX_IDLE_RECOVERIES:
             raise RecoveryError(
-                f"live recovery: step {job.step_count} failed {self._idle[1]} times in a row "
+                f"live recovery: step {now} failed {self._idle[1]} times in a row "
                 f"although no member was lost (rank {self.group.rank}, generation "
                 f"{self.group.generation}); the last error: {exc}"
             ) from exc
@@ -412,43 +442,44 @@ class LiveTraining:
         if self.zero is not None:
             self.zero.settle()
 
-    def _settle(self, job: Job) -> tuple[int, list[int]] | None:
+    def _settle(self) -> tuple[int, list[int]] | None:
         """The new generation's state: ZeRO's shards restored (and its next mirror), everyone
         at the highest committed step; the strategy's objects on the new group."""
         stateful = self.group.rank not in self.group.newcomers
+        runner, state = self.runner, self.state
         if self.zero is None:
-            moved = exchange(job, stateful, self.held)
-            job.runner.regroup()
+            moved = exchange(runner, state, stateful, self.held)
+            runner.regroup()
             return moved
-        self.zero.restore(job, self.group, self.held)
-        moved = exchange(job, stateful, self.held, sharded=True)
-        self.zero.start(job, self.group, self.held)
+        self.zero.restore(runner, state, self.group, self.held, self._checkpoints)
+        moved = exchange(runner, state, stateful, self.held, sharded=True)
+        self.zero.start(runner, state, self.group, self.held)
         return moved
 
-    def _regroup(self, job: Job, kind: str, started: float) -> None:
+    def _regroup(self, kind: str, started: float) -> None:
         """Settle a new generation: worlds, the committed step, the model's group, the sampler."""
         self.failed = True
+        runner, state = self.runner, self.state
         while True:
-            job.world = self.world(job.world)
-            job.runner.world = job.world
+            runner.world = self.world(runner.world)
             try:
-                moved = self._settle(job)
+                moved = self._settle()
             except Exception as exc:
-                self._recover(job, exc)
+                self._recover(exc)
                 continue
             break
         if moved is not None and self.group.rank in moved[1]:
             self.group.state_received()
-        if job.optimizer is not None:
-            job.optimizer.zero_grad(set_to_none=True)
+        if runner.optimizer is not None:
+            runner.optimizer.zero_grad(set_to_none=True)
         self.grads.clear()
-        if isinstance(job.sampler, ElasticSampler):
-            job.sampler.set_membership(self._shard_count(), self.owned()[0])
+        if isinstance(state.sampler, ElasticSampler):
+            state.sampler.set_membership(self._shard_count(), self.owned()[0])
         event = Regroup(
             kind,
             self.group.generation,
             self.group.world_size,
-            job.step_count,
+            state.step,
             time.monotonic() - started,
             None if moved is None else moved[0],
         )
@@ -485,15 +516,14 @@ class LiveBatches(Sampler[list[int]]):
 
     Args:
         live: The job's live side.
-        job: The job.
         sampler: The job's :class:`ElasticSampler` when the loader was made.
     """
 
-    def __init__(self, live: LiveTraining, job: Job, sampler: ElasticSampler) -> None:
-        self.live, self.job, self.sampler = live, job, sampler
+    def __init__(self, live: LiveTraining, sampler: ElasticSampler) -> None:
+        self.live, self.sampler = live, sampler
 
     def __iter__(self) -> Iterator[list[int]]:
-        return self.live.deal(self.job, self.sampler)
+        return self.live.deal(self.sampler)
 
     def __len__(self) -> int:
         """Micro-batches left in the sampler's epoch at the current membership."""

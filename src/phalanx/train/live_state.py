@@ -21,8 +21,9 @@ from phalanx.data.ledger import SampleLedger
 from phalanx.recovery import rng_state, set_rng_state
 from phalanx.recovery.transfer import receive_state, send_state
 
-if TYPE_CHECKING:  # the job calls these with itself; no import at run time
-    from phalanx.train.job import Job
+if TYPE_CHECKING:  # annotations only
+    from phalanx.train.strategies.base import Runner
+    from phalanx.train.train_state import TrainState
 
 __all__ = ["Held", "apply", "collect", "exchange"]
 
@@ -40,77 +41,80 @@ class Held:
     tracked: dict[str, Any] = field(default_factory=dict)
     """Received states of objects not tracked yet, by name."""
 
-    def settle(self, job: Job) -> None:
+    def settle(self, state: TrainState) -> None:
         """Load what the job has built since it received (call after ``loader`` / ``track``)."""
-        if job.sampler is not None and self.sampler is not None:
-            job.sampler.load_state_dict(self.sampler)
+        if state.sampler is not None and self.sampler is not None:
+            state.sampler.load_state_dict(self.sampler)
             self.sampler = None
-        if job.sampler is not None and self.ledger_state is not None:
+        if state.sampler is not None and self.ledger_state is not None:
             self.ledger, self.ledger_state = SampleLedger.from_dict(self.ledger_state), None
-        for name in [n for n in self.tracked if n in job.tracked]:
-            job.tracked[name].load_state_dict(self.tracked.pop(name))
+        for name in [n for n in self.tracked if n in state.tracked]:
+            state.tracked[name].load_state_dict(self.tracked.pop(name))
 
 
-def _module(job: Job) -> torch.nn.Module:
+def _module(runner: Runner) -> torch.nn.Module:
     """The model without its wrapper (DDP's), as checkpoints save it."""
-    model, _ = job.runner.checkpointed(saving=True)
+    model, _ = runner.checkpointed(saving=True)
     assert model is not None, "the live job's model is set up before any exchange"
     return unwrap(model)
 
 
-def collect(job: Job, held: Held, sharded: bool = False) -> dict[str, object]:
+def collect(
+    runner: Runner, train: TrainState, held: Held, sharded: bool = False
+) -> dict[str, object]:
     """This member's training state: model, optimizer, scheduler, sampler, ledger, RNG, step.
 
     ``sharded`` (ZeRO): without the parameters and the optimizer, which peers restore from
     their shard mirrors (``train/live_zero.py``); the model's buffers instead, by position.
     """
-    sampler = job.sampler
+    sampler = train.sampler
     state: dict[str, object] = {
-        "step": job.step_count,
-        "epoch": job.epoch,
+        "step": train.step,
+        "epoch": train.epoch,
         "rng": rng_state(),
         "sampler": sampler.state_dict() if sampler is not None else held.sampler,
         "ledger": held.ledger.to_dict() if held.ledger is not None else held.ledger_state,
         "tracked": {
             **held.tracked,
-            **{name: obj.state_dict() for name, obj in job.tracked.items()},
+            **{name: obj.state_dict() for name, obj in train.tracked.items()},
         },
     }
     if sharded:
-        model = job.runner.model
+        model = runner.model
         assert model is not None
         state["buffers"] = [b.detach() for b in model.buffers()]  # sent or copied at once
     else:
-        _, optimizer = job.runner.checkpointed(saving=True)
-        state["model"] = _module(job).state_dict()
+        _, optimizer = runner.checkpointed(saving=True)
+        state["model"] = _module(runner).state_dict()
         if optimizer is not None:
             state["optim"] = optimizer.state_dict()
-    if job.scheduler is not None:
-        state["scheduler"] = job.scheduler.state_dict()
-    if job.precision.scaler is not None:
-        state["scaler"] = job.precision.scaler.state_dict()
+    if train.scheduler is not None:
+        state["scheduler"] = train.scheduler.state_dict()
+    if train.scaler is not None:
+        state["scaler"] = train.scaler.state_dict()
     return state
 
 
-def apply(job: Job, state: dict[str, Any], held: Held) -> None:
-    """Load a received state into ``job`` (and ``held``: what the job has not built yet)."""
+def apply(runner: Runner, train: TrainState, state: dict[str, Any], held: Held) -> None:
+    """Load a received state into ``runner``'s objects and ``train`` (and ``held``: what the
+    job has not built yet)."""
     if "model" in state:
-        _module(job).load_state_dict(state["model"])
-        _, optimizer = job.runner.checkpointed(saving=False)
+        _module(runner).load_state_dict(state["model"])
+        _, optimizer = runner.checkpointed(saving=False)
         if optimizer is not None and "optim" in state:
             optimizer.load_state_dict(state["optim"])
     if "buffers" in state:
-        model = job.runner.model
+        model = runner.model
         assert model is not None
         with torch.no_grad():
             for mine, got in zip(model.buffers(), state["buffers"], strict=True):
                 mine.copy_(got)
-    if job.scheduler is not None and "scheduler" in state:
-        job.scheduler.load_state_dict(state["scheduler"])
-    if job.precision.scaler is not None and "scaler" in state:
-        job.precision.scaler.load_state_dict(state["scaler"])
-    job.step_count, job.epoch = int(state["step"]), int(state["epoch"])
-    job.state.resumed = True  # the state came from a live member: no checkpoint to resume from
+    if train.scheduler is not None and "scheduler" in state:
+        train.scheduler.load_state_dict(state["scheduler"])
+    if train.scaler is not None and "scaler" in state:
+        train.scaler.load_state_dict(state["scaler"])
+    train.step, train.epoch = int(state["step"]), int(state["epoch"])
+    train.resumed = True  # the state came from a live member: no checkpoint to resume from
     set_rng_state(state["rng"])
     held.sampler, held.ledger_state, held.tracked = (
         state["sampler"],
@@ -118,11 +122,11 @@ def apply(job: Job, state: dict[str, Any], held: Held) -> None:
         dict(state["tracked"]),
     )
     held.ledger = None
-    held.settle(job)
+    held.settle(train)
 
 
 def exchange(
-    job: Job, stateful: bool, held: Held, sharded: bool = False
+    runner: Runner, train: TrainState, stateful: bool, held: Held, sharded: bool = False
 ) -> tuple[int, list[int]] | None:
     """Bring every member to the highest committed step; returns (source rank, receivers), or
     None when all were there already. ``stateful``: this member holds a training state;
@@ -131,7 +135,7 @@ def exchange(
     Collective over the current default group. Raises ``RuntimeError`` when no member holds
     a state (every holder was lost at once).
     """
-    mine = torch.tensor([job.step_count if stateful else -1], dtype=torch.int64)
+    mine = torch.tensor([train.step if stateful else -1], dtype=torch.int64)
     counts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(counts, mine)
     steps = [int(c.item()) for c in counts]
@@ -147,7 +151,7 @@ def exchange(
         return None
     rank = dist.get_rank()
     if rank == src:
-        send_state(collect(job, held, sharded), behind)
+        send_state(collect(runner, train, held, sharded), behind)
     elif rank in behind:
-        apply(job, receive_state(src), held)
+        apply(runner, train, receive_state(src), held)
     return src, behind

@@ -47,9 +47,11 @@ from phalanx.recovery import (
 from phalanx.sharding import ZeroRedundancyOptimizer
 from phalanx.sharding.zero3 import FullyShardedDataParallel
 from phalanx.train.live_state import Held, apply, collect
+from phalanx.train.strategies.base import Runner
+from phalanx.train.train_state import TrainState
 
-if TYPE_CHECKING:  # the job calls these with itself; no import at run time
-    from phalanx.train.job import Job
+if TYPE_CHECKING:  # annotations only
+    from phalanx.train.job_checkpoint import Checkpoints
 
 __all__ = ["LiveShards"]
 
@@ -78,6 +80,8 @@ class LiveShards:
         counter bumped after ``job.step()`` belongs to that step)."""
         self.in_forward_backward = False
         """Inside ``job.forward_backward``, which redoes a failed forward (ZeRO-3's gathers)."""
+        self.runner: Runner | None = None
+        """The strategy's runner whose shards are mirrored (set by :meth:`start`)."""
 
     @staticmethod
     @contextlib.contextmanager
@@ -104,9 +108,9 @@ class LiveShards:
             )
 
     @staticmethod
-    def objects(job: Job) -> tuple[torch.optim.Optimizer, FullyShardedDataParallel | None]:
+    def objects(runner: Runner) -> tuple[torch.optim.Optimizer, FullyShardedDataParallel | None]:
         """The job's ZeRO optimizer, and its ZeRO-3 model (None under ZeRO-1/2)."""
-        model, optimizer = job.runner.model, job.optimizer
+        model, optimizer = runner.model, runner.optimizer
         if optimizer is None:
             raise ValueError(
                 "Job(recovery='live') with phalanx.Zero: pass an optimizer to job.setup(); "
@@ -114,14 +118,15 @@ class LiveShards:
             )
         return optimizer, model if isinstance(model, FullyShardedDataParallel) else None
 
-    def start(self, job: Job, group: LiveGroup, held: Held) -> None:
+    def start(self, runner: Runner, state: TrainState, group: LiveGroup, held: Held) -> None:
         """A mirror over the current generation, refreshed at once (collective: it makes its
         exchange group over the current default group)."""
         self.settle()
-        optimizer, model = self.objects(job)
+        optimizer, model = self.objects(runner)
         self.mirror = ShardMirror(optimizer, model, every=self.every, timeout=group.timeout)
         self.members, self.states = group.members, {}
-        self._refresh(job, held)
+        self.runner = runner
+        self._refresh(state, held)
 
     def sampler_built(self, state: dict[str, object]) -> None:
         """``job.loader`` made the sampler (``state``: its state): the snapshots taken before,
@@ -130,28 +135,28 @@ class LiveShards:
             if kept["sampler"] is None:
                 kept["sampler"] = copy.deepcopy(state)
 
-    def after_step(self, job: Job, held: Held) -> None:
+    def after_step(self, state: TrainState, held: Held) -> None:
         """After a committed step: refresh the shards' copy when due (the rest of the state is
         kept at the next :meth:`at_boundary`). Raises a failed exchange's error (a lost peer),
         as a collective would."""
-        if self.mirror is not None and job.step_count % self.every == 0:
-            self.mirror.refresh(job.step_count)
-            self.due = job.step_count
+        if self.mirror is not None and state.step % self.every == 0:
+            self.mirror.refresh(state.step)
+            self.due = state.step
 
-    def at_boundary(self, job: Job, held: Held) -> None:
+    def at_boundary(self, state: TrainState, held: Held) -> None:
         """Before the next step: keep the job's unsharded state of the step refreshed last."""
-        if self.due == job.step_count:
-            self._keep(job, held)
+        if self.due == state.step:
+            self._keep(state, held)
         self.due = None
 
-    def _refresh(self, job: Job, held: Held) -> None:
+    def _refresh(self, state: TrainState, held: Held) -> None:
         assert self.mirror is not None
-        self.mirror.refresh(job.step_count)
-        self._keep(job, held)
+        self.mirror.refresh(state.step)
+        self._keep(state, held)
 
-    def _keep(self, job: Job, held: Held) -> None:
-        assert self.mirror is not None
-        self.states[job.step_count] = _unsharded(job, held)
+    def _keep(self, state: TrainState, held: Held) -> None:
+        assert self.mirror is not None and self.runner is not None
+        self.states[state.step] = _unsharded(self.runner, state, held)
         kept = {s.step for s in self.mirror.own}
         self.states = {step: s for step, s in self.states.items() if step in kept}
         self.due = None
@@ -168,71 +173,83 @@ class LiveShards:
         self.settle()
         self.mirror, self.states = None, {}
 
-    def restore(self, job: Job, group: LiveGroup, held: Held) -> int:
+    def restore(
+        self,
+        runner: Runner,
+        state: TrainState,
+        group: LiveGroup,
+        held: Held,
+        checkpoints: Checkpoints | None,
+    ) -> int:
         """Re-shard the job's ZeRO objects over the current generation and fill them from the
         members' memory; roll this member back to that step. Returns the step.
 
-        Collective over the new default group: every member calls it, newcomers too.
+        Collective over the new default group: every member calls it, newcomers too. When two
+        adjacent members were lost, ``checkpoints`` (the job's) loads the newest checkpoint.
 
         Raises:
-            ShardsLost: two adjacent members were lost (their shards are in nobody's memory).
+            ShardsLost: two adjacent members were lost (their shards are in nobody's memory)
+                and the job has no checkpoint.
         """
         mirror = self.mirror
         lost: list[int] = []
         if mirror is not None:
             lost = [r for r, m in enumerate(self.members) if m not in group.members]
             if not lost:
-                mirror.take(job.step_count)
-                if job.step_count not in self.states:
-                    self.states[job.step_count] = _unsharded(job, held)
-        optimizer, model = self.objects(job)
+                mirror.take(state.step)
+                if state.step not in self.states:
+                    self.states[state.step] = _unsharded(runner, state, held)
+        optimizer, model = self.objects(runner)
         try:
             restored = restore_shards(mirror, lost, None)
         except ShardsLost as exc:  # every member sees the same reports: all are here
-            return _from_checkpoint(job, exc)
+            return _from_checkpoint(runner, state, checkpoints, exc)
         restored.regroup(optimizer, model)
-        if mirror is not None and job.step_count != restored.step:
-            self._roll_back(job, held, restored.step)
+        if mirror is not None and state.step != restored.step:
+            self._roll_back(runner, state, held, restored.step)
         return restored.step
 
-    def _roll_back(self, job: Job, held: Held, step: int) -> None:
-        state = self.states.get(step)
-        if state is None:
+    def _roll_back(self, runner: Runner, state: TrainState, held: Held, step: int) -> None:
+        kept = self.states.get(step)
+        if kept is None:
             raise RecoveryError(
                 f"live recovery: the shards were restored at step {step}, but this member "
-                f"(at step {job.step_count}) kept the job's state of steps "
+                f"(at step {state.step}) kept the job's state of steps "
                 f"{sorted(self.states)} only"
             )
         ledger = held.ledger
-        apply(job, copy.deepcopy(state), held)
+        apply(runner, state, copy.deepcopy(kept), held)
         held.ledger = ledger
-        sampler = state["sampler"]
+        sampler = kept["sampler"]
         if ledger is not None and isinstance(sampler, dict):
             ledger.forget_from(int(sampler["epoch"]), int(sampler["step"]))
 
 
-def _unsharded(job: Job, held: Held) -> dict[str, object]:
+def _unsharded(runner: Runner, state: TrainState, held: Held) -> dict[str, object]:
     """A copy of the job's state but the shards and the ledger (rolled back by forgetting)."""
-    state = collect(job, Held(sampler=held.sampler, tracked=held.tracked), sharded=True)
-    return copy.deepcopy(state)
+    kept = Held(sampler=held.sampler, tracked=held.tracked)
+    return copy.deepcopy(collect(runner, state, kept, sharded=True))
 
 
-def _from_checkpoint(job: Job, lost: ShardsLost) -> int:
+def _from_checkpoint(
+    runner: Runner, state: TrainState, checkpoints: Checkpoints | None, lost: ShardsLost
+) -> int:
     """Re-shard the ZeRO objects over the new group and load the job's newest checkpoint into
     everything (collective); returns its step."""
-    folder = job.checkpoint_dir
+    folder = None if checkpoints is None else checkpoints.directory
     newest = None if folder is None else latest(folder)
     if newest is None:
         raise ShardsLost(
             f"{lost}; the job has no checkpoint to fall back to (checkpoint_dir={folder!r})"
         ) from lost
     log.warning("live recovery: %s; loading the newest checkpoint %s instead", lost, newest)
-    optimizer, model = LiveShards.objects(job)
+    assert checkpoints is not None
+    optimizer, model = LiveShards.objects(runner)
     if model is None:
         assert isinstance(optimizer, ZeroRedundancyOptimizer)
         optimizer.regroup(None)
     else:  # placeholders of the right shapes: the checkpoint overwrites them
         full = {k: torch.zeros(shape) for k, shape in model.full_shapes().items()}
         model.regroup(None, {**full, **dict(model.module.named_buffers())}, optimizer=optimizer)
-    job.resume()
-    return job.step_count
+    checkpoints.resume()
+    return state.step

@@ -116,12 +116,17 @@ class ResumePoint:
             ValueError: naming both sizes, when the job's loader is mid-epoch over a dataset
                 of another size (an evaluation loader made without ``eval=True``).
         """
-        before = self.sampler.state_dict() if self.sampler is not None else self._loaded
+        before = self.sampler.state_dict() if self.sampler is not None else self.take_loaded()
         if before is not None:
             _check_same_data(before, sampler)
             sampler.load_state_dict(before)
-        self.sampler, self._loaded = sampler, None
+        self.sampler = sampler
         self._started_epoch, self._window = None, None
+
+    def take_loaded(self) -> dict[str, Any] | None:
+        """The sampler state a resume loaded before any loader existed, once (then None)."""
+        loaded, self._loaded = self._loaded, None
+        return loaded
 
     def align(self, sampler: DistributedSampler) -> None:
         """Before an iteration of the job's loader: the sampler reads the job's epoch, and

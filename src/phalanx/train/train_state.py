@@ -1,21 +1,49 @@
-"""Where a :class:`phalanx.Job` is in its training: the one record its parts read and move.
+"""What a :class:`phalanx.Job` trains and where it is: the one record its parts share.
 
-``Job.step()``, ``Job.epochs()``, the job's loaders (:mod:`.resume_point`), checkpoints and the
-live exchange all read and write this record, passed to them as an argument, instead of fields of
-the job: it is the job's place in training, apart from the objects it trains (model, optimizer,
-scheduler, tracked objects) and from how it trains them (the strategy's runner).
+``Job.step()``, ``Job.epochs()``, the job's loaders (:mod:`.resume_point`), checkpoints
+(:mod:`.job_checkpoint`) and the live exchange (:mod:`.live_state`) all take this record as an
+argument instead of the job: the counters (step, epoch, the open accumulation window) and the
+objects whose state is saved beside the model and optimizer (scheduler, sampler, tracked
+objects, the fp16 loss scale). The model and optimizer themselves belong to the strategy's
+runner (``runner.checkpointed()``), which shards them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-__all__ = ["TrainState"]
+if TYPE_CHECKING:  # annotations only
+    from torch.optim.lr_scheduler import LRScheduler
+
+    from phalanx.data.elastic_sampler import ElasticSampler
+    from phalanx.data.sampler import DistributedSampler
+    from phalanx.train.grad_scaler import AgreedGradScaler
+    from phalanx.train.precision import Precision
+
+__all__ = ["Stateful", "TrainState"]
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything with ``state_dict()`` / ``load_state_dict()``: torch's checkpointing protocol
+    (``torch.distributed.checkpoint.stateful.Stateful``), declared here because importing
+    torch's pulls in DTensor (about 0.9 s of CPU in every process that makes a ``Job``)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
 @dataclass
 class TrainState:
-    """The job's counters and loop flags (``job.state``)."""
+    """The job's training state (``job.state``).
+
+    Args:
+        precision: The job's precision, whose fp16 loss scaler is part of the state.
+    """
+
+    precision: Precision
 
     step: int = 0
     """Optimizer steps taken (restored on resume): ``job.step_count``."""
@@ -35,6 +63,17 @@ class TrainState:
     tracked from now on would miss it."""
     resumed_extra: dict[str, object] = field(default_factory=dict)
     """The keyword values given to the ``save()`` the job resumed from."""
+    tracked: dict[str, Stateful] = field(default_factory=dict)
+    """Objects checkpointed by name with every save (``Job.track``)."""
+    scheduler: LRScheduler | None = None
+    """The learning-rate scheduler given to ``Job.setup``."""
+    sampler: DistributedSampler | ElasticSampler | None = None
+    """The sampler of the job's training loader (None before ``Job.loader``)."""
+
+    @property
+    def scaler(self) -> AgreedGradScaler | None:
+        """fp16's gradient scaler (None in other precisions)."""
+        return self.precision.scaler
 
     def syncs_now(self, grad_accum: int) -> bool:
         """Whether the coming backward closes an accumulation window (gradients sync)."""

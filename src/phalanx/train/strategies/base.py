@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
@@ -31,9 +31,12 @@ from phalanx._fields import check_fields
 from phalanx.comm.group import World
 from phalanx.mesh.groups import ParallelGroups
 from phalanx.train.grad_scaler import GradShards
+from phalanx.train.job_data import LoaderArgs, training_loader
 from phalanx.train.loop_helpers import repoint
 from phalanx.train.precision import Precision
+from phalanx.train.resume_point import ResumePoint
 from phalanx.train.strategies.role import Role
+from phalanx.train.train_state import Stateful, TrainState
 
 __all__ = [
     "JobOptions",
@@ -53,16 +56,7 @@ LossFn = Callable[..., torch.Tensor]
 Scheduler = LRScheduler
 """A learning-rate scheduler (``ReduceLROnPlateau`` included: it is one in torch >= 2.2)."""
 
-
-@runtime_checkable
-class Stateful(Protocol):
-    """Anything with ``state_dict()`` / ``load_state_dict()``: torch's checkpointing protocol
-    (``torch.distributed.checkpoint.stateful.Stateful``), declared here because importing
-    torch's pulls in DTensor (about 0.9 s of CPU in every process that makes a ``Job``)."""
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+__all__ += ["Stateful"]  # declared with the training state, re-exported here
 
 
 class SyncOwner(Protocol):
@@ -179,7 +173,8 @@ class Runner:
     """One job's strategy at work: the protocol :class:`phalanx.Job` calls.
 
     Its :attr:`role` says whether and with whom this rank trains (``strategies/role.py``);
-    :attr:`groups` are a ``phalanx.Mesh``'s process groups (None for the others).
+    :attr:`groups` are a ``phalanx.Mesh``'s process groups (None for the others). Live
+    recovery wraps a runner in one of its own (``train/live_runner.py``).
 
     Args:
         strategy: The options it runs.
@@ -235,6 +230,12 @@ class Runner:
         for owner in self._owners:
             owner.require_backward_grad_sync = sync
 
+    def loader(
+        self, args: LoaderArgs, state: TrainState, point: ResumePoint
+    ) -> torch.utils.data.DataLoader[Any]:
+        """The job's training loader over this rank's shard (``job.loader(...)``)."""
+        return training_loader(args, *self.data_shard(), state, point)
+
     def data_shard(self) -> tuple[int, int]:
         """(replicas, this rank's replica): ranks of one replica read the same samples."""
         return self.world.world_size, self.world.rank
@@ -257,8 +258,13 @@ class Runner:
         backward(loss)
         return loss.detach()
 
-    def step(self, optimizer: torch.optim.Optimizer | None, precision: Precision) -> bool:
-        """Step at the end of an accumulation window; True when the job's scheduler steps too."""
+    def backward(self, loss: torch.Tensor, precision: Precision, grad_accum: int) -> None:
+        """The backward of one micro-step's ``loss`` (averaged over ``grad_accum``)."""
+        precision.backward(loss / grad_accum if grad_accum > 1 else loss)
+
+    def step(self, optimizer: torch.optim.Optimizer | None, precision: Precision) -> bool | None:
+        """Step at the end of an accumulation window; True when the job's scheduler steps too,
+        None when the step did not happen and its batch is trained again (live recovery)."""
         if optimizer is None:
             raise ValueError("Job.step(): no optimizer given and none passed to setup()")
         precision.step(optimizer, self.grad_shards(optimizer))
@@ -277,6 +283,13 @@ class Runner:
         over every rank's part of it; return that norm. Collective where parameters are split."""
         assert self.model is not None
         return self.strategy.clip_grad_norm_(self.model, self.optimizer, max_norm, norm_type)
+
+    def after_step(self) -> bool:
+        """The step is counted (``state.step``); False when it was rolled back since."""
+        return True
+
+    def close(self) -> None:
+        """The job closes (``Job.close``): release what the runner holds."""
 
     def regroup(self) -> None:
         """After live recovery replaced the default group: rebind the strategy's objects."""
