@@ -48,8 +48,17 @@ def _run(cwd: Path, *cmd: str) -> tuple[int, str]:
     return proc.returncode, out + err
 
 
-def _committed(ckpt: Path) -> list[str]:
-    return sorted(p.name for p in ckpt.glob("step-*"))
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (the launcher's workers)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
 
 
 def _digest(output: str) -> str:
@@ -104,7 +113,10 @@ def test_sigterm_commits_the_last_step_and_the_rerun_resumes_bit_identically(
             os.killpg(proc.pid, signal.SIGKILL)
             pytest.fail(f"no step 5 within {DEADLINE_S} s: {finish(proc)}")
         time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGTERM)
+    # As SLURM does: every process of the job gets SIGTERM, and the launcher passes its own on,
+    # so each worker gets two, milliseconds apart.
+    for pid in [*_children(proc.pid), proc.pid]:
+        os.kill(pid, signal.SIGTERM)
     out, err = finish(proc)
     output = out + err
     assert proc.returncode == 128 + signal.SIGTERM, output

@@ -72,6 +72,7 @@ def test_bad_phase_names() -> None:
 
 
 def test_wait_clock_counts_nested_waits_once() -> None:
+    wait_clock.claim()  # this thread's waits count (a Job made on another thread claims it)
     before = wait_clock.waited()
     with wait_clock.blocked(), wait_clock.blocked():  # DDP's future around a tracked work
         time.sleep(0.05)

@@ -17,6 +17,8 @@ exits.
 
 from __future__ import annotations
 
+import concurrent.futures.thread  # noqa: F401  # its pool-stopping hook is registered first
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -41,7 +43,7 @@ class _Write:
 
 _CURRENT: _Write | None = None
 _LOCK = threading.Lock()
-_AT_EXIT: list[bool] = []  # [True] once the exit hook is registered
+_AT_EXIT = threading.Event()  # set once the exit hook is registered
 
 
 def _run(write: _Write, work: Callable[[], Path]) -> None:
@@ -75,13 +77,15 @@ def _register_exit_hook() -> None:
     """Have the interpreter's thread shutdown wait for the write (once per process).
 
     ``threading._register_atexit`` runs its hooks, newest first, when the main thread ends and
-    before non-daemon threads are joined: ours (registered after ``concurrent.futures``
-    imported) runs before that module stops its pools. ``atexit`` would run too late.
+    before non-daemon threads are joined: ours (registered after ``concurrent.futures.thread``,
+    imported at the top of this module, registered its own) runs before that module stops its
+    pools. ``atexit`` would run too late.
     """
     hook = getattr(threading, "_register_atexit", None)
-    if hook is not None and not _AT_EXIT:
-        hook(_wait_at_exit)
-        _AT_EXIT.append(True)
+    if hook is not None and not _AT_EXIT.is_set():
+        with contextlib.suppress(RuntimeError):  # a save started during shutdown itself
+            hook(_wait_at_exit)
+        _AT_EXIT.set()
 
 
 def _wait_at_exit() -> None:

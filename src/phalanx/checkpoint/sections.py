@@ -77,12 +77,9 @@ def parallel(calls: Sequence[Callable[[], T]]) -> list[T]:
     if _POOL is None:
         workers = min(max(4, os.cpu_count() or 1), 8)  # I/O waits: more threads than cores
         _POOL = ThreadPoolExecutor(workers, thread_name_prefix=_THREAD_PREFIX)
-    try:
-        return list(_POOL.map(lambda c: c(), calls))
-    except RuntimeError:  # the interpreter is exiting and stopped the pool: go on in line
-        if not _pool_stopped():
-            raise
+    if _pool_stopped():  # the interpreter is exiting and stopped the pools: go on in line
         return [c() for c in calls]
+    return list(_POOL.map(lambda c: c(), calls))
 
 
 def _pool_stopped() -> bool:

@@ -24,6 +24,7 @@ import logging
 import os
 from collections.abc import Iterable, Iterator, Sized
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 from torch import nn
@@ -54,7 +55,7 @@ from phalanx.train.metrics import MetricsLogger
 from phalanx.train.precision import Precision
 from phalanx.train.preemption import EXIT_STATUS, Preemption
 from phalanx.train.profiling import profile
-from phalanx.train.resume_point import ResumePoint
+from phalanx.train.resume_point import LoopHooks, ResumableLoader, ResumePoint
 from phalanx.train.slowdown import Slowdown
 from phalanx.train.straggler_rule import StragglerRule
 from phalanx.train.strategies import JobOptions, Runner, Strategy, resolve
@@ -151,7 +152,8 @@ class Job(JobReports):
         self.state = TrainState(self.precision)
         """What the job trains and where it is: step, epoch, the open accumulation window,
         scheduler, sampler, tracked objects (see :mod:`phalanx.train.train_state`)."""
-        self.resume_point = ResumePoint(self.state, accumulates=grad_accum > 1)
+        hooks = LoopHooks(self._pass_started, self._next_batch, self._pass_ended)
+        self.resume_point = ResumePoint(self.state, hooks)
         """The job's place in its data and the moment a checkpoint resumes at (the loader's
         position, generator states; :mod:`phalanx.train.resume_point`)."""
         self.checkpoints = Checkpoints(
@@ -166,8 +168,6 @@ class Job(JobReports):
         )
         """Phase marks and the straggler monitor (see :mod:`phalanx.train.job_phases`)."""
         self.grad_accum = grad_accum
-        self.checkpoint_dir = checkpoint_dir
-        self.keep_last = keep_last
         if seed is not None:
             seed_everything(seed)
         configure_logging(world.rank)
@@ -175,8 +175,8 @@ class Job(JobReports):
             metrics_file, checkpoint_dir, tensorboard_dir, self.runner.role.metrics_group()
         )
         self.profiler = profile(profile_dir)
-        catch = save_on_sigterm and self.checkpoints.policy.preemptible and bool(checkpoint_dir)
-        self.preemption = Preemption(world, catch and self.runner.role.logs_in_step())
+        catch = save_on_sigterm and checkpoint_dir is not None and self.strategy.lockstep
+        self.preemption = Preemption(world, catch and self.checkpoints.policy.preemptible)
         """SIGTERM caught as a preemption (:mod:`phalanx.train.preemption`)."""
         self._closed = False
         self.model: nn.Module | None = None
@@ -334,9 +334,11 @@ class Job(JobReports):
         n = check_epochs(n)
         if self.runner.role.serving():
             return
-        epoch = self.resume() if not self.state.resumed else self.epoch
+        epoch = self.resume()  # the epoch, where the job has its state already
         self.state.epochs_driven = True
         while epoch < n:
+            if self.preemption.stopping:  # SIGTERM after the previous epoch's last step
+                self._stop_preempted()
             self.epoch = epoch
             if isinstance(self.sampler, DistributedSampler):  # a live job's moves by commits
                 self.resume_point.align(self.sampler)
@@ -373,31 +375,45 @@ class Job(JobReports):
             self.resume_point.align(self.sampler)
         total = batches_left(loader, self.sampler)
         bar = bar_over(loader, desc=desc or f"epoch {self.epoch}", total=total, enabled=shown)
-        self.throughput.start_epoch()
-        self.timing.enter("data")
+        if isinstance(loader, ResumableLoader):  # it runs the job's hooks itself
+            for batch in bar:
+                yield to_device(batch, self.world.device)
+            return
+        self._pass_started()  # another loader (the live one, a user's own): hooks from here
         try:
             for i, batch in enumerate(bar):
-                if not self._next_batch(total is not None and i == total - 1):
+                if not self._next_batch(total is not None and i == total - 1, batch_len(batch)):
                     break
-                batch = to_device(batch, self.world.device)
-                self.timing.mark_batch()
-                yield batch
-                self.throughput.count(batch_len(batch))
-                self.profiler.step()
-        finally:  # evaluation and checkpoints between epochs are no step's phase
-            self.timing.enter(None)
+                yield to_device(batch, self.world.device)
+        finally:
+            self._pass_ended()
 
-    def _next_batch(self, last: bool) -> bool:
-        """A training batch is about to be handed out (``last``: the epoch's last): arm the
-        gradient sync, pull fresh parameters (parameter servers), start the step's clock;
-        False: stop the epoch."""
+    def _pass_started(self) -> None:
+        """A pass over the job's loader begins (``LoopHooks.started``)."""
+        self.throughput.start_epoch()
+        self.timing.enter("data")
+
+    def _next_batch(self, last: bool, n_samples: int) -> bool:
+        """A training batch of ``n_samples`` is about to be handed out (``last``: the epoch's
+        last; ``LoopHooks.batch``): stop for SIGTERM, arm the gradient sync, pull fresh
+        parameters (parameter servers), start the step's clock; False: stop the epoch."""
+        if self.preemption.stopping:
+            self._stop_preempted()
         self.state.last_batch = last
         self._arm_sync()
-        if not self.runner.role.before_batch():
-            return False
+        if self.runner.role.serving() or not self.runner.role.before_batch():
+            return False  # a parameter server served instead, or stopped this worker
         if self.slowdown is not None:
             self.slowdown.begin()
+        self.timing.mark_batch()
+        self.throughput.count(n_samples)
+        self.profiler.step()
         return True
+
+    def _pass_ended(self) -> None:
+        """The pass ended (``LoopHooks.ended``): the time until the next is no step's phase
+        (evaluation, checkpoints)."""
+        self.timing.enter(None)
 
     def _arm_sync(self) -> None:
         # DDP decides at *forward* time whether the coming backward communicates (torch's and
@@ -474,16 +490,16 @@ class Job(JobReports):
         if not self.runner.after_step():
             return False  # a live ZeRO job lost a member here and rolled this step back
         self.timing.end_step(self.step_count, self.metrics)
-        if self.preemption.due(self.step_count):
-            self._stop_preempted()
+        self.preemption.reached(self.step_count)  # the stop comes before the next batch
         return True
 
-    def _stop_preempted(self) -> None:
-        """SIGTERM: commit this step's checkpoint, close the job and exit with status 143."""
-        path = self.save(async_=False)
+    def _stop_preempted(self) -> NoReturn:
+        """SIGTERM, the agreed step done: commit its checkpoint (unless the loop saved it
+        already) and exit with status 143; ``with`` / ``close()`` close the job."""
+        self.preemption.acted = True
+        path = self.checkpoints.commit_step()
         if self.world.is_main:
             log.warning("SIGTERM: step %d committed in %s; exiting", self.step_count, path)
-        self.close()
         raise SystemExit(EXIT_STATUS)
 
     # ---- metrics and checkpoints -----------------------------------------------------------------
@@ -529,15 +545,17 @@ class Job(JobReports):
         if self._closed:
             return
         self._closed = True
-        self.preemption.close()
-        self.checkpoints.wait()  # before the process group, whose store the write uses
-        self.runner.role.finish()
-        self.timing.close()
-        self.metrics.close()
-        self.profiler.stop()
-        self.runner.close()
-        if self.owns_group:
-            pg.destroy_process_group()
+        try:
+            self.checkpoints.wait()  # before the process group, whose store the write uses
+        finally:
+            self.runner.role.finish()
+            self.timing.close()
+            self.metrics.close()
+            self.profiler.stop()
+            self.runner.close()
+            if self.owns_group:
+                pg.destroy_process_group()
+            self.preemption.close()  # last: a SIGTERM never acted on is raised again here
 
     def __enter__(self) -> Job:
         return self

@@ -55,6 +55,8 @@ class Checkpoints:
         self.directory = directory
         self.keep_last = keep_last
         self.state, self.point, self.runner, self.policy = state, point, runner, policy
+        self.saved_step: int | None = None
+        """The step of the newest save started (committed, or being written)."""
         self.epoch_scheduler = False
         """The job steps its scheduler once per epoch (``setup(schedule="epoch")``): a resume
         at an epoch's end takes that epoch's scheduler step."""
@@ -146,7 +148,18 @@ class Checkpoints:
 
         if not saves.commit(write):
             return Path(self.directory)
+        self.saved_step = state.step
         return saved[0]
+
+    def commit_step(self) -> Path:
+        """This step's checkpoint, committed before returning: written now, or the loop's own
+        save of this step waited for (``Job``'s stop for SIGTERM)."""
+        if self.saved_step == self.state.step and self.directory is not None:
+            from phalanx import checkpoint
+            from phalanx.checkpoint.catalog import latest
+
+            return checkpoint.wait() or latest(self.directory) or Path(self.directory)
+        return self.save(async_=False)
 
     def wait(self) -> None:
         """Wait for the job's checkpoint write in flight, if any, raising its error."""
@@ -156,6 +169,17 @@ class Checkpoints:
             checkpoint.wait()
 
     def resume(self) -> int:
+        """Load the newest committed checkpoint (if any) unless the job has its state
+        already; return the epoch to start from.
+
+        The job has its state after a first resume, and in a live replacement, which received
+        it from a member: ``job.resume()`` then only returns the epoch.
+        """
+        if self.state.resumed:
+            return self.state.epoch
+        return self.load_newest()
+
+    def load_newest(self) -> int:
         """Load the newest committed checkpoint (if any); return the epoch to start from.
 
         Afterwards ``state.resumed_extra`` holds the keyword values given to the ``save()``

@@ -215,3 +215,4 @@ class LiveRunner(Runner):
 
     def close(self) -> None:
         self.live.close()
+        self.inner.close()

@@ -71,6 +71,7 @@ def collect(
     state: dict[str, object] = {
         "step": train.step,
         "epoch": train.epoch,
+        "resumed_extra": dict(train.resumed_extra),
         "rng": rng_state(),
         "sampler": sampler.state_dict() if sampler is not None else held.sampler,
         "ledger": held.ledger.to_dict() if held.ledger is not None else held.ledger_state,
@@ -114,6 +115,7 @@ def apply(runner: Runner, train: TrainState, state: dict[str, Any], held: Held) 
     if train.scaler is not None and "scaler" in state:
         train.scaler.load_state_dict(state["scaler"])
     train.step, train.epoch = int(state["step"]), int(state["epoch"])
+    train.resumed_extra = dict(state.get("resumed_extra", {}))
     train.resumed = True  # the state came from a live member: no checkpoint to resume from
     set_rng_state(state["rng"])
     held.sampler, held.ledger_state, held.tracked = (

@@ -251,5 +251,5 @@ def _from_checkpoint(
     else:  # placeholders of the right shapes: the checkpoint overwrites them
         full = {k: torch.zeros(shape) for k, shape in model.full_shapes().items()}
         model.regroup(None, {**full, **dict(model.module.named_buffers())}, optimizer=optimizer)
-    checkpoints.resume()
+    checkpoints.load_newest()
     return state.step

@@ -2,9 +2,15 @@
 
 Schedulers (SLURM's preemption and ``scancel``, Kubernetes, ``phalanx run`` passing on its own
 SIGTERM) send SIGTERM to every process of the job and SIGKILL a grace period later. A job with a
-``checkpoint_dir`` catches the first SIGTERM (:class:`Preemption`); the ranks agree on one step
-to stop after, save it synchronously and exit with status 143 (128 + SIGTERM), as a killed
-process would, so a requeued job resumes exactly there. A second SIGTERM kills at once.
+``checkpoint_dir`` catches SIGTERM (:class:`Preemption`); the ranks agree on one step to stop
+after, finish that step's loop body (an EMA update, a tracked counter, ``job.log``: what the
+loop does after ``job.step()`` belongs to the step), save it synchronously before the next batch
+is handed out and exit with status 143 (128 + SIGTERM), as a killed process would, so a
+requeued job resumes exactly there. Further SIGTERMs are ignored: a worker under ``phalanx run``
+inside a SLURM step gets one from SLURM and one from the launcher, milliseconds apart, and the
+SIGKILL that follows the grace period still ends it. A signal the job never acted on (it came
+after the last step) takes effect when the job closes: the previous handler is restored and
+the signal raised again.
 
 **Agreeing on the step, without a collective per step.** Each rank notices its signal at a
 step boundary ``s_r`` (after an optimizer step) and writes ``s_r`` to the rendezvous store; from
@@ -16,9 +22,10 @@ boundary at which it wrote: it sees every value no later than at ``S``, and no r
 ``S`` without knowing it. This needs the signal on every rank, which is what the schedulers
 above do.
 
-Not for parameter servers (whose workers are not in step) nor live recovery (which survives
-lost ranks instead). ``Job(save_on_sigterm=False)`` keeps SIGTERM's default action, and a
-handler the program set itself is left alone.
+Only for strategies whose every step ends in a collective (``Strategy.lockstep``): not for
+parameter servers, Hogwild, or local SGD and DiLoCo (which communicate every few steps), nor
+live recovery (which survives lost ranks instead). ``Job(save_on_sigterm=False)`` keeps
+SIGTERM's default action, and a handler the program set itself is left alone.
 """
 
 from __future__ import annotations
@@ -56,6 +63,10 @@ class Preemption:
         """A SIGTERM arrived."""
         self.stop_after: int | None = None
         """The agreed step to stop after, once known."""
+        self.stopping = False
+        """The agreed step is done: the job saves and exits before its next batch."""
+        self.acted = False
+        """The job stopped for the signal (it saved and is exiting)."""
         self._prefix = f"phalanx/preempt/{next(_JOBS)}/"
         self._said = False
         self._previous: object = None
@@ -63,26 +74,19 @@ class Preemption:
         if enabled and main and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
             self._previous = signal.signal(signal.SIGTERM, self._on_signal)
 
-    @property
-    def installed(self) -> bool:
-        """Whether this job catches SIGTERM."""
-        return self._previous is not None
-
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if self.signalled:  # a second one: the default action, at once
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            signal.raise_signal(signal.SIGTERM)
-        self.signalled = True
+        self.signalled = True  # repeated ones too: the job is stopping already
 
-    def due(self, step: int) -> bool:
-        """At the boundary after optimizer step ``step``: True when the job stops now."""
-        if not self.signalled:
-            return False
+    def reached(self, step: int) -> None:
+        """At the boundary after optimizer step ``step``: sets :attr:`stopping` once the
+        agreed step is done."""
+        if not self.signalled or self.stopping:
+            return
         if self.stop_after is None:
             self.stop_after = self._agree(step)
             if self.stop_after is not None and self.world.is_main:
                 log.warning("SIGTERM: the job stops after step %d, saved", self.stop_after)
-        return self.stop_after is not None and step >= self.stop_after
+        self.stopping = self.stop_after is not None and step >= self.stop_after
 
     def _agree(self, step: int) -> int | None:
         """The step to stop after once every rank has said where it saw its signal."""
@@ -99,7 +103,11 @@ class Preemption:
         return max(seen) + 1 if len(seen) == len(keys) else None
 
     def close(self) -> None:
-        """Give SIGTERM back its previous handler."""
-        if self._previous is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._previous)  # type: ignore[arg-type]
-            self._previous = None
+        """Give SIGTERM back its previous handler, and raise a signal the job did not act on
+        (it came after the job's last step) again, for that handler."""
+        if self._previous is None or threading.current_thread() is not threading.main_thread():
+            return
+        signal.signal(signal.SIGTERM, self._previous)  # type: ignore[arg-type]
+        self._previous = None
+        if self.signalled and not self.acted:
+            signal.raise_signal(signal.SIGTERM)

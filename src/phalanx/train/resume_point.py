@@ -32,7 +32,7 @@ iterator, which a mid-epoch resume creates anew), and anything random the loop d
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +42,7 @@ from phalanx.checkpoint import rng
 from phalanx.data.sampler import DistributedSampler
 from phalanx.train.train_state import TrainState
 
-__all__ = ["Record", "ResumableLoader", "ResumePoint", "SamplerState"]
+__all__ = ["NO_HOOKS", "LoopHooks", "Record", "ResumableLoader", "ResumePoint", "SamplerState"]
 
 REPLAY_AT_BATCH, REPLAY_NOW = "next-batch", "now"
 """When a resumed job restores the saved generator states (the ``rng_at`` of a record)."""
@@ -86,42 +86,58 @@ class SamplerState:
         return self._state
 
 
+@dataclass(frozen=True)
+class LoopHooks:
+    """What the job does around its loader's batches, whoever iterates the loader."""
+
+    started: Callable[[], None]
+    """A pass over the loader begins."""
+    batch: Callable[[bool, int], bool]
+    """A batch of ``n`` samples is about to be handed out (``last``: it ends the epoch);
+    False stops the pass (a parameter server said so)."""
+    ended: Callable[[], None]
+    """The pass ended: run out, stopped, or left by the loop (``break``)."""
+
+
+NO_HOOKS = LoopHooks(lambda: None, lambda last, n: True, lambda: None)
+
+
 class ResumePoint:
     """Follows the job's loader and optimizer steps; records and restores the resume point.
 
     Args:
         state: The job's training state (its epoch, moved here by the loader as described
             above).
-        accumulates: The job accumulates gradients over micro-steps (``grad_accum > 1``);
-            only then are windows snapshotted (one generator snapshot per optimizer step,
-            ~0.1 ms).
+        hooks: The job's own work around each batch (:class:`LoopHooks`).
     """
 
-    def __init__(self, state: TrainState, accumulates: bool) -> None:
+    def __init__(self, state: TrainState, hooks: LoopHooks = NO_HOOKS) -> None:
         self.state = state
-        self.accumulates = accumulates
+        self.hooks = hooks
         self.sampler: DistributedSampler | None = None
         """The sampler of the job's loader, whose position the checkpoint records."""
         self._loaded: dict[str, Any] | None = None  # resumed before any loader existed
-        self._pending = False
-        self._window: _Mark | None = None
+        self._open = False  # a batch was handed out since the last optimizer step
+        self._mark: _Mark | None = None  # the sampler and generators before that batch
         self._started_epoch: int | None = None
         self._replay: rng.Snapshot | None = None
+        self._given_epoch: int | None = None  # the epoch align() last gave the sampler
 
     def follow(self, sampler: DistributedSampler) -> None:
         """``job.loader()`` made ``sampler`` the job's: it takes over the position of the
         previous one (or the one a resume loaded), which is the position saved from now on.
 
         Raises:
-            ValueError: naming both sizes, when the job's loader is mid-epoch over a dataset
-                of another size (an evaluation loader made without ``eval=True``).
+            ValueError: naming both sizes, when the new loader reads a dataset of another size
+                than the job's (an evaluation loader made without ``eval=True``).
         """
         before = self.sampler.state_dict() if self.sampler is not None else self.take_loaded()
         if before is not None:
             _check_same_data(before, sampler)
             sampler.load_state_dict(before)
         self.sampler = sampler
-        self._started_epoch, self._window = None, None
+        self._started_epoch, self._mark, self._open = None, None, False
+        self._given_epoch = sampler.epoch
 
     def take_loaded(self) -> dict[str, Any] | None:
         """The sampler state a resume loaded before any loader existed, once (then None)."""
@@ -129,15 +145,22 @@ class ResumePoint:
         return loaded
 
     def align(self, sampler: DistributedSampler) -> None:
-        """Before an iteration of the job's loader: the sampler reads the job's epoch, and
-        without ``Job.epochs()`` a finished epoch moves the job on to the next."""
+        """Before a pass over the job's loader: the sampler reads the job's epoch.
+
+        Without ``Job.epochs()`` a finished epoch moves the job on to the next, and an epoch
+        the program chose itself (``loader.sampler.set_epoch(epoch)``, torch's idiom) becomes
+        the job's.
+        """
         if sampler is not self.sampler:
             return
-        finished = sampler.remaining == 0 and sampler.epoch == self.state.epoch
-        if finished and not self.state.epochs_driven:
-            self.state.epoch += 1
-        if sampler.epoch != self.state.epoch:
-            sampler.set_epoch(self.state.epoch)
+        state = self.state
+        if not state.epochs_driven and sampler.epoch != self._given_epoch:
+            state.epoch = sampler.epoch  # the program's own set_epoch
+        elif sampler.remaining == 0 and sampler.epoch == state.epoch and not state.epochs_driven:
+            state.epoch += 1
+        if sampler.epoch != state.epoch:
+            sampler.set_epoch(state.epoch)
+        self._given_epoch = sampler.epoch
 
     # ---- events of the loop ----------------------------------------------------------------
     def started(self, sampler: DistributedSampler) -> None:
@@ -147,32 +170,45 @@ class ResumePoint:
 
     def fetching(self, sampler: DistributedSampler) -> None:
         """The loader is about to fetch a batch: replay the generators after a mid-epoch
-        resume; snapshot the start of an accumulation window."""
+        resume; snapshot the resume point unless a batch since the last step is open."""
         if sampler is not self.sampler:
             return
         if self._replay is not None:
             rng.apply(self._replay)
             self._replay = None
-        if self.accumulates and not self._pending:
-            self._window = _Mark(sampler.state_dict(), rng.snapshot())
+        if not self._open:
+            self._mark = _Mark(sampler.state_dict(), rng.snapshot())
 
     def fetched(self, sampler: DistributedSampler, n_samples: int) -> None:
         """The loader hands a batch of ``n_samples`` to the loop."""
         if sampler is self.sampler:
             sampler.advance(n_samples)
+            self._open = True
+
+    def abandoned(self, sampler: DistributedSampler) -> None:
+        """The loop left a pass before its end (``break``): the rest of the epoch is skipped,
+        by the running job and by a job resumed from a save taken now alike."""
+        if sampler is self.sampler and sampler.remaining > 0:
+            sampler.advance(sampler.remaining)
+            self._open, self._mark = False, None
 
     def stepped(self, pending: bool) -> None:
         """``job.step()`` returned; ``pending``: micro-steps wait for the next optimizer step."""
-        self._pending = pending
+        self._open = pending
 
     # ---- save and resume -------------------------------------------------------------------
     def record(self, epoch: int) -> Record:
-        """The resume point now; ``epoch`` is the job's (used when it has no loader)."""
+        """The resume point now; ``epoch`` is the job's (used when it has no loader).
+
+        Batches handed out since the last optimizer step (micro-steps pending, or a batch
+        fetched and not trained) are not in the weights: the resume point is then before the
+        first of them, with the generators as they were there.
+        """
         sampler = self.sampler
         if sampler is None:  # no position: the epoch can only be redone whole, count it done
             return Record(epoch, True, None, rng.capture(), REPLAY_NOW)
-        if self._pending and self._window is not None:
-            state, snap, iterating = self._window.sampler, self._window.generators, True
+        if self._open and self._mark is not None:
+            state, snap, iterating = self._mark.sampler, self._mark.generators, True
         else:
             state, snap = sampler.state_dict(), rng.snapshot()
             iterating = self._started_epoch == sampler.epoch
@@ -196,29 +232,31 @@ class ResumePoint:
             rng_at = state.get("rng_at", REPLAY_NOW)
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{where}: malformed job state {state!r} ({exc!r})") from None
-        self._pending, self._window, self._started_epoch = False, None, None
+        self._open, self._mark, self._started_epoch = False, None, None
         self._replay = rng.snapshot() if rng_at == REPLAY_AT_BATCH else None
         if self.sampler is None:
             self._loaded = sampler
+        else:
+            self._given_epoch = self.sampler.epoch
         return epoch + 1 if done else epoch
 
 
 def _check_same_data(before: dict[str, Any], sampler: DistributedSampler) -> None:
-    """A new training loader mid-epoch must read the same dataset as the job's."""
+    """A new training loader must read a dataset of the same size as the job's."""
     saved, here = before.get("dataset_len"), sampler.state_dict().get("dataset_len")
-    position, count = int(before.get("position", 0)), before.get("num_samples")
-    mid_epoch = position > 0 and position != count
-    if mid_epoch and saved is not None and saved != here:
+    if saved is not None and saved != here:
         raise ValueError(
-            f"Job.loader(dataset of {here} samples): the job's training loader is in the "
-            f"middle of an epoch over {saved} samples; a loader over other data for "
-            f"evaluation takes eval=True (job.loader(dataset, batch_size, eval=True))"
+            f"Job.loader(dataset of {here} samples): the job trains on a dataset of {saved} "
+            f"samples, and a job has one training loader (a new one takes over its place); "
+            f"a loader over other data for evaluation takes eval=True "
+            f"(job.loader(dataset, batch_size, eval=True))"
         )
 
 
 class ResumableLoader(torch.utils.data.DataLoader[Any]):
     """``job.loader()``'s DataLoader: tells its :class:`ResumePoint` about each batch it hands
-    out (iterating it directly or through ``job.progress`` is the same)."""
+    out and runs the job's :class:`LoopHooks` (iterating it directly or through
+    ``job.progress`` is the same)."""
 
     def __init__(self, point: ResumePoint, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -227,22 +265,37 @@ class ResumableLoader(torch.utils.data.DataLoader[Any]):
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # a generator, not torch's
         sampler = self.sampler
         assert isinstance(sampler, DistributedSampler)
+        if sampler is not self.point.sampler:
+            raise ValueError(
+                "this loader was replaced by a newer job.loader(...) call: iterate the newest "
+                "one (a job has one training loader, whose place each new one takes over; "
+                "loaders for evaluation take eval=True)"
+            )
         self.point.align(sampler)
         batches = super().__iter__()  # draws the workers' base seed from torch's generator
         self.point.started(sampler)
         return self._hand_out(batches, sampler)
 
     def _hand_out(self, batches: Iterator[Any], sampler: DistributedSampler) -> Iterator[Any]:
-        size = self.batch_size or 1
-        while True:
-            self.point.fetching(sampler)
-            try:
-                batch = next(batches)
-            except StopIteration:
-                return
-            left = sampler.remaining
-            taken = min(size, left)
-            if self.drop_last and left - taken < size:
-                taken = left  # the loader drops the short rest: this batch ends the epoch
-            self.point.fetched(sampler, taken)
-            yield batch
+        size, hooks = self.batch_size or 1, self.point.hooks
+        hooks.started()
+        try:
+            while True:
+                self.point.fetching(sampler)
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    return
+                left = sampler.remaining
+                taken = min(size, left)
+                if self.drop_last and left - taken < size:
+                    taken = left  # the loader drops the short rest: this batch ends the epoch
+                self.point.fetched(sampler, taken)
+                if not hooks.batch(sampler.remaining == 0, taken):
+                    return
+                yield batch
+        except GeneratorExit:  # the loop left the pass (break)
+            self.point.abandoned(sampler)
+            raise
+        finally:
+            hooks.ended()

@@ -4,7 +4,7 @@
 job; a :class:`SavePolicy` is the part that differs. The default writes in the background and
 records the resume point of :mod:`.resume_point`. Live recovery's policy
 (:mod:`.live_runner`) writes in line, guarded against a member lost meanwhile, and carries the
-sample ledger. A runner holds its policy as ``runner.saves``.
+sample ledger. ``job_start.Start.saves()`` picks the job's; ``Checkpoints.policy`` holds it.
 """
 
 from __future__ import annotations

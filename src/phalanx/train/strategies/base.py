@@ -56,8 +56,6 @@ LossFn = Callable[..., torch.Tensor]
 Scheduler = LRScheduler
 """A learning-rate scheduler (``ReduceLROnPlateau`` included: it is one in torch >= 2.2)."""
 
-__all__ += ["Stateful"]  # declared with the training state, re-exported here
-
 
 class SyncOwner(Protocol):
     """What holds torch's "sync this backward" flag: DDP and FSDP models, ZeRO-2 optimizers."""
@@ -108,6 +106,11 @@ class Strategy:
 
     comm_measured: ClassVar[bool] = True
     """False where this strategy's communication wait cannot be timed (said once, not 0)."""
+
+    lockstep: ClassVar[bool] = True
+    """Every optimizer step ends in a collective every rank joins, so no rank gets a step
+    ahead of another (what SIGTERM's agreed stop relies on: ``train/preemption.py``); False
+    where ranks step on their own (parameter servers, Hogwild, local SGD)."""
 
     replicas_equal: ClassVar[bool] = True
     """Whether the model and optimizer state a checkpoint sees as replicated (not sharded

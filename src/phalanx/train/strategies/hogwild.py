@@ -23,6 +23,7 @@ class Hogwild(Strategy):
 
     name: ClassVar[str] = "hogwild"
     replicas_equal: ClassVar[bool] = False  # each rank steps its own optimizer
+    lockstep: ClassVar[bool] = False  # no communication at all
 
     def wrap(self, model: nn.Module, world: World) -> nn.Module:
         from phalanx.hogwild.shared import share_parameters

@@ -62,6 +62,8 @@ _MIB = 1024 * 1024
 class ReplicaStrategy(Strategy, ABC):
     """Replicas that train alone between synchronisations (the base of LocalSGD, DiLoCo)."""
 
+    lockstep: ClassVar[bool] = False  # the ranks communicate every few steps
+
     @abstractmethod
     def make_sync(self, replica: Replica, group: dist.ProcessGroup | None) -> PeriodicSync:
         """The algorithm that synchronises ``replica`` over ``group``."""

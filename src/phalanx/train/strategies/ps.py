@@ -56,6 +56,7 @@ class PS(Strategy):
     """
 
     name: ClassVar[str] = "ps"
+    lockstep: ClassVar[bool] = False  # workers step on their own
     mode: str = "sync"
     servers: int = 1
     staleness: int | None = None

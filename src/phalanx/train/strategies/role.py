@@ -10,11 +10,14 @@ so that the job asks the role, never the runner's class.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from phalanx.comm.group import World
-from phalanx.parameter_server import ServerReport
+
+if TYPE_CHECKING:  # annotations only: a role of every job needs no parameter server
+    from phalanx.parameter_server import ServerReport
 
 __all__ = ["Role"]
 
