@@ -21,15 +21,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch.nn import functional as F
 
 import phalanx
-from phalanx.models import GPT, GPTConfig
 from phalanx.testing import run_distributed
+from tests.distributed.gpt_cases import BLOCK, VOCAB, lm_loss, params_digest, small_gpt
 
 EPOCHS = 2
 PER_RANK_BATCH = 2
-VOCAB, BLOCK = 32, 8
 
 CASES: dict[str, dict[str, Any]] = {
     "ddp": {"strategy": "ddp"},
@@ -55,17 +53,6 @@ def _data(replicas: int) -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(x, torch.randint(0, VOCAB, x.shape, generator=g))
 
 
-def _lm_loss(output: tuple[torch.Tensor, Any], targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(output[0].flatten(0, 1), targets.flatten())
-
-
-def _params_digest(model: torch.nn.Module) -> str:
-    h = hashlib.sha256()
-    for p in model.parameters():
-        h.update(p.detach().contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
 def _files(path: Path) -> dict[str, str]:
     """Name -> crc32c of every file of a committed checkpoint (from its verified manifest)."""
     manifest = json.loads((path / "manifest.json").read_text())
@@ -78,12 +65,12 @@ def _run(options: dict[str, Any], ckpt: Path, keep: Path | None) -> dict[str, An
     options = dict(options)
     direct = options.pop("_loop", "progress") == "direct"
     torch.manual_seed(0)
-    model = GPT(GPTConfig(VOCAB, BLOCK, 1, 2, 16, dropout=0.2))
+    model = small_gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     job = phalanx.Job(checkpoint_dir=ckpt, straggler_check_every=0, keep_last=1, **options)
     parallel = isinstance(options["strategy"], phalanx.Mesh)
-    model, opt = job.setup(model, opt, sched, loss_fn=None if parallel else _lm_loss)
+    model, opt = job.setup(model, opt, sched, loss_fn=None if parallel else lm_loss)
     replicas = job.groups.topology.dp if job.groups is not None else job.world.world_size
     loader = job.loader(_data(replicas), batch_size=PER_RANK_BATCH, shuffle=True)
     losses: dict[str, float] = {}
@@ -102,7 +89,7 @@ def _run(options: dict[str, Any], ckpt: Path, keep: Path | None) -> dict[str, An
     final = job.save()
     phalanx.checkpoint.wait()
     files = _files(final) if job.world.is_main else {}
-    out = {"losses": losses, "saves": saves, "params": _params_digest(model), "files": files}
+    out = {"losses": losses, "saves": saves, "params": params_digest(model), "files": files}
     out["step"] = job.step_count
     job.close()
     return out

@@ -25,23 +25,20 @@ index column of the dataset.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from torch.nn import functional as F
 
 import phalanx
-from phalanx.models import GPT, GPTConfig
 from phalanx.testing import run_distributed
+from tests.distributed.gpt_cases import BLOCK, VOCAB, lm_loss, params_digest, small_gpt
 
 EPOCHS = 3
 PER_RANK_BATCH = 2
 BATCHES = 4  # per replica and epoch
-VOCAB, BLOCK = 32, 8
 STOP_AT = (1, 2)  # mid-epoch stops: in this epoch, after this many of its steps
 
 STRATEGIES: dict[str, Any] = {
@@ -72,29 +69,18 @@ def _data(replicas: int) -> torch.utils.data.TensorDataset:
     )
 
 
-def _lm_loss(output: tuple[torch.Tensor, Any], targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(output[0].flatten(0, 1), targets.flatten())
-
-
-def _digest(model: torch.nn.Module) -> str:
-    h = hashlib.sha256()
-    for p in model.parameters():
-        h.update(p.detach().contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
 def _run(strategy: Any, shape: str, stop: str | None, ckpt: Path) -> dict[str, Any]:
     """Train (resuming from ``ckpt``) until the end or ``stop``; the batches trained and the
     final parameters."""
     made, iterate, epochs = shape.split("/")
     torch.manual_seed(0)
-    model = GPT(GPTConfig(VOCAB, BLOCK, 1, 2, 16, dropout=0.2))
+    model = small_gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
     trained: list[tuple[int, list[int]]] = []
     try:
         with phalanx.Job(strategy, checkpoint_dir=ckpt, straggler_check_every=0) as job:
             mesh = isinstance(strategy, phalanx.Mesh)
-            model, opt = job.setup(model, opt, loss_fn=None if mesh else _lm_loss)
+            model, opt = job.setup(model, opt, loss_fn=None if mesh else lm_loss)
             replicas = 1 if mesh else job.world.world_size
             data = _data(replicas)
 
@@ -116,7 +102,7 @@ def _run(strategy: Any, shape: str, stop: str | None, ckpt: Path) -> dict[str, A
                     if mesh:
                         job.forward_backward(x, y)
                     else:
-                        job.backward(_lm_loss(model(x), y))
+                        job.backward(lm_loss(model(x), y))
                     assert job.step(opt)
                     trained.append((job.epoch, idx.tolist()))
                     steps += 1
@@ -131,7 +117,7 @@ def _run(strategy: Any, shape: str, stop: str | None, ckpt: Path) -> dict[str, A
                 job.save()
                 if stop in ("epoch-end", "break") and epoch == STOP_AT[0] - (stop == "epoch-end"):
                     return {"trained": trained, "params": None}
-            return {"trained": trained, "params": _digest(model)}
+            return {"trained": trained, "params": params_digest(model)}
     except Stop:
         return {"trained": trained, "params": None}
 

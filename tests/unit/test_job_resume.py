@@ -110,7 +110,7 @@ def test_checkpoints_written_before_values_were_kept_apart_still_resume(tmp_path
     job, _ = _job(tmp_path)
     with job:
         phalanx.checkpoint.save(tmp_path, 5, model=job.model, optimizer=job.optimizer, extra=legacy)
-        job.sampler = None  # that checkpoint holds no sampler state
+        job.state.sampler = None  # that checkpoint holds no sampler state
         assert next(iter(job.epochs(4))) == 2
         assert job.resumed_extra == {"tag": "x"} and job.step_count == 5
 

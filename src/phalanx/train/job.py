@@ -130,9 +130,8 @@ class Job(JobReports):
         # A preset's own errors and live recovery's rules come before any process group.
         joined = job_start.start(recovery, resolve(strategy), grad_accum, backend)
         self.owns_group = joined.owns_group
-        self.live: LiveTraining | None = joined.live
-        """Live recovery at work (``recovery="live"``), else None: its ``regroups`` and
-        ``ledger`` say what happened (``train/live_runner.py`` wraps the runner in it)."""
+        self.joined = joined
+        """How the job joined its group (``train/job_start.py``)."""
         self.strategy = joined.strategy
         """The strategy's options (a preset name resolved: ``Job("zero2").strategy`` is
         ``Zero(stage=2)``)."""
@@ -189,6 +188,12 @@ class Job(JobReports):
         """Samples and seconds of the epochs so far (``summary()``'s samples/s)."""
 
     @property
+    def live(self) -> LiveTraining | None:
+        """Live recovery at work (``recovery="live"``), else None: its ``regroups`` and
+        ``ledger`` say what happened (``train/live_runner.py`` wraps the runner in it)."""
+        return self.joined.live
+
+    @property
     def world(self) -> World:
         """This process's place in the job (live recovery changes it with the membership)."""
         return self.runner.world
@@ -212,27 +217,15 @@ class Job(JobReports):
         """The sampler of the job's training loader (None before :meth:`loader`)."""
         return self.state.sampler
 
-    @sampler.setter
-    def sampler(self, value: DistributedSampler | ElasticSampler | None) -> None:
-        self.state.sampler = value
-
     @property
     def step_count(self) -> int:
         """Optimizer steps taken (restored on resume)."""
         return self.state.step
 
-    @step_count.setter
-    def step_count(self, value: int) -> None:
-        self.state.step = value
-
     @property
     def epoch(self) -> int:
         """The epoch in training (see :attr:`TrainState.epoch`)."""
         return self.state.epoch
-
-    @epoch.setter
-    def epoch(self, value: int) -> None:
-        self.state.epoch = value
 
     @property
     def resumed_extra(self) -> dict[str, object]:
@@ -339,7 +332,7 @@ class Job(JobReports):
         while epoch < n:
             if self.preemption.stopping:  # SIGTERM after the previous epoch's last step
                 self._stop_preempted()
-            self.epoch = epoch
+            self.state.epoch = epoch
             if isinstance(self.sampler, DistributedSampler):  # a live job's moves by commits
                 self.resume_point.align(self.sampler)
             yield epoch

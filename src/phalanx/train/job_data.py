@@ -16,6 +16,7 @@ do not apply.
 
 from __future__ import annotations
 
+from collections.abc import Sized
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +42,8 @@ pipeline's replicas start from one rank's parameters anyway."""
 class LoaderArgs:
     """``job.loader(...)``'s arguments (checked: no ``sampler`` / ``batch_sampler``)."""
 
-    dataset: Any
+    dataset: Sized
+    """Sized and indexable (torch's ``Dataset``, a list, Hugging Face's ``datasets``)."""
     batch_size: int
     shuffle: bool | None
     drop_last: bool
@@ -64,7 +66,8 @@ def eval_loader(args: LoaderArgs, replicas: int, replica: int) -> EvalLoader:
     """An ``eval=True`` loader: every sample once over the replicas, not the job's sampler."""
     order = False if args.shuffle is None else args.shuffle  # not shuffled unless asked
     once = EvalSampler(args.dataset, replicas, replica, order, args.seed)
-    return EvalLoader(args.dataset, args.batch_size, sampler=once, **args.kwargs)
+    # torch types DataLoader for its Dataset class; any sized, indexable dataset works.
+    return EvalLoader(args.dataset, args.batch_size, sampler=once, **args.kwargs)  # type: ignore[arg-type]
 
 
 def training_loader(

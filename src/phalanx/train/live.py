@@ -247,7 +247,7 @@ class LiveTraining:
         if self.held.ledger is None:
             self.held.ledger = SampleLedger.for_sampler(made)
         batches = LiveBatches(self, made)
-        return DataLoader(args.dataset, batch_sampler=batches, **args.kwargs)
+        return DataLoader(args.dataset, batch_sampler=batches, **args.kwargs)  # type: ignore[arg-type]
 
     # ---- the loop ----------------------------------------------------------------------------
     def deal(self, sampler: ElasticSampler) -> Iterator[list[int]]:

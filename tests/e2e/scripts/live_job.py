@@ -26,7 +26,6 @@ that one is always in flight when a member is lost or admitted.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -36,6 +35,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from live_record import live_record  # this folder is on sys.path
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -131,15 +131,7 @@ else:
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 assert job.live is not None and job.live.ledger is not None
 record = {
-    "pid": os.getpid(),
-    "started_pid": started_pid,
-    "step": job.step_count,
-    "world_size": job.world.world_size,
-    "regroups": [[r.kind, r.world_size, r.step] for r in job.live.regroups],
-    "regroup_seconds": [r.seconds for r in job.live.regroups],
-    "digest": hashlib.sha256(params.numpy().tobytes()).hexdigest(),
-    "params": params.tolist(),
-    "problems": job.live.ledger.problems(),
+    **live_record(job, params, started_pid),
     "epochs": job.live.ledger.epochs,
     "loads": loads,
     "tracked_steps": steps.n,

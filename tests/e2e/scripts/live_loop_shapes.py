@@ -26,7 +26,6 @@ before it makes its Job.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -38,6 +37,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from live_record import live_record  # this folder is on sys.path
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -100,21 +100,7 @@ for epoch in job.epochs(2):
         time.sleep(0.5 if mode == "epoch1" and epoch == 1 and missing else 0.02)
 
 params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-assert job.live is not None and job.live.ledger is not None
-record = {
-    "pid": os.getpid(),
-    "started_pid": started_pid,
-    "step": job.step_count,
-    "epochs": epochs,
-    "stepped": stepped,
-    "world_size": job.world.world_size,
-    "regroups": [[r.kind, r.world_size, r.step] for r in job.live.regroups],
-    "regroup_seconds": [r.seconds for r in job.live.regroups],
-    "problems": job.live.ledger.problems(),
-    "ledger_epochs": job.live.ledger.epochs,
-    "digest": hashlib.sha256(params.numpy().tobytes()).hexdigest(),
-    "params": params.tolist(),
-}
+record = {**live_record(job, params, started_pid), "epochs": epochs, "stepped": stepped}
 if mode != "late":  # late: only the launcher's finish marker tells the waiting replacement
     job.close()
 (folder / f"{member}.{incarnation}.json").write_text(json.dumps(record))
