@@ -3,7 +3,7 @@
 Every benchmark writes into one directory, ``--out DIR``, by default a new
 ``runs/bench-<suite>-<YYYYmmdd-HHMMSS>/`` under the current directory (git-ignored in the
 repository), so a run never overwrites earlier results, committed ones included. Regenerating
-the files the README cites is explicit: ``--out benchmarks/results``. Each row is printed and
+the files the docs cite is explicit: ``--out benchmarks/results``. Each row is printed and
 appended to ``DIR/rows.jsonl`` as soon as it is measured, so an interrupted run keeps what it
 measured; at the end ``DIR/<suite>.json`` gets the whole result and the last line printed is
 ``RESULT {json}``.

@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mbit", type=float, default=100.0, help="link rate each way, Mbit/s")
     parser.add_argument("--steps", type=int, default=400, help="batches per worker")
     parser.add_argument("--sync-every", type=int, default=200, help="H of the replica methods")
-    # the paper's 0.7 and 0.9 suit thousands of outer steps; this run has two (see the README)
+    # the paper's 0.7 and 0.9 suit thousands of outer steps; this run has two (see docs/async.md)
     parser.add_argument("--outer-lr", type=float, default=1.0, help="DiLoCo's outer lr")
     parser.add_argument("--outer-momentum", type=float, default=0.3, help="DiLoCo's momentum")
     parser.add_argument("--methods", default=",".join(DEFAULT), help=f"comma list of {METHODS}")

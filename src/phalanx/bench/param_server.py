@@ -24,7 +24,7 @@ training with their time stamps and evaluated after it, so evaluation costs no t
 final test accuracy, the staleness histogram (server-recorded; DDP has none). Each run's row is
 printed as it finishes, then a table per straggler setting; ``param_server.json`` and
 ``param_server.png`` (accuracy against time, unless ``--no-plot``) go to ``--out`` (default: a
-new ``runs/bench-param_server-<timestamp>/``; the README's figures were made with
+new ``runs/bench-param_server-<timestamp>/``; the figures of docs/async.md were made with
 ``--out benchmarks/results``); last line ``RESULT {json}``. Needs ``pip install 'phalanx[bench]'``
 (scikit-learn's digits, matplotlib for the plot), checked before anything runs.
 

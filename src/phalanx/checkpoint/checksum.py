@@ -1,9 +1,9 @@
 """Checksums of checkpoint files: crc32c as they are written, crc32c or sha256 as they are read.
 
 A checkpoint's manifest records, for every file, its size and a digest of its bytes. New
-checkpoints record crc32c (hardware-accelerated: ~10 GB/s against ~0.4 GB/s for sha256 on the
-2-core box of the README), computed on each chunk as it is written and again on the bytes as
-they are read, so verification keeps up with memory bandwidth. Checkpoints written before
+checkpoints record crc32c (hardware-accelerated: ~10 GB/s against ~0.4 GB/s for sha256 on
+the 2-core box of docs/checkpoints.md), computed on each chunk as it is written and again on the
+bytes as they are read, so verification keeps up with memory bandwidth. Checkpoints written before
 (``phalanx-checkpoint/1``) record sha256, which is still read and verified.
 
 A tensor file's entry may also hold a crc32c per tensor, so a corrupt byte is named down to the

@@ -238,7 +238,7 @@ def read_tensors(path: Path, entry: FileEntry) -> dict[str, torch.Tensor]:
     ever changing the file. The file is checksummed in one pass, where it is fastest: a file in
     the page cache as mapped (no copy); a cold one as it is read, in large sequential reads
     (``stream_digest``), which also bring it into the page cache at disk speed rather than a
-    page fault at a time (a cold 1 GB load 1.39 s -> 0.99 s on the README's box).
+    page fault at a time (a cold 1 GB load 1.39 s -> 0.99 s on the box of docs/checkpoints.md).
 
     Raises:
         ChecksumError: naming the file (and the corrupt tensors, when the entry lists crc32c

@@ -12,7 +12,7 @@ store's *scope* (a per-job, per-generation nonce), the full key name and the JSO
 cannot be forged without the secret, nor replayed under another key or into another generation;
 nor into another job where the scope holds a per-job nonce (a join record's). Scopes without one
 (the agent store's config, torchrun-hosted stores) only name the run id: a later job that reuses
-the secret and run id can be fed recorded values (README, Security).
+the secret and run id can be fed recorded values (docs/security.md).
 
 Without a secret (``init_process_group`` called by hand, no ``PHALANX_JOB_SECRET``) the tag is
 ``-``: values are still framed and validated, so junk is rejected, but nothing is authenticated.
@@ -72,7 +72,7 @@ def _warn_once(key: str, why: Rejected) -> None:
     _WARNED.add(key)
     log.warning(
         "ignored the value of store key %r: %s. Only processes with this job's secret can "
-        "write phalanx's keys; another process reached the store (see README, Security)",
+        "write phalanx's keys; another process reached the store (see docs/security.md)",
         key,
         why,
     )

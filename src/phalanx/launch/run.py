@@ -96,7 +96,7 @@ def _warn_without_secret(cfg: LaunchConfig, addrs: list[str]) -> None:
         f"warning: {SECRET_ENV} is not set, so this job's rendezvous values are unsigned: any "
         f"process that reaches {cfg.master_addr}:{cfg.master_port} can join the job or forge "
         f"its failures and checkpoint answers. Set the same {SECRET_ENV} on every node, e.g. "
-        f"from `python -c 'import secrets; print(secrets.token_hex(32))'` (README: Security)"
+        f"from `python -c 'import secrets; print(secrets.token_hex(32))'` (docs/security.md)"
     )
 
 

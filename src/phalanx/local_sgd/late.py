@@ -34,7 +34,7 @@ took how many steps each round), the ranks are out of step between rounds (no co
 the loop's own there, saves only at a round's end), and with a fixed shard per rank the run
 still ends when the late replica has read its data. What "weighted" buys is bounded stalls:
 the others' rounds go on, and where the slowness moves between replicas the run is shorter
-(measured in the README).
+(measured in docs/async.md).
 """
 
 from __future__ import annotations
