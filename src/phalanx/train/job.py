@@ -332,9 +332,7 @@ class Job(JobReports):
         while epoch < n:
             if self.preemption.stopping:  # SIGTERM after the previous epoch's last step
                 self._stop_preempted()
-            self.state.epoch = epoch
-            if isinstance(self.sampler, DistributedSampler):  # a live job's moves by commits
-                self.resume_point.align(self.sampler)
+            self.state.epoch = epoch  # the job's loader reads it when iterated
             yield epoch
             if self.schedule == "epoch" and self.scheduler is not None:
                 self.scheduler.step()
@@ -364,10 +362,9 @@ class Job(JobReports):
             return
         if self.runner.role.serving():
             return
-        if isinstance(self.sampler, DistributedSampler):  # the job's epoch, before counting
-            self.resume_point.align(self.sampler)
+        batches = iter(loader)  # the job's loader moves to the job's epoch here: count after
         total = batches_left(loader, self.sampler)
-        bar = bar_over(loader, desc=desc or f"epoch {self.epoch}", total=total, enabled=shown)
+        bar = bar_over(batches, desc=desc or f"epoch {self.epoch}", total=total, enabled=shown)
         if isinstance(loader, ResumableLoader):  # it runs the job's hooks itself
             for batch in bar:
                 yield to_device(batch, self.world.device)
