@@ -43,7 +43,7 @@ class _Write:
 
 _CURRENT: _Write | None = None
 _LOCK = threading.Lock()
-_AT_EXIT = threading.Event()  # set once the exit hook is registered
+_AT_EXIT_REGISTERED = False
 
 
 def _run(write: _Write, work: Callable[[], Path]) -> None:
@@ -81,11 +81,12 @@ def _register_exit_hook() -> None:
     imported at the top of this module, registered its own) runs before that module stops its
     pools. ``atexit`` would run too late.
     """
+    global _AT_EXIT_REGISTERED
     hook = getattr(threading, "_register_atexit", None)
-    if hook is not None and not _AT_EXIT.is_set():
+    if hook is not None and not _AT_EXIT_REGISTERED:
         with contextlib.suppress(RuntimeError):  # a save started during shutdown itself
             hook(_wait_at_exit)
-        _AT_EXIT.set()
+        _AT_EXIT_REGISTERED = True
 
 
 def _wait_at_exit() -> None:
