@@ -167,6 +167,13 @@ def _check_objects_and_process(r: int, n: int) -> None:
         lambda: hvd.allreduce(torch.ones(1), op=hvd.Adasum),
         "Adasum is not supported, use Average or Sum",
     )
+    for call in (hvd.reducescatter, hvd.allreduce):  # Horovod's own tests expect RuntimeError
+        try:
+            call(torch.ones(n * 4), op=hvd.Adasum)
+        except RuntimeError as exc:
+            assert isinstance(exc, ValueError) and "op=Adasum" in str(exc), exc
+        else:
+            raise AssertionError(f"{call.__name__}(op=Adasum) did not raise")
     _raises(lambda: hvd.allreduce(torch.ones(1), op=7), "op=7")
     _raises(lambda: hvd.synchronize(3), "handle")
     hvd.barrier()

@@ -30,6 +30,7 @@ from phalanx.horovod.requests import Agreement, Request
 
 __all__ = [
     "ReduceOp",
+    "UnsupportedOpError",
     "allreduce",
     "allreduce_",
     "allreduce_async",
@@ -47,6 +48,14 @@ _TORCH_OP = {
     ReduceOp.Max: dist.ReduceOp.MAX,
     ReduceOp.Product: dist.ReduceOp.PRODUCT,
 }
+
+
+class UnsupportedOpError(ValueError, RuntimeError):
+    """An ``op`` Horovod defines that phalanx does not implement (Adasum).
+
+    A ``ValueError`` like every other bad argument here, and a ``RuntimeError`` like Horovod's
+    own refusal (its test ``test_horovod_reducescatter_adasum`` expects one).
+    """
 
 
 def resolve_op(op: Any, average: bool | None = None) -> ReduceOp:
@@ -67,7 +76,7 @@ def resolve_op(op: Any, average: bool | None = None) -> ReduceOp:
     if op is None:
         return ReduceOp.Average
     if op == ReduceOp.Adasum:
-        raise ValueError("op=Adasum: Adasum is not supported, use Average or Sum")
+        raise UnsupportedOpError("op=Adasum: Adasum is not supported, use Average or Sum")
     try:
         return ReduceOp(op)
     except (ValueError, TypeError):
