@@ -6,6 +6,11 @@ rendezvouses them through a ``file://`` store in a fresh temporary directory (no
 collisions), calls ``fn(*args)`` on every rank with the default group initialised, and returns the
 results by rank. The first rank to fail kills its peers and its traceback is re-raised; one
 deadline bounds the whole job.
+
+Deadlines are given in seconds *of an idle machine* and stretched by :func:`slowness`, the measured
+share of a CPU this process gets now: a test that takes 2 s alone takes 6 s beside four CPU
+burners on two cores, and must not fail for it. :func:`scaled` applies the same factor to any
+other limit (a subprocess's timeout, a "this answered promptly" assertion).
 """
 
 from __future__ import annotations
@@ -22,12 +27,74 @@ import traceback
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-__all__ = ["DistributedTestError", "run_distributed"]
+__all__ = ["DistributedTestError", "run_distributed", "scaled", "slowness"]
 
 TEST_BACKEND_ENV = "PHALANX_TEST_BACKEND"
 """The backend of ``run_distributed`` when none is given (default gloo)."""
 
+SLOWNESS_ENV = "PHALANX_TEST_SLOWNESS"
+"""Fixes :func:`slowness` to this factor (e.g. ``1`` turns the stretching off)."""
+MAX_SLOWNESS = 10.0
+_PROBE_CPU_S = 0.02  # CPU time the probe spins for: a few scheduler slices of a loaded machine
+_PROBE_CACHE_S = 5.0
+
 _CTX: Any = None
+_probed: tuple[float, float] = (-_PROBE_CACHE_S, 1.0)  # (when, factor)
+
+
+def slowness(*, fresh: bool = False) -> float:
+    """How many times slower than on an idle machine this process runs now, from 1 to 10.
+
+    Measured, not guessed: the wall time a busy loop takes per second of this process's CPU
+    time (the median of three 7 ms probes; 1.0 when the process gets a whole CPU, about 3 to 5
+    beside four CPU burners on two cores), or the 1-minute load average per CPU if that is
+    higher (it also counts bursts the probe did not meet). Cached for 5 s unless ``fresh``;
+    ``PHALANX_TEST_SLOWNESS`` fixes it.
+    """
+    global _probed
+    fixed = os.environ.get(SLOWNESS_ENV)
+    if fixed:
+        try:
+            return min(max(float(fixed), 1.0), MAX_SLOWNESS)
+        except ValueError:
+            raise ValueError(f"{SLOWNESS_ENV}={fixed!r} is not a number (e.g. 1 or 2.5)") from None
+    when, factor = _probed
+    if fresh or time.monotonic() - when > _PROBE_CACHE_S:
+        spun = sorted(_spin(_PROBE_CPU_S / 3) for _ in range(3))[1]  # the median of three
+        load = os.getloadavg()[0] / (os.cpu_count() or 1)
+        factor = min(max(spun, load, 1.0), MAX_SLOWNESS)
+        _probed = (time.monotonic(), factor)
+    return factor
+
+
+def _spin(cpu_s: float) -> float:
+    """Wall time over CPU time of a busy loop that runs for ``cpu_s`` of CPU (at most 1 s)."""
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    while time.process_time() - cpu0 < cpu_s and time.perf_counter() - wall0 < 1.0:
+        pass
+    return (time.perf_counter() - wall0) / max(time.process_time() - cpu0, 1e-6)
+
+
+def scaled(seconds: float) -> float:
+    """``seconds`` on an idle machine, stretched by the :func:`slowness` of this one now."""
+    return seconds * slowness()
+
+
+class _Deadline:
+    """A limit of ``seconds`` on an idle machine, stretched by :func:`slowness`. When it seems
+    spent, the slowness is measured again: load that rose meanwhile extends it."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.start, self.factor = seconds, time.monotonic(), slowness()
+
+    def left(self) -> float:
+        left = self.start + self.seconds * self.factor - time.monotonic()
+        if left <= 0 and self.factor < MAX_SLOWNESS:
+            factor = slowness(fresh=True)
+            if factor > self.factor:
+                self.factor = factor
+                return self.left()
+        return left
 
 
 class DistributedTestError(RuntimeError):
@@ -115,7 +182,8 @@ def run_distributed(
             when it runs (``phalanx.world()`` tells the rank).
         *args: Picklable arguments passed to ``fn`` on every rank.
         world_size: Number of ranks.
-        timeout: Deadline in seconds for the whole job; then every rank is killed.
+        timeout: Deadline in seconds for the whole job on an idle machine, stretched by
+            :func:`slowness`; then every rank is killed.
         backend: c10d backend for the ranks (None: ``PHALANX_TEST_BACKEND``, else gloo; so
             ``PHALANX_TEST_BACKEND=shm pytest ...`` runs a suite's default-backend tests on
             the shared-memory backend).
@@ -159,22 +227,23 @@ def run_distributed(
             send.close()
             procs.append(p)
             conns.append(recv)
-        return _collect(procs, conns, time.monotonic() + timeout, timeout, set(may_die))
+        return _collect(procs, conns, _Deadline(timeout), set(may_die))
     finally:
         _kill_all(procs)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _collect(
-    procs: list[Any], conns: list[Any], deadline: float, timeout: float, may_die: set[int]
+    procs: list[Any], conns: list[Any], deadline: _Deadline, may_die: set[int]
 ) -> list[Any]:
     results: dict[int, Any] = {}
     pending = dict(enumerate(conns))
     while pending:
-        left = deadline - time.monotonic()
+        left = deadline.left()
         if left <= 0:
             raise DistributedTestError(
-                f"ranks {sorted(pending)} did not finish within the {timeout:.0f} s deadline"
+                f"ranks {sorted(pending)} did not finish within the {deadline.seconds:.0f} s "
+                f"deadline (x{deadline.factor:.1f} for this machine's measured slowness)"
             )
         for conn in multiprocessing.connection.wait(list(pending.values()), timeout=left):
             rank = next(r for r, c in pending.items() if c is conn)

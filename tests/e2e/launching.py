@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from phalanx.testing import scaled
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 DEADLINE_S = 90
@@ -55,13 +57,15 @@ def start(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
 
 
 def finish(proc: subprocess.Popen[str], deadline: float = DEADLINE_S) -> tuple[str, str]:
-    """Wait for ``proc``'s output; past the deadline kill its process group and fail."""
+    """Wait for ``proc``'s output; past the deadline (seconds on an idle machine, stretched by
+    this one's measured slowness) kill its process group and fail."""
+    deadline = scaled(deadline)
     try:
         return proc.communicate(timeout=deadline)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate(timeout=10)
-        pytest.fail(f"{proc.args} did not finish in {deadline} s:\n{out}\n{err}")
+        pytest.fail(f"{proc.args} did not finish in {deadline:.0f} s:\n{out}\n{err}")
 
 
 def run_ok(cmd: list[str], **env: str) -> tuple[str, str]:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from phalanx.testing import scaled
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = str(ROOT / "examples" / "init_methods.py")
 
@@ -124,7 +126,7 @@ def test_rank0_store_listens_on_given_address_only(scheme: str) -> None:
 def _wait_listening(port: int, deadline_s: float = 20) -> set[str]:
     import time
 
-    end = time.monotonic() + deadline_s
+    end = time.monotonic() + scaled(deadline_s)
     while time.monotonic() < end:
         found = set()
         for table in ("/proc/net/tcp", "/proc/net/tcp6"):
