@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "tests" / "e2e" / "scripts"
 LAUNCH = [sys.executable, "-m", "phalanx", "run"]
@@ -231,3 +233,53 @@ def test_an_agent_needs_the_jobs_secret() -> None:
                 node1.stderr
             )
             assert "set the same PHALANX_JOB_SECRET on every node" in node1.stderr
+
+
+def _decoys_unchanged(directory: Path) -> list[str]:
+    """What happened to the stranger's decoys: nothing, when the list is empty."""
+    decoys = (directory / "decoys").read_text().split()
+    wrong = []
+    for decoy in map(Path, decoys):
+        if not decoy.exists():
+            wrong.append(f"{decoy} was unlinked")
+        elif decoy.read_bytes() != b"stranger's own bytes" * 100:
+            wrong.append(f"{decoy} was written")
+    return wrong
+
+
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_stranger_racing_the_shm_keys_redirects_nothing(
+    tmp_path: Path, backend: str, ranks: int
+) -> None:
+    """Issue 34: a stranger that writes first into every key the shm backend reads (segment
+    records pointing at files of its own, replays, rank records, the old unlink counter) gets
+    no rank to open, write or unlink its files, and the job finishes with the right sums."""
+    ready, script = tmp_path / "ready", str(SCRIPTS / "shm_stranger_job.py")
+    paths = [str(ready), str(tmp_path)]
+    launcher_backend = "auto" if backend == "shm" else backend  # auto: shm on one machine
+    args = ["--standalone", "--nproc-per-node", str(ranks), "--backend", launcher_backend]
+    with _job([*args, script, str(ready)]) as job:
+        stranger = subprocess.Popen(
+            [sys.executable, str(SCRIPTS / "shm_stranger.py"), str(job.agent_port()), "90", *paths],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            rc, out, err = job.finish(timeout=180)
+            forged, stranger_err = stranger.communicate(timeout=120)
+            assert ready.exists(), stranger_err
+            wrong = _decoys_unchanged(tmp_path)
+        finally:
+            stranger.kill()
+            for decoy in (tmp_path / "decoys").read_text().split() if ready.exists() else []:
+                if decoy.startswith("/dev/shm/"):
+                    Path(decoy).unlink(missing_ok=True)  # the stranger's own, checked above
+    assert rc == 0, err
+    total = sum(range(1, ranks + 1)) * (ranks if backend == "shm" else 1)
+    assert f"RESULT {backend} {[float(total)] * 3}" in out, out + err
+    assert "Traceback" not in err, err
+    if backend == "shm":
+        assert any(k.endswith("phalanx_shm/made") for k in forged.split()), forged
+    assert not wrong, wrong

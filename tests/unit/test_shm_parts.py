@@ -5,8 +5,6 @@ from __future__ import annotations
 import ctypes
 import itertools
 import mmap
-import os
-import socket
 import threading
 import time
 from datetime import timedelta
@@ -24,9 +22,7 @@ from phalanx.comm.shm.descriptor import Call, check_same
 from phalanx.comm.shm.futex import futex_wait, futex_wake
 from phalanx.comm.shm.layout import CONTROL_BLOCK, PAGE, Layout
 from phalanx.comm.shm.ops import check_reduction, reduce_into
-from phalanx.comm.shm.segment import SEGMENT_PREFIX, check_one_host, open_segment
 from phalanx.comm.shm.settings import slot_bytes_from_env, spin_seconds_from_env
-from phalanx.comm.shm.sync import process_start
 from phalanx.comm.shm.worker import Executor
 
 SUM, MAX, BAND, AVG = (
@@ -142,30 +138,6 @@ def test_futex_times_out_returns_on_change_and_wakes_a_sleeper() -> None:
     start = time.monotonic()
     futex_wait(addr, 0, 5.0)
     assert word.value == 1 and time.monotonic() - start < 2.0
-
-
-def test_one_host_check_names_every_rank_and_host() -> None:
-    store = dist.HashStore()
-    store.set("phalanx_shm/host/1", "123 456 elsewhere")
-    with pytest.raises(ValueError, match="rank 1 on elsewhere; set PHALANX_SHM_HOST alike"):
-        check_one_host(store, 0, 2, timedelta(seconds=2))
-
-
-def test_peer_processes_are_watched_only_where_visible() -> None:
-    me = (os.getpid(), process_start(os.getpid()))
-    store = dist.HashStore()
-    store.set("phalanx_shm/host/1", f"{me[0]} {me[1]} {socket.gethostname()}")
-    assert check_one_host(store, 0, 2, timedelta(seconds=2)) == [me, me]
-    store = dist.HashStore()  # a pid that is not this one's peer (another pid namespace)
-    store.set("phalanx_shm/host/1", f"{me[0]} {me[1] + 1} {socket.gethostname()}")
-    assert check_one_host(store, 0, 2, timedelta(seconds=2)) is None
-
-
-def test_segment_is_unlinked_when_every_rank_has_mapped_it() -> None:
-    path, seg = open_segment(dist.HashStore(), 0, 1, 1 << 16, timedelta(seconds=2))
-    assert os.path.basename(path).startswith(SEGMENT_PREFIX)
-    assert not os.path.exists(path) and len(seg) == 1 << 16
-    seg.close()
 
 
 def test_executor_runs_in_order_and_a_waiting_callback_does_not_deadlock() -> None:

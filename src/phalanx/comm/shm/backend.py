@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx.comm.pairing import sites_compared
 from phalanx.comm.shm import collectives, zero_copy
 from phalanx.comm.shm.base import ShmGroup
 from phalanx.comm.shm.buffers import Regions
@@ -31,8 +32,9 @@ from phalanx.comm.shm.descriptor import Call
 from phalanx.comm.shm.futex import available
 from phalanx.comm.shm.layout import Layout
 from phalanx.comm.shm.ops import check_dtype, check_reduction, op_code
-from phalanx.comm.shm.segment import Meeting, check_one_host, open_segment
+from phalanx.comm.shm.segment import SEGMENT_KEY, Meeting, check_one_host, open_segment, signer
 from phalanx.comm.shm.settings import slot_bytes_from_env, spin_seconds_from_env
+from phalanx.comm.shm.sites import UNKNOWN, site_of_caller
 from phalanx.comm.shm.sync import Arrivals
 from phalanx.comm.shm.worker import Executor, ShmWork
 
@@ -77,11 +79,12 @@ class ShmProcessGroup(ShmGroup):
         if reason is not None:
             raise RuntimeError(f"backend='shm' cannot run on {reason}; use backend='gloo'")
         layout, spin = Layout(world_size, slot_bytes_from_env()), spin_seconds_from_env()
-        processes = met.processes if met else check_one_host(store, rank, world_size, timeout)
-        path, segment = open_segment(store, rank, world_size, layout.total_bytes, timeout)
+        met = met or check_one_host(store, rank, world_size, timeout)
+        signed = signer(store)
+        path, segment = open_segment(signed.sub(SEGMENT_KEY), met, layout.total_bytes, timeout)
         self.segment_path = path
         """Where the group's segment was in /dev/shm (unlinked once every rank mapped it)."""
-        arrivals = Arrivals(segment, layout, rank, timeout.total_seconds(), spin, processes)
+        arrivals = Arrivals(segment, layout, rank, timeout.total_seconds(), spin, met.processes)
         label = f"shm group of {world_size} (rank {rank})"
         self._channel = Channel(segment, layout, arrivals, label)
         gloo_store = dist.PrefixStore(_GLOO_PREFIX, store)
@@ -89,10 +92,12 @@ class ShmProcessGroup(ShmGroup):
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._gloo)
         self._executor = Executor(f"phalanx-shm-rank{rank}")
         self._named = False
-        self._regions = Regions(store, rank, world_size, timeout)
+        self._regions = Regions(signed, met, timeout)
         self.zero_copy_calls = 0
         """Collectives that ran on shared buffers, reading the peers' tensors in place."""
         self._calls: dict[tuple[str, torch.dtype, int, int, int], Call] = {}
+        self._sites = sites_compared()
+        """Compare the lines that issue calls (``PHALANX_CALL_SITES``; ``descriptor.py``)."""
 
     def shutdown(self) -> None:
         """Finish the queued calls, unmap the segment, shut the gloo group underneath down."""
@@ -129,9 +134,10 @@ class ShmProcessGroup(ShmGroup):
 
         timeout = getattr(opts, "timeout", None)  # torch's "unset" is negative
         seconds = timeout.total_seconds() if timeout is not None else 0.0
+        site = site_of_caller() if self._sites else UNKNOWN  # on the issuing thread
 
         def run() -> None:
-            channel.begin(call, seconds if seconds > 0 else None)
+            channel.begin(call, seconds if seconds > 0 else None, site)
             guarded(channel, body)
 
         return self._executor.submit(run, value, wake=bool(getattr(opts, "asyncOp", True)))

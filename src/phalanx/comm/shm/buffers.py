@@ -2,9 +2,10 @@
 
 ``ShmProcessGroup.shared_buffer(numel, dtype)`` is collective: every rank of the group calls it
 with the same arguments, in the same order. Each call makes one *region*: a segment (made like
-the group's own, ``segment.open_segment``, under its own store key, unlinked once every rank
-mapped it) holding one page-aligned part per rank. A rank gets a tensor over its own part; it
-can read every peer's part too. The regions go with the group (``close``).
+the group's own, ``segment.open_segment``, under signed store keys of its own, with no name
+left in ``/dev/shm`` once every rank mapped it) holding one page-aligned part per rank. A rank
+gets a tensor over its own part; it can read every peer's part too. The regions go with the
+group (``close``).
 
 A collective whose tensor lies inside this rank's part of a region (:meth:`Regions.locate`,
 by data pointer ranges) names the region and the byte offset in its call descriptor;
@@ -15,19 +16,34 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from phalanx.comm.shm.ops import check_dtype
-from phalanx.comm.shm.segment import open_segment
+from phalanx.comm.shm.segment import SEGMENT_KEY, Meeting, open_segment
+from phalanx.comm.signed import SignedStore
 
 __all__ = ["Region", "Regions"]
 
 _KEY = "phalanx_shm_buffer/"
 _PAGE = 4096
+
+
+def _said(nonce: str) -> Callable[[Any], str]:
+    """Parse a rank's request, which must carry that rank's nonce of this group."""
+
+    def parse(value: Any) -> str:
+        if not (isinstance(value, list) and len(value) == 2 and value[0] == nonce):
+            raise TypeError("not this group's request (no nonce of its rank)")
+        if not isinstance(value[1], str):
+            raise TypeError("the request is not a string")
+        return value[1]
+
+    return parse
 
 
 @dataclass
@@ -48,9 +64,9 @@ class Region:
 class Regions:
     """The shared buffers of one group, numbered from 1 in allocation order."""
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta):
-        self._store, self._timeout = store, timeout
-        self.rank, self.world_size = rank, world_size
+    def __init__(self, signed: SignedStore, met: Meeting, timeout: timedelta):
+        self._signed, self._met, self._timeout = signed, met, timeout
+        self.rank, self.world_size = met.rank, len(met.nonces)
         self._regions: list[Region] = []
         self._calls = 0  # every allocate, failed ones too: each under store keys of its own
 
@@ -64,23 +80,25 @@ class Regions:
         nbytes = numel * dtype.itemsize
         part = -(-nbytes // _PAGE) * _PAGE
         self._calls += 1
-        store = dist.PrefixStore(f"{_KEY}{self._calls}/", self._store)
+        signed = self._signed.sub(f"{_KEY}{self._calls}/")
         n = self.world_size
-        self._check_same(store, f"{numel} x {str(dtype).removeprefix('torch.')}")
-        path, segment = open_segment(store, self.rank, n, n * part, self._timeout)
+        self._check_same(signed, f"{numel} x {str(dtype).removeprefix('torch.')}")
+        path, segment = open_segment(signed.sub(SEGMENT_KEY), self._met, n * part, self._timeout)
         whole = torch.frombuffer(segment, dtype=torch.uint8)
         parts = [whole[q * part : (q + 1) * part] for q in range(n)]
         mine = parts[self.rank]
         self._regions.append(Region(segment, parts, mine.data_ptr(), nbytes, path))
         return mine[:nbytes].view(dtype)
 
-    def _check_same(self, store: dist.Store, asked: str) -> None:
+    def _check_same(self, signed: SignedStore, asked: str) -> None:
         """Raise on every rank when the ranks asked for buffers of different sizes or dtypes
         (their parts would not line up: a read past a peer's part)."""
-        store.set(f"asked/{self.rank}", asked)
-        keys = [f"asked/{r}" for r in range(self.world_size)]
-        store.wait(keys, self._timeout)
-        every = [store.get(k).decode() for k in keys]
+        nonce = self._met.nonces[self.rank]
+        signed.put(f"asked/{self.rank}", [nonce, asked])
+        every = []
+        for r in range(self.world_size):
+            said = signed.wait_get(f"asked/{r}", self._timeout, _said(self._met.nonces[r]))
+            every.append(said)
         if len(set(every)) > 1:
             said = ", ".join(f"rank {r} {a}" for r, a in enumerate(every))
             raise ValueError(

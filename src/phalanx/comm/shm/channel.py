@@ -15,9 +15,10 @@ from collections.abc import Callable
 import torch
 
 from phalanx.comm.errors import CollectiveMismatchError
-from phalanx.comm.shm.descriptor import Call, check_same
+from phalanx.comm.shm.descriptor import Call, check_same, find_shift
 from phalanx.comm.shm.errors import ShmError
 from phalanx.comm.shm.layout import Layout
+from phalanx.comm.shm.sites import describe
 from phalanx.comm.shm.sync import Arrivals
 
 __all__ = ["Channel", "guarded"]
@@ -45,6 +46,8 @@ class Channel:
         self._descriptors = [
             [layout.descriptor(r, parity) for r in range(self.world_size)] for parity in (0, 1)
         ]
+        self._prev_site = 0
+        self._prev_signature = 0
 
     def close(self) -> None:
         """Drop every view of the segment and unmap it."""
@@ -86,11 +89,12 @@ class Channel:
             self._views[key] = view
         return view
 
-    def begin(self, call: Call, timeout_s: float | None = None) -> None:
+    def begin(self, call: Call, timeout_s: float | None = None, site: int = 0) -> None:
         """Number a new call on this group; raise if an earlier failure broke the group.
 
         ``call``'s own number is ignored (so one ``Call`` may describe many calls alike).
-        ``timeout_s``: the call's own timeout (None: the group's)."""
+        ``timeout_s``: the call's own timeout (None: the group's). ``site``: the line that
+        issued it (``sites.py``; 0: unknown or not compared)."""
         if self.broken is not None:
             raise ShmError(
                 f"{self.label}: {call.kind} refused: the group failed earlier "
@@ -99,7 +103,8 @@ class Channel:
         self.arrivals.call_timeout_s = timeout_s
         self.calls += 1
         self._call = call
-        self._packed = call.pack_as(self.calls)
+        self._packed = call.pack_as(self.calls, site, self._prev_site, self._prev_signature)
+        self._prev_site, self._prev_signature = site, call.signature
 
     @property
     def current(self) -> Call:
@@ -120,8 +125,27 @@ class Channel:
         offsets = self._descriptors[parity]
         for o in offsets:
             if segment[o : o + size] != packed:
-                check_same([Call.read(segment, o) for o in offsets], self.what())
-                return  # alike but for the offsets, which are not compared
+                calls = [Call.read(segment, o) for o in offsets]
+                check_same(calls, self.what())
+                self._check_shift(calls)
+                return  # alike but for the offsets and lines, which are not compared
+
+    def _check_shift(self, calls: list[Call]) -> None:
+        """Raise on every rank when the previous call was paired wrongly (``find_shift``)."""
+        shift = find_shift(calls)
+        if shift is None:
+            return
+        a, b = shift
+        n, kind = self.calls, self._call.kind
+        raise CollectiveMismatchError(
+            f"{self.what()}: call #{n - 1} was paired wrongly: rank {b}'s call #{n - 1} "
+            f"({describe(calls[b].prev_site)}) is the call rank {a} makes now, as #{n}, while "
+            f"rank {a}'s #{n - 1} came from {describe(calls[a].prev_site)}. Rank {a} made an "
+            f"extra call, or rank {b} skipped one: the results of #{n - 1} are wrong on every "
+            f"rank, and #{n} ({kind}) is refused on every rank before it reads any data. Every "
+            "rank must make the same collective calls in the same order (PHALANX_CALL_SITES=0 "
+            "turns this check off)"
+        )
 
     def offsets(self, parity: int) -> list[int]:
         """Every rank's buffer offset in the current call (read after its first barrier)."""

@@ -119,9 +119,17 @@ class Arrivals:
         # rank completes a call that a peer abandoned.
         for peer in self._peers:
             if self._failed[peer].value:
+                missing = [p for p in self._peers if not self._failed[p].value]
+                missing = [p for p in missing if not self._reached(p)]
+                also = (
+                    f"; rank(s) {missing} had not arrived at this call either (stopped, stuck "
+                    f"or dead: most likely what rank {peer} gave up on)"
+                    if missing
+                    else ""
+                )
                 raise ShmError(
                     f"{what()}: rank {peer} gave up on this group after an error of its own "
-                    "(see that rank's log: a timeout or a dead peer); the group cannot "
+                    f"(see that rank's log: a timeout or a dead peer){also}; the group cannot "
                     "continue: destroy it, or restart the job"
                 )
 
