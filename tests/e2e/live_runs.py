@@ -9,7 +9,7 @@ from typing import Any
 
 from tests.e2e.launching import SCRIPTS, finish, launcher_env, start
 
-__all__ = ["LIVE_SCRIPT", "check_records", "live_job"]
+__all__ = ["LIVE_SCRIPT", "check_records", "live_job", "run_live_job"]
 
 LIVE_SCRIPT = str(SCRIPTS / "live_job.py")
 
@@ -43,16 +43,30 @@ def live_job(
     replacements: int,
     strategy: str = "ddp",
     exchange_delay_s: float = 0.0,
+    **env: str,
 ) -> dict[str, dict[str, Any]]:
     """Run the job on one node (4 workers); :func:`check_records` of its processes.
-    ``exchange_delay_s``: delay every ZeRO mirror exchange (see the script)."""
+    ``exchange_delay_s``: delay every ZeRO mirror exchange (see the script); ``env``: more
+    variables for the launcher and its workers (e.g. ``LIVE_JOB_STRANGER="1"``)."""
+    delay = str(exchange_delay_s)
+    code, out, err = run_live_job(
+        folder, kills, recovery, replacements, strategy, LIVE_JOB_EXCHANGE_DELAY_S=delay, **env
+    )
+    assert code == 0, out + _log(err)
+    return check_records(folder, err)
+
+
+def run_live_job(
+    folder: Path, kills: str, recovery: str, replacements: int, strategy: str = "ddp", **env: str
+) -> tuple[int, str, str]:
+    """Run the job on one node (4 workers) to its end (deadline: 300 s, scaled by the machine's
+    slowness); its exit code, stdout and stderr, the records unchecked."""
     folder.mkdir()
     cmd = [
         *(sys.executable, "-m", "phalanx", "run", "--standalone", "--nproc-per-node", "4"),
         *("--recovery", "live", "--max-restarts", str(replacements)),
         *(LIVE_SCRIPT, str(folder), kills, "0.05", recovery, strategy),
     ]
-    proc = start(cmd, launcher_env(LIVE_JOB_EXCHANGE_DELAY_S=str(exchange_delay_s)))
+    proc = start(cmd, launcher_env(**env))
     out, err = finish(proc, deadline=300)
-    assert proc.returncode == 0, out + err
-    return check_records(folder, err)
+    return proc.returncode, out, err

@@ -80,17 +80,18 @@ def test_a_dead_worker_alone_is_replaced_and_the_others_keep_their_pids(tmp_path
     assert ("SUCCEEDED", new["pid"]) in events and ("SUCCEEDED", None) in events, text
 
 
-def test_with_no_replacement_left_the_survivors_finish_and_the_lost_is_named(
+def test_with_no_replacement_left_the_survivors_finish_the_lost_is_named_and_the_job_fails(
     tmp_path: Path,
 ) -> None:
     flags = ["--standalone", "--nproc-per-node", "3", "--recovery", "live"]  # --max-restarts 0
     code, text = _run(tmp_path, *flags, wait="0")
-    assert code == 0, text
+    assert code == 137, text  # issue 34: a slot lost for good is never a success (SIGKILL's)
     assert {p.name for p in tmp_path.glob("*.end.json")} == {"0.0.0.end.json", "0.2.0.end.json"}
     pid = _record(tmp_path, "0.1", 0, "start")["pid"]
     lost = f"rank 1 (member 0.1, incarnation 0, pid {pid}): signal SIGKILL (exit code 137)"
     assert f"{lost}: no replacement left (0 of 0 used, --max-restarts); the others go on" in text
-    assert "job finished: 2 of 3 workers ran to the end (exit 0)" in text
+    head = "job failed: it finished at a smaller world, 2 of 3 workers ran to the end and 1 was "
+    assert head + "lost for good (exit 137, the first loss's" in text, text
     assert f"  lost: {lost}" in text
     assert "replacements used: 0 of 0 (--max-restarts)" in text
 
@@ -183,13 +184,15 @@ def _lose_node(
 def test_a_lost_node_1_is_a_loss_of_its_workers_and_the_job_goes_on(tmp_path: Path) -> None:
     # Node 1 (agent and worker) SIGKILLed: once its heartbeat has been silent for 10 s
     # (PHALANX_NODE_SILENCE_TIMEOUT; default 30) node 0 records its worker's death, the
-    # survivor reads the marker and runs to the end, and the job succeeds at the smaller world.
+    # survivor reads the marker and runs to the end at the smaller world; a slot lost for good
+    # then fails the job (issue 34: never exit 0), naming the lost node.
     procs = _two_agents(tmp_path, wait="~1.0")
     pid, err, took = _lose_node(procs, tmp_path, 1)
-    assert procs[0].returncode == 0, err
+    assert procs[0].returncode == 1, err
     assert "node 1 lost (no heartbeat from its agent for 10 s, PHALANX_NODE_SILENCE_TIMEOUT)" in err
     assert "rank 1 (member 1.0, incarnation 0) is lost; the others go on" in err
-    assert "job finished: 1 of 2 workers ran to the end (exit 0)" in err
+    head = "job failed: it finished at a smaller world, 1 of 2 workers ran to the end and 1 was "
+    assert head + "lost for good (exit 1" in err, err
     end = _record(tmp_path, "0.0", 0, "end")
     assert end["pid"] == pid and end["dead"] == 0, end
     assert took < 25, f"took {took:.0f} s"

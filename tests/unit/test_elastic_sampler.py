@@ -314,3 +314,8 @@ def test_bad_states_are_named() -> None:
     with pytest.raises(ValueError, match=r"state=\{'epoch': 0\} is not an ElasticSampler"):
         s.load_state_dict({"epoch": 0})
     assert s.state_dict() == good  # nothing half-loaded
+
+
+def test_an_empty_dataset_is_refused_naming_the_argument() -> None:
+    with pytest.raises(ValueError, match=r"ElasticSampler: dataset=list is empty \(len\(dataset\)"):
+        ElasticSampler([], 4, 1, 0)

@@ -106,18 +106,26 @@ def _death(member: str, at: float, code: int, replaced: bool, late: bool = False
     return Death(member, 0, at, failure, replaced, late)
 
 
-def test_verdict_smaller_world_is_success_and_names_the_lost() -> None:
+def test_verdict_smaller_world_fails_and_names_the_lost() -> None:
+    # Issue 34: a slot lost for good is never a success, even when the others ran to the end.
     outcome = NodeOutcome(
         0, ["0.0", "0.2"], [_death("0.1", 1.0, -9, False), _death("0.3", 0.5, 1, True)]
     )
     assert node_outcome(to_json(outcome)) == outcome  # the agent store's round trip
     end = verdict([outcome, NodeOutcome(1, ["1.0", "1.1"], [])], max_replacements=1)
-    assert (end.exit_code, end.failure) == (0, None)
+    assert (end.exit_code, end.failure) == (137, outcome.deaths[0].failure)
     assert end.lines == [
-        "job finished: 4 of 5 workers ran to the end (exit 0)",
+        "job failed: it finished at a smaller world, 4 of 5 workers ran to the end and 1 was "
+        "lost for good (exit 137, the first loss's; raise --max-restarts to replace them)",
+        "  first death (the cause): rank 3 (member 0.3, incarnation 0, pid 103): exit code 1; "
+        "last error: RuntimeError: x",
         "  lost: rank 1 (member 0.1, incarnation 0, pid 101): signal SIGKILL (exit code 137)",
         "replacements used: 1 of 1 (--max-restarts)",
     ]
+    replaced = NodeOutcome(0, ["0.0", "0.1"], [_death("0.1", 1.0, -9, True)])
+    end = verdict([replaced], max_replacements=1)  # every slot back: success
+    assert end.exit_code == 0
+    assert end.lines[0] == "job finished: 2 of 2 workers ran to the end (exit 0)"
 
 
 def test_verdict_fails_on_a_death_after_a_finish_or_when_nobody_finished() -> None:
@@ -190,7 +198,7 @@ def _until_all_exited(node: LiveNode) -> NodeOutcome:
     return node.outcome()
 
 
-def test_a_slot_that_dies_twice_is_replaced_once_then_lost_and_the_job_succeeds() -> None:
+def test_a_slot_that_dies_twice_is_replaced_once_then_lost_and_the_job_fails() -> None:
     specs = [_slot(0, "import time; time.sleep(1.5)"), _slot(1, "raise SystemExit(3)")]
     node, lines = _live_node(specs, max_replacements=1)
     outcome = _until_all_exited(node)
@@ -202,7 +210,7 @@ def test_a_slot_that_dies_twice_is_replaced_once_then_lost_and_the_job_succeeds(
     assert live_keys.dead_incarnation(node.dead, "0.1") == 1
     assert "replaced by pid" in lines[0] and "no replacement left (1 of 1 used" in lines[1]
     end = verdict([outcome], 1)
-    assert end.exit_code == 0 and "job finished: 1 of 2 workers ran to the end" in end.lines[0]
+    assert end.exit_code == 3 and "1 of 2 workers ran to the end and 1 was lost" in end.lines[0]
 
 
 def test_a_death_after_a_finish_is_not_replaced_and_fails_the_job() -> None:

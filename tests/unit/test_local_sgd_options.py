@@ -204,3 +204,8 @@ def test_resume_restores_the_inner_state_of_stepped_parameters_only(tmp_path: Pa
                 assert torch.equal(opt.state[p]["exp_avg"], saved[i]["exp_avg"])
                 assert torch.equal(opt.state[p]["step"], saved[i]["step"])
         assert len(saved) == 3
+
+
+def test_a_replica_of_the_wrong_type_is_refused_naming_the_argument_and_value() -> None:
+    with pytest.raises(TypeError, match=r"LocalSGDSync\(replica='x'\): replica must be a Replica"):
+        LocalSGDSync("x", None, 2)  # type: ignore[arg-type]

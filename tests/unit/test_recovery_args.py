@@ -37,3 +37,20 @@ def test_from_env_names_the_missing_variable(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("PHALANX_INCARNATION", "one")
     with pytest.raises(ValueError, match="PHALANX_INCARNATION='one'"):
         read_env(timeout=1.0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"store": "127.0.0.1:29500"}, r"store must be a torch.distributed.Store.*got store="),
+        ({"secret": "ab" * 32}, r"secret must be bytes .*got str"),
+    ],
+)
+def test_live_group_names_a_store_or_secret_of_the_wrong_type(
+    kwargs: dict[str, object], match: str
+) -> None:
+    args: dict[str, object] = {"store": dist.HashStore(), "member_id": "0.0", "incarnation": 0}
+    args.update(kwargs)
+    with pytest.raises(TypeError, match=match) as caught:
+        LiveGroup(rank=0, world_size=1, join_timeout=1.0, **args)  # type: ignore[arg-type]
+    assert "ab" * 32 not in str(caught.value)  # the secret itself is never printed

@@ -58,8 +58,11 @@ def _run(
         str(replacements),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        return f"exit {proc.returncode}: {proc.stderr[-2000:]}"
+    # Without a replacement the killed slot is lost for good: the launcher exits with its code
+    # (SIGKILL's 137), never 0, though the others ran to the end (issue 34).
+    expected = 137 if kill != "-" and not replacements else 0
+    if proc.returncode != expected:
+        return f"exit {proc.returncode} (expected {expected}): {proc.stderr[-2000:]}"
     failed = [
         line for line in proc.stderr.splitlines() if "lost:" in line and "incarnation 0" not in line
     ]

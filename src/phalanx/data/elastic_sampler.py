@@ -65,8 +65,8 @@ class ElasticSampler(Sampler[list[int]]):
         drop_last: Leave out an epoch's last partial global batch (see the module docstring).
 
     Raises:
-        ValueError: ``global_batch_size < 1``, ``num_replicas < 1`` or greater than
-            ``global_batch_size``, a rank outside ``[0, num_replicas)``.
+        ValueError: an empty dataset, ``global_batch_size < 1``, ``num_replicas < 1`` or
+            greater than ``global_batch_size``, a rank outside ``[0, num_replicas)``.
         TypeError: an argument of the wrong type.
     """
 
@@ -94,6 +94,11 @@ class ElasticSampler(Sampler[list[int]]):
         self.global_batch_size = global_batch_size
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self._n = len(dataset)
+        if self._n == 0:
+            raise ValueError(
+                f"ElasticSampler: dataset={type(dataset).__name__} is empty (len(dataset) = 0): "
+                f"an epoch would have no step; pass a dataset with at least one sample"
+            )
         self.epoch = 0
         self.cursor = 0
         """Samples of this epoch's order consumed by committed steps."""

@@ -7,8 +7,10 @@ worker's command, environment and logs), ``worker_env`` (the environment contrac
 (processes, stopping), ``output`` / ``prefix`` (live console output with ``[rank N]``), ``logs``
 (torchrun's log files), ``events`` (torchrun's event log), ``summary`` (failure report),
 ``netif`` (interface routing to the master), ``spawn``; ``--recovery live``: ``live`` (replace a
-dead worker alone), ``live_keys`` (the contract with the workers: variables, death marker),
-``live_outcome`` (the job's exit code), ``worker_store`` (the store the workers meet in).
+dead worker alone), ``live_enforce`` (kill the workers the job declared dead, and stopped
+ones), ``live_keys`` (the contract with the workers: variables, death marker), ``live_nodes``
+(lost and returning nodes), ``live_outcome`` (the job's exit code), ``worker_store`` (the store
+the workers meet in).
 """
 
 from __future__ import annotations

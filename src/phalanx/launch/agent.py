@@ -6,7 +6,8 @@ fails. A failure stops the workers on every node; with restarts left all agents 
 ``g + 1``, otherwise every agent exits non-zero with the first failure's summary.
 
 With ``--recovery live`` there is one generation and one worker store for the whole job: a
-dead worker is replaced alone (:mod:`.live`) and the job ends when every worker has exited. A
+dead worker is replaced alone (:mod:`.live`; one the job declared dead, or a stopped one, is
+killed first: :mod:`.live_enforce`) and the job ends when every worker has exited. A
 lost node (no heartbeat for 30 s) is a loss of its workers, and its agent, run again, rejoins
 (:mod:`.live_nodes`); a signal to an agent or the loss of node 0 (it hosts the stores) ends the
 job.

@@ -11,6 +11,9 @@ When a worker of this node exits non-zero or by a signal, the agent
    ``PHALANX_INCARNATION``, its output appended to the slot's log files;
 4. logs one line naming the rank, member id, incarnation, pid, how it ended and what was done.
 
+Before that, at every poll, the agent kills the workers the job declared dead and the ones that
+stay stopped (:mod:`.live_enforce`): their deaths are then handled the same way.
+
 With no replacement left the slot is *lost* and the others go on at a smaller world. A worker
 that dies after some worker of the job finished is not replaced: the job was ending, so that
 death fails it (:mod:`.live_outcome`). When a worker exits 0 the agent writes the finish marker
@@ -36,6 +39,7 @@ from collections.abc import Callable
 
 from phalanx.comm.signed import SignedStore
 from phalanx.launch.events import Events
+from phalanx.launch.live_enforce import Enforcer
 from phalanx.launch.live_keys import (
     INCARNATION_ENV,
     MEMBER_ENV,
@@ -159,9 +163,13 @@ class LiveNode:
         """Every death, with those of the node's earlier lives (``carried``) first."""
         self.ended: set[int] = set()
         """Positions (in ``workers.workers``) of the slots that ended (finished or lost)."""
+        self.enforcer = Enforcer(dead, log)
+        """Kills the workers the job declared dead, and stopped ones (:mod:`.live_enforce`)."""
 
     def poll(self) -> None:
-        """Handle every exit since the last poll, in the order the processes exited."""
+        """Kill the condemned workers, then handle every exit since the last poll, in the
+        order the processes exited."""
+        self.enforcer.poll(self.workers.running())
         exited = [w for w in self.workers.workers if w.returncode is not None]
         for worker in sorted(exited, key=lambda w: w.exited_at or 0.0):
             if id(worker) not in self.handled:
@@ -195,6 +203,8 @@ class LiveNode:
         for thread in worker.threads[:2]:  # let the pumps drain so the traceback is in the tail
             thread.join(0.5)
         failure = failure_of(worker, self.node)
+        if (why := self.enforcer.reason(worker)) is not None:
+            failure = dataclasses.replace(failure, reason=f"killed by its agent (SIGKILL): {why}")
         death = Death(member, incarnation, time.time(), failure, n is not None, late)
         self.deaths.append(death)
         if n is None:

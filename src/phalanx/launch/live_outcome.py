@@ -3,14 +3,17 @@
 Every worker slot ends one of two ways: *finished* (its newest process exited 0) or *lost* (a
 process died, non-zero exit or signal, and was not replaced). The job's exit code:
 
-- 0 when at least one worker finished and every loss happened before any worker finished:
-  the survivors trained on at a smaller world and ran to the end; the lost are named;
+- 0 only when every slot finished (deaths replaced along the way are not failures);
 - the exit code of the first worker that died after another had already finished (the job
   was ending, e.g. a final save or evaluation failed: that is not a smaller world, it is a
   failure, and it is never replaced);
-- the exit code of the first loss when no worker finished at all.
+- otherwise the exit code of the first loss: a slot lost for good is never a success, even when
+  the survivors trained on at a smaller world and ran to the end (the summary says so, and
+  names the lost).
 
-A death that was replaced is reported with the replacement count, never as a failure.
+When the decisive death is not the first one, the summary also names the first: the cause
+(e.g. a worker stopped and killed, whose replacement could not join because every survivor
+failed after it).
 """
 
 from __future__ import annotations
@@ -103,14 +106,23 @@ def verdict(outcomes: list[NodeOutcome], max_replacements: int) -> Verdict:
     late = [d for d in lost if d.late]
     slots = len(finished) + len(lost)
     used = sum(d.replaced for d in deaths)
-    decisive = late[0] if late else None if finished else lost[0] if lost else None
+    decisive = late[0] if late else lost[0] if lost else None
     if late:
         head = f"job failed: {late[0].failure.how()} of a worker after another had finished"
     elif not finished:
         head = "job failed: every worker was lost"
+    elif lost:
+        head = (
+            f"job failed: it finished at a smaller world, {len(finished)} of {slots} workers "
+            f"ran to the end and {len(lost)} {'was' if len(lost) == 1 else 'were'} lost for good "
+            f"(exit {lost[0].failure.exit_code}, the first loss's; raise --max-restarts to "
+            f"replace them)"
+        )
     else:
         head = f"job finished: {len(finished)} of {slots} workers ran to the end (exit 0)"
     lines = [head]
+    if deaths and decisive is not None and deaths[0] is not decisive:
+        lines.append(f"  first death (the cause): {deaths[0].describe()}")
     for d in lost:
         when = " (after a worker had finished)" if d.late else ""
         lines.append(f"  lost{when}: {d.describe()}")

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from phalanx._check import check_choice, check_int
+from phalanx._check import check_choice, check_instance, check_int
 from phalanx.local_sgd.late import LATE_POLICIES, LateRounds, weights_of
 from phalanx.local_sgd.pending_average import PendingAverage
 from phalanx.local_sgd.replicas import Replica
@@ -53,6 +53,8 @@ class PeriodicSync(ABC):
         late_policy: str = "wait",
     ) -> None:
         where = type(self).__name__
+        fix = "build it with phalanx.local_sgd.replicas.Replica.of(model) (LocalSGD does)"
+        check_instance("replica", replica, Replica, "a Replica", where=where, fix=fix)
         self.every = check_int("every", every, min=1, where=where)
         self.bucket_bytes = check_int("bucket_bytes", bucket_bytes, min=1, where=where)
         policy = check_choice("late_policy", late_policy, LATE_POLICIES, where=where)

@@ -14,14 +14,17 @@ nor forge a membership. Per key (``M`` a slot id, ``k`` a generation)::
     dead/M           int    highest incarnation of slot M known dead (launcher, or a survivor
                             whose heartbeat check or arrival deadline expired)
     hb/M             {"incarnation", "beat"}  heartbeat of slot M, counted up every interval
-    joins            counter (unsigned: only a hint) of join slots handed out
-    join/<n>         [M, incarnation]  a replacement waiting to be admitted
+    join/M           [M, incarnation]  slot M's replacement waiting to be admitted (one key
+                     per slot: no counter, so nothing a stranger can bump decides who joins)
     current          int    the newest generation that formed (written by its rank 0)
     start/<r>        [M, incarnation]  the first process of launcher rank r (generation 0)
     g<k>/members     [[M, incarnation], ...]  generation k's membership; first writer wins
     g<k>/here/M      int    M's incarnation arrived at the agreement of generation k
     g<k>/ready/M     int    M read the membership of k and is about to build its process group
-    g<k>/pg/...      torch's own rendezvous keys for generation k's process group (unsigned)
+    g<k>/pg/<t>/...  torch's own rendezvous keys for generation k's process group (unsigned,
+                     so ``t`` is derived from the secret: a stranger cannot plant junk under a
+                     name it cannot know in advance; junk written there anyway, once the keys
+                     appear, fails that generation, and the members form the next one)
     finished         the job's training is over: written by a member that closes its group,
                      and by the launcher when a worker exits 0 (a script that never calls
                      ``Job.close()``); a replacement still waiting to join then exits 0
@@ -42,7 +45,9 @@ __all__ = [
     "RECOVERY_ENV",
     "dead_incarnation",
     "dead_key",
+    "join_key",
     "live_signer",
+    "pg_prefix",
     "report_death",
     "report_finished",
 ]
@@ -71,6 +76,22 @@ def live_signer(store: dist.Store, secret: bytes | None, nonce: str) -> SignedSt
 def dead_key(member_id: str) -> str:
     """Key of slot ``member_id``'s death record (relative to :data:`PREFIX`)."""
     return f"dead/{member_id}"
+
+
+def join_key(member_id: str) -> str:
+    """Key of slot ``member_id``'s join record (relative to :data:`PREFIX`)."""
+    return f"join/{member_id}"
+
+
+def pg_prefix(live: SignedStore, k: int) -> str:
+    """The store prefix of generation ``k``'s process group (torch's own, unsigned keys).
+
+    With a secret it holds a tag of the secret, the job's scope and ``k``: a process without the
+    secret cannot know it before the keys appear, so it cannot plant junk for torch to read.
+    """
+    tag = live.encode(f"g{k}/pg", "rendezvous").split(" ", 2)[1]
+    token = "" if tag == "-" else f"{tag[:32]}/"
+    return f"{live.prefix}g{k}/pg/{token}"
 
 
 def report_death(live: SignedStore, member_id: str, incarnation: int) -> None:

@@ -5,10 +5,13 @@ because a peer died (gloo raises within about 0.1 s when a peer is killed) or ti
 survivor calls :meth:`LiveGroup.recover`: it destroys the broken default group (which also makes
 every collective still blocked on this process fail at once, so all survivors notice), agrees
 with the others on the next generation's membership through the store (:mod:`.agree`), and
-builds a new default group over ``PrefixStore("phalanx/live/g<k>/pg/", store)``, in-process,
-without re-importing anything. A replacement process of a dead slot constructs a ``LiveGroup``
-with a higher incarnation: it announces itself and waits until the survivors admit it in
-:meth:`LiveGroup.admit`, a cheap collective check at a step boundary.
+builds a new default group over ``PrefixStore("phalanx/live/g<k>/pg/<tag>/", store)`` (the tag
+derived from the job secret, :func:`.keys.pg_prefix`), in-process, without re-importing
+anything. A replacement process of a dead slot constructs a ``LiveGroup`` with a higher
+incarnation: it announces itself in its slot's signed join record and waits until
+the survivors admit it in :meth:`LiveGroup.admit`, a cheap collective check at a step boundary
+(rank 0 reads the join records of the slots missing from the membership: no shared counter, so
+no stranger can hide a replacement).
 
 Ranks follow slot order, so a replacement gets its slot's old rank back when the world size is
 restored. After a generation with newcomers, hand them the state with
@@ -31,7 +34,14 @@ from phalanx.recovery import startup
 from phalanx.recovery.agree import POLL_S, Board, members_key
 from phalanx.recovery.errors import Excluded, JobFinished, RecoveryError
 from phalanx.recovery.heartbeat import Heartbeat
-from phalanx.recovery.keys import FINISHED, PREFIX, _as_incarnation, dead_key, live_signer
+from phalanx.recovery.keys import (
+    FINISHED,
+    _as_incarnation,
+    dead_key,
+    join_key,
+    live_signer,
+    pg_prefix,
+)
 from phalanx.recovery.membership import Member, admissible, is_dead, parse_members, sort_members
 from phalanx.recovery.sockets import GroupSockets, InitWatch, abandon_group, socket_fds
 
@@ -98,6 +108,16 @@ class LiveGroup:
         secret: bytes | None = None,
         nonce: str = "",
     ) -> None:
+        if not isinstance(store, dist.Store):
+            raise TypeError(
+                f"LiveGroup: store must be a torch.distributed.Store (the job-long store, e.g. "
+                f"the launcher's TCPStore), got store={store!r} ({type(store).__name__})"
+            )
+        if secret is not None and not isinstance(secret, bytes):
+            raise TypeError(
+                f"LiveGroup: secret must be bytes (the job secret, e.g. "
+                f"os.environ['PHALANX_JOB_SECRET'].encode()) or None, got {type(secret).__name__}"
+            )
         if not isinstance(member_id, str) or not member_id or "/" in member_id:
             raise ValueError(
                 f"LiveGroup: member_id must be a slot id without '/', got {member_id!r}"
@@ -130,7 +150,11 @@ class LiveGroup:
         self._sockets = GroupSockets()
         self._stateful = incarnation == 0  # a replacement holds no state until it receives it
         self._generation, self._rank = -1, -1
-        self._joins_seen, self._waiting = 0, list[Member]()
+        self._slots: set[str] = set()
+        """Every slot of the job (generation 0's and any seen since): whose join records to read."""
+        self._last_error = ""
+        """The last error of a generation that did not form (its text: a traceback would keep
+        the objects of its frames alive)."""
         # One store connection per thread: a TCPStore client is one socket.
         beat_live = self._live.over(_clone(store))
         self._watch_board = dataclasses.replace(self._board, live=self._live.over(_clone(store)))
@@ -293,8 +317,9 @@ class LiveGroup:
             if self._form(k, agreed, attempt):
                 return
             base, proposal, k = agreed, None, k + 1
+        last = f" (the last: {self._last_error})" if self._last_error else ""
         raise RecoveryError(
-            f"{self._where(k)}: no generation formed after {tries} tries; "
+            f"{self._where(k)}: no generation formed after {tries} tries{last}; "
             f"members keep failing: restart the job from its newest checkpoint"
         )
 
@@ -310,7 +335,7 @@ class LiveGroup:
             log.warning("generation %d abandoned: %s failed while it formed", k, lost)
             return False
         rank = agreed.index(self.me)
-        prefixed = dist.PrefixStore(f"{PREFIX}g{k}/pg/", self._store)
+        prefixed = dist.PrefixStore(pg_prefix(self._live, k), self._store)
         before = socket_fds()
         try:
             with InitWatch(lambda: self._any_dead(agreed), before):
@@ -322,12 +347,16 @@ class LiveGroup:
                     timeout=timedelta(seconds=min(self._timeout, self._init_timeout * 2**attempt)),
                 )
             dist.distributed_c10d._set_pg_timeout(timedelta(seconds=self._timeout))
-        except RuntimeError as exc:  # a member died between "ready" and the group's rendezvous
+        except Exception as exc:  # a member died between "ready" and the group's rendezvous, or
+            # torch read junk in its own (unsigned) rendezvous keys (a std::length_error comes
+            # out as ValueError): either way this generation failed, and the next one is formed
             log.warning("generation %d's group did not form on member %s: %s", k, self.me, exc)
+            self._last_error = f"{type(exc).__name__}: {exc}"
             self._sockets = GroupSockets.opened_since(before)
             abandon_group(self._sockets)
             return False
         self._sockets = GroupSockets.opened_since(before)
+        self._note_slots(agreed)
         self._members, self._fresh = list(agreed), readiness.fresh
         self._generation, self._rank = k, rank
         self._heartbeat.watch(self._members)
@@ -348,25 +377,41 @@ class LiveGroup:
         dead = self._watch_board.dead(members)
         return any(is_dead(m, dead) for m in members)
 
+    def _note_slots(self, agreed: Sequence[Member]) -> None:
+        """Remember the job's slots: generation 0's (read once, signed) and ``agreed``'s."""
+        if not self._slots:
+            first = self._live.get(members_key(0), parse_members) or []
+            self._slots.update(m.member_id for m in first)
+        self._slots.update(m.member_id for m in agreed)
+
     def _waiting_joiners(self) -> list[Member]:
-        """Rank 0's scan of the join slots: the replacements to admit now."""
-        count = self._live.bump("joins", 0)
-        while self._joins_seen < count:
-            record = self._live.get(f"join/{self._joins_seen + 1}", parse_members)
-            if record is None:
-                break  # bumped but not written yet: read it at the next step
-            self._waiting.extend(record[:1])
-            self._joins_seen += 1
-        if not self._waiting:
+        """Rank 0's scan of the join records of the slots missing from the membership: the
+        replacements to admit now. A full membership reads nothing (a replacement of a slot
+        still present waits until the survivors recovered from its predecessor anyway)."""
+        present = {m.member_id for m in self._members}
+        waiting = []
+        for slot in sorted(self._slots - present):
+            record = self._live.get(join_key(slot), parse_members)
+            if record and len(record) == 1 and record[0].member_id == slot:
+                waiting.append(record[0])
+        if not waiting:
             return []
-        now, later = admissible(self._members, self._waiting, self._board.dead(self._waiting))
-        self._waiting = now + later  # kept until a formed generation holds them (then stale)
+        now, _later = admissible(self._members, waiting, self._board.dead(waiting))
         return now
+
+    def _announce(self) -> None:
+        """Write this replacement's join record unless it is there (a stranger may delete or
+        overwrite it; a newer incarnation's record is left alone: this one is stale)."""
+        key = join_key(self.me.member_id)
+        record = self._live.get(key, parse_members)
+        me, there = self.me, record[0] if record else None
+        if there and there.member_id == me.member_id and there.incarnation >= me.incarnation:
+            return
+        self._live.put(key, [self.me.to_json()])
 
     def _join(self) -> None:
         """A replacement: announce this member, then wait until a generation includes it."""
-        slot = self._live.bump("joins", 1)
-        self._live.put(f"join/{slot}", [self.me.to_json()])
+        self._announce()
         deadline = time.monotonic() + self._join_timeout
         members_checked = 0.0
         while time.monotonic() < deadline:
@@ -380,6 +425,7 @@ class LiveGroup:
             self._check_not_over()
             if time.monotonic() - members_checked > MEMBERS_CHECK_S:
                 self._check_someone_left(current)
+                self._announce()
                 members_checked = time.monotonic()
             time.sleep(POLL_S)
         raise RecoveryError(

@@ -7,6 +7,7 @@ mirrored every K steps, ``Zero(mirror_every=K)``)
 KILLS is a comma-separated list of ``RANK@STEP`` (the first process of launcher rank RANK
 SIGKILLs itself just before the forward of step STEP) or ``RANK@wSIZE`` (... of the first step
 it trains in a generation of SIZE members) or ``RANK@start`` (before it makes its Job), or
+``RANK@setup-stop`` (it SIGSTOPs itself inside ``job.setup``, before the setup's broadcast), or
 ``RANK@STEP@node``: that process SIGKILLs its launcher's process group (the node's agent; the
 node's other workers die with it) and then itself, as if the machine vanished; "-" kills nobody.
 
@@ -17,6 +18,11 @@ a tracked count of committed steps, received with the state (60 at the end on ev
 when tracked objects travel and roll back right).
 Under ZeRO the job also saves a checkpoint after every epoch into ``OUT/ckpt``, and the record
 says at which steps the process called ``phalanx.checkpoint.load`` (a live recovery must not).
+
+``LIVE_JOB_STRANGER=1``: before it makes its Job, the first process of rank 0 writes into the
+worker store as a process without the job secret would (raw, unsigned): it bumps the old join
+counter ``phalanx/live/joins``, puts junk at every slot's join record, and junk at torch's
+rendezvous keys of generations 1 to 5 under their old, guessable names.
 
 Each step sleeps STEP_SLEEP_S (default 0.05), and 1 s while a member is missing, so that a
 replacement (which imports torch first: seconds on a loaded box) is admitted while the others
@@ -52,6 +58,28 @@ torch.set_num_threads(1)
 
 if incarnation == 0 and [os.environ["RANK"], "start"] in kills:  # before it joins the job
     os.kill(os.getpid(), signal.SIGKILL)
+if incarnation == 0 and os.environ["RANK"] == "0" and os.environ.get("LIVE_JOB_STRANGER"):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    raw = dist.TCPStore(addr, port, None, False, timedelta(seconds=30))  # no secret, no frames
+    raw.add("phalanx/live/joins", 5)
+    for r in range(4):
+        raw.set(f"phalanx/live/join/0.{r}", "junk")
+        for k in range(1, 6):
+            raw.set(f"phalanx/live/g{k}/pg//0//cpu//0/{r}", b"\xff" * 64)  # type: ignore[arg-type]
+if incarnation == 0 and [os.environ["RANK"], "setup-stop"] in kills:
+    import phalanx.train.live as live_training
+
+    real_broadcast = live_training.broadcast_coalesced
+
+    def stopped_broadcast(*args: object) -> object:
+        os.kill(os.getpid(), signal.SIGSTOP)  # a hung worker: its heartbeat stops too
+        return real_broadcast(*args)  # type: ignore[arg-type]
+
+    live_training.broadcast_coalesced = stopped_broadcast  # type: ignore[assignment]
 sharded = strategy != "ddp"
 stage, _, every = strategy.partition("/")
 chosen = phalanx.Zero(stage=int(stage[-1]), mirror_every=int(every)) if every else strategy
