@@ -88,6 +88,25 @@ def test_a_file_that_disagrees_with_the_index_is_refused(tmp_path: Path) -> None
         to_hf(tmp_path / "ph", tmp_path / "x", max_shard_bytes=0)
 
 
+def test_a_missing_or_misnamed_shard_and_a_file_as_dst_are_named(tmp_path: Path) -> None:
+    hf = _exported(tmp_path)
+    doc = json.loads((hf / INDEX).read_text())
+    first = sorted(set(doc["weight_map"].values()))[0]
+    (hf / first).unlink()
+    with pytest.raises(CheckpointError, match=rf"{first}: listed in .*index\.json, but cannot be "):
+        from_hf(hf, tmp_path / "back")
+    doc["weight_map"]["0.weight"] = "model\0.safetensors"
+    (hf / INDEX).write_text(json.dumps(doc))
+    with pytest.raises(CheckpointError, match=r"index\.json: 'model\\x00\.safetensors' is not a"):
+        from_hf(hf, tmp_path / "back")
+    (tmp_path / "file").write_text("x")
+    for convert in (to_hf, checkpoint.to_dcp):
+        name = convert.__name__
+        with pytest.raises(ValueError, match=rf"{name}\(dst='.*/file'\): dst must be a directory"):
+            convert(tmp_path / "ph", tmp_path / "file")
+    assert not (tmp_path / "back").exists() and (tmp_path / "file").read_text() == "x"
+
+
 def test_the_command_line_converts_both_ways(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

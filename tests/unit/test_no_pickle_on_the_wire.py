@@ -68,12 +68,6 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "a non-tensor value of a torch DCP checkpoint the user converts, a local file, read with "
         "weights_only=True passed explicitly (torch's restricted unpickler), never network bytes"
     ),
-    ("phalanx/checkpoint/dcp_metadata.py", "<module>", "pickle.Unpickler"): (
-        "the base class of MetadataUnpickler, whose find_class resolves only DCP's metadata "
-        "classes, torch dtypes and a few plain types (ALLOWED there) and which refuses "
-        "persistent ids; a crafted .metadata that names anything else runs nothing (tested in "
-        "tests/unit/test_checkpoint_dcp_metadata.py)"
-    ),
 }
 """(file under src/, enclosing function, qualified name) -> why that call site is safe."""
 

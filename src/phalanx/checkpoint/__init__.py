@@ -26,10 +26,10 @@ background thread; :func:`wait` (and the next ``save``, ``load``) waits for it a
 from one is bounded before use, only regular files are opened, and a crafted file is a
 :class:`CheckpointError` naming it (see :mod:`phalanx.checkpoint.limits`). :func:`to_dcp` /
 :func:`from_dcp` convert to and from torch DCP (model, optimizer, scheduler, objects; its pickled
-metadata read by a restricted unpickler), :func:`to_hf` / :func:`from_hf` to and from Hugging Face
-``save_pretrained`` weights. The four converters load on first use: torch DCP takes seconds to
-import, and a job that only saves and loads (or a parameter-server worker whose heartbeats wait on
-that import) must not pay it.
+metadata built as data by :mod:`~phalanx.checkpoint.dcp_pickle`), :func:`to_hf` /
+:func:`from_hf` to and from Hugging Face ``save_pretrained`` weights. The four converters load on
+first use: torch DCP takes seconds to import, and a job that only saves and loads (or a
+parameter-server worker whose heartbeats wait on that import) must not pay it.
 """
 
 from __future__ import annotations

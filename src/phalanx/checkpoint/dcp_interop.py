@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from phalanx._check import check_int, check_path, fail
+from phalanx._check import check_int, check_path, fail, shown
 from phalanx.checkpoint.dcp_metadata import METADATA, read_metadata
 from phalanx.checkpoint.errors import CheckpointError
 from phalanx.checkpoint.interop_state import (
@@ -49,6 +49,7 @@ from phalanx.checkpoint.interop_state import (
     read_state,
     single_process,
     source_dir,
+    target_dir,
     write_state,
 )
 
@@ -59,12 +60,15 @@ NAMES_KEY = "dcp_param_names"
 
 
 class _SafeReader(FileSystemReader):
-    """DCP's file reader with the metadata read by :func:`read_metadata`."""
+    """DCP's file reader with the metadata :func:`read_metadata` read and checked before."""
+
+    def __init__(self, directory: Path, meta: md.Metadata) -> None:
+        super().__init__(directory)
+        self.checked = meta
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> md.Metadata:
-        meta = read_metadata(Path(self.path))
-        meta.storage_meta = md.StorageMeta(load_id=self.load_id)
-        return meta
+        self.checked.storage_meta = md.StorageMeta(load_id=self.load_id)
+        return self.checked
 
 
 class _SafePlanner(_EmptyStateDictLoadPlanner):
@@ -79,7 +83,9 @@ class _SafePlanner(_EmptyStateDictLoadPlanner):
         try:
             obj = torch.load(value, weights_only=True)
         except Exception as exc:
-            raise CheckpointError(f"{self.directory}: value {fqn!r} cannot be read: {exc}") from exc
+            raise CheckpointError(
+                f"{self.directory}: value {shown(fqn)} cannot be read ({_first_line(exc)})"
+            ) from None
         # DefaultLoadPlanner.load_bytes, but with the value loaded above (it unpickles fully).
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], obj)
@@ -87,14 +93,23 @@ class _SafePlanner(_EmptyStateDictLoadPlanner):
             self.state_dict[fqn] = obj
 
 
+def _first_line(exc: object) -> str:
+    """``Type: message`` of ``exc``, its first line cut to 200 characters (torch's messages
+    can hold whole tracebacks and C++ frames)."""
+    lines = str(exc).strip().splitlines() or [""]
+    text = lines[0] if len(lines[0]) <= 200 else lines[0][:197] + "..."
+    return f"{type(exc).__name__}: {text}"
+
+
 def _unwrapped(exc: CheckpointException, directory: Path) -> CheckpointError:
-    """Our own error inside DCP's wrapper (a rank -> (exception, traceback) dict), or one
-    naming ``directory``."""
+    """Our own error inside DCP's wrapper (a rank -> (exception, traceback) dict), or a short
+    one naming ``directory`` and the first failure (not DCP's text, which holds every trace)."""
+    inner: object = exc
     for failure in exc.failures.values():
         inner = failure[0] if isinstance(failure, tuple) else failure
         if isinstance(inner, CheckpointError):
             return inner
-    return CheckpointError(f"{directory}: cannot read the DCP checkpoint: {exc}")
+    return CheckpointError(f"{directory}: cannot read the DCP checkpoint ({_first_line(inner)})")
 
 
 def read_dcp(src: str | os.PathLike[str]) -> dict[str, Any]:
@@ -105,16 +120,18 @@ def read_dcp(src: str | os.PathLike[str]) -> dict[str, Any]:
     """
     check_path("src", src, where="read_dcp")
     directory = Path(src)
+    reader = _SafeReader(directory, read_metadata(directory))  # refusals here name .metadata
     state: dict[str, Any] = {}
-    planner = _SafePlanner(directory)
     try:
-        _load_state_dict(state, _SafeReader(directory), planner=planner, no_dist=True)
+        _load_state_dict(state, reader, planner=_SafePlanner(directory), no_dist=True)
     except CheckpointException as exc:
         raise _unwrapped(exc, directory) from None
     except CheckpointError:
         raise
     except Exception as exc:  # raised outside DCP's wrapper, e.g. by a crafted value's shape
-        raise CheckpointError(f"{directory}: cannot read the DCP checkpoint: {exc}") from exc
+        raise CheckpointError(
+            f"{directory}: cannot read the DCP checkpoint ({_first_line(exc)})"
+        ) from None
     return state
 
 
@@ -186,7 +203,7 @@ def to_dcp(
         ``dst`` as a Path.
     """
     single_process("to_dcp")
-    check_path("dst", dst, where="to_dcp")
+    target_dir(dst, "to_dcp")
     ckpt = checkpoint_dir(src, "to_dcp")
     state, extra = read_state(ckpt)
     names = param_names if param_names is not None else extra.get(NAMES_KEY)
@@ -212,7 +229,7 @@ def from_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, step: 
             ``.metadata`` is read without running any code it carries).
     """
     single_process("from_dcp")
-    check_path("dst", dst, where="from_dcp")
+    target_dir(dst, "from_dcp")
     step = check_int("step", step, min=0, where="from_dcp")
     state = read_dcp(source_dir(src, "from_dcp"))
     extra: dict[str, Any] = {}

@@ -1,27 +1,25 @@
 """Reading torch DCP's pickled ``.metadata`` without letting it run code, and bounding it.
 
 torch's ``FileSystemReader`` reads ``.metadata`` with a plain ``pickle.load``: a crafted file
-runs whatever its ``__reduce__`` names. :class:`MetadataUnpickler` resolves only the globals
-that DCP's own metadata needs (listed in :data:`ALLOWED`, plus torch's dtypes), so a payload
-naming ``os.system``, ``builtins.eval`` or anything else is refused before any call is made.
-Persistent ids (which ``torch.load`` uses) are refused too: the default ``Unpickler`` has no
-``persistent_load``.
+runs whatever its ``__reduce__`` names, and even a file that names only DCP's own classes can
+``setattr`` on them (``BUILD``) or expand shared references into 2**40 values.
+:func:`~phalanx.checkpoint.dcp_pickle.loads_metadata` builds the metadata as data instead: only
+DCP's record classes with checked field types, no ``__setstate__``, no call but its own, bounded
+depth and expanded size (see :mod:`phalanx.checkpoint.dcp_pickle`).
 
-The unpickled :class:`~torch.distributed.checkpoint.metadata.Metadata` is then checked as
+The :class:`~torch.distributed.checkpoint.metadata.Metadata` built is then checked as
 :mod:`phalanx.checkpoint.limits` checks phalanx's own files, before anything is allocated: the
 file itself regular and at most :func:`~phalanx.checkpoint.limits.max_json_bytes`; every shape
 within :func:`~phalanx.checkpoint.limits.shape_ok`; every object path at most
 :data:`~phalanx.checkpoint.limits.MAX_DEPTH` long; every data file a plain name in the same
 directory that is a regular file holding the byte range the metadata gives it; and all tensors
 together no larger than the data files (so a crafted size cannot make the loader allocate more
-than the files hold).
+than the files hold). Every refusal is a short :class:`CheckpointError` naming the file.
 """
 
 from __future__ import annotations
 
-import io
 import os
-import pickle
 from pathlib import Path
 from typing import Any
 
@@ -29,61 +27,23 @@ import torch
 from torch.distributed.checkpoint import metadata as md
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
+from phalanx._check import shown
+from phalanx.checkpoint.dcp_pickle import loads_metadata
 from phalanx.checkpoint.errors import CheckpointError
 from phalanx.checkpoint.limits import MAX_DEPTH, check_json_size, open_regular, shape_ok
 
-__all__ = ["ALLOWED", "METADATA", "MetadataUnpickler", "read_metadata"]
+__all__ = ["METADATA", "read_metadata"]
 
 METADATA = ".metadata"
 """DCP's metadata file in a checkpoint directory."""
 
-_META = "torch.distributed.checkpoint.metadata"
-ALLOWED: dict[str, frozenset[str]] = {
-    _META: frozenset(
-        {
-            "Metadata",
-            "MetadataIndex",
-            "StorageMeta",
-            "TensorProperties",
-            "TensorStorageMetadata",
-            "BytesStorageMetadata",
-            "ChunkStorageMetadata",
-            "_MEM_FORMAT_ENCODING",  # TensorProperties' memory format, an Enum
-        }
-    ),
-    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
-    "torch": frozenset({"Size"}),  # and the dtypes, checked by type in find_class
-    "torch.serialization": frozenset({"_get_layout"}),  # a layout by name, e.g. "torch.strided"
-    "pathlib": frozenset({"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"}),
-    "collections": frozenset({"OrderedDict"}),
-}
-"""The globals a DCP ``.metadata`` file may name (module -> names); nothing else resolves."""
 
-
-class MetadataUnpickler(pickle.Unpickler):
-    """An unpickler that resolves only :data:`ALLOWED` globals and torch dtypes."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if name in ALLOWED.get(module, ()):
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(
-            f"global {module}.{name} is not part of DCP's metadata; refusing to load it"
-        )
-
-
-def _unpickle(path: Path) -> Any:
+def _unpickle(path: Path) -> md.Metadata:
     with open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
         check_json_size(path, size)  # the same cap as a phalanx JSON file
         raw = f.read(size)
-    try:
-        return MetadataUnpickler(io.BytesIO(raw)).load()
-    except Exception as exc:  # nothing but the allowed classes ran: a corrupt or crafted file
-        raise CheckpointError(
-            f"{path}: not a DCP metadata file, refusing it ({type(exc).__name__}: {exc})"
-        ) from None
+    return loads_metadata(raw, str(path))
 
 
 def _bad(path: Path, what: str) -> CheckpointError:
@@ -95,7 +55,7 @@ def _tensor_bytes(fqn: str, entry: Any, path: Path) -> int:
     shape = list(entry.size) if isinstance(entry.size, torch.Size) else None
     dtype = getattr(entry.properties, "dtype", None)
     if not shape_ok(shape) or not isinstance(dtype, torch.dtype):
-        raise _bad(path, f"entry {fqn!r} has shape {entry.size!r} and dtype {dtype!r}")
+        raise _bad(path, f"entry {shown(fqn)} has shape {shown(entry.size)} and dtype {dtype!r}")
     chunks = entry.chunks
     if not isinstance(chunks, list) or not all(
         isinstance(c, md.ChunkStorageMetadata)
@@ -104,7 +64,7 @@ def _tensor_bytes(fqn: str, entry: Any, path: Path) -> int:
         and len(c.sizes) == len(c.offsets) == len(shape)
         for c in chunks
     ):
-        raise _bad(path, f"entry {fqn!r} has malformed chunks")
+        raise _bad(path, f"entry {shown(fqn)} has malformed chunks")
     numel = 1
     for d in shape:
         numel *= d
@@ -119,11 +79,11 @@ def _check_entries(meta: md.Metadata, path: Path) -> int:
     total = 0
     for fqn, entry in entries.items():
         if not isinstance(fqn, str):
-            raise _bad(path, f"key {fqn!r} is not a string")
+            raise _bad(path, f"key {shown(fqn)} is not a string")
         if isinstance(entry, md.TensorStorageMetadata):
             total += _tensor_bytes(fqn, entry, path)
         elif not isinstance(entry, md.BytesStorageMetadata):
-            raise _bad(path, f"entry {fqn!r} is a {type(entry).__name__}")
+            raise _bad(path, f"entry {shown(fqn)} is a {type(entry).__name__}")
     mapping = meta.planner_data
     if not isinstance(mapping, dict) or mapping.keys() != entries.keys():
         raise _bad(path, "planner_data does not map every entry to its path")
@@ -139,10 +99,21 @@ def _check_entries(meta: md.Metadata, path: Path) -> int:
         ):
             raise _bad(
                 path,
-                f"the path of {fqn!r} is not a tuple of 1..{MAX_DEPTH} keys (names, or list "
+                f"the path of {shown(fqn)} is not a tuple of 1..{MAX_DEPTH} keys (names, or list "
                 f"indices below {count})",
             )
     return total
+
+
+def _data_size(path: Path, name: str) -> int:
+    """The size of the data file ``name`` beside ``path``: a regular file (not a FIFO, a device
+    or a directory) that exists."""
+    try:
+        with open_regular(path.parent / name) as f:
+            return os.fstat(f.fileno()).st_size
+    except OSError as exc:
+        reason = f"its data file {path.parent / name} cannot be read ({exc.strerror})"
+        raise _bad(path, reason) from None
 
 
 def _check_storage(meta: md.Metadata, path: Path) -> int:
@@ -154,15 +125,14 @@ def _check_storage(meta: md.Metadata, path: Path) -> int:
     sizes: dict[str, int] = {}
     for index, info in storage.items():
         if not isinstance(index, md.MetadataIndex) or not isinstance(info, _StorageInfo):
-            raise _bad(path, f"storage entry {index!r} is malformed")
+            raise _bad(path, f"storage entry {shown(index)} is malformed")
         name = info.relative_path
-        if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name:
-            raise _bad(path, f"data file {name!r} is not a plain file name of its directory")
-        if getattr(info, "transform_descriptors", None):
+        if name in ("", ".", "..") or any(c in name for c in "/\\\0"):
+            raise _bad(path, f"data file {shown(name)} is not a plain file name of its directory")
+        if info.transform_descriptors:
             raise _bad(path, f"{name}: transformed (e.g. compressed) data is not supported")
         if name not in sizes:
-            with open_regular(path.parent / name) as f:  # refuses a FIFO or a device
-                sizes[name] = os.fstat(f.fileno()).st_size
+            sizes[name] = _data_size(path, name)
         offset, length = info.offset, info.length
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in (offset, length)) or (
             offset < 0 or length < 0 or offset + length > sizes[name]
@@ -182,8 +152,6 @@ def read_metadata(directory: Path) -> md.Metadata:
     if not path.exists():
         raise CheckpointError(f"{path}: no such file; {directory} is not a DCP checkpoint")
     meta = _unpickle(path)
-    if not isinstance(meta, md.Metadata):
-        raise _bad(path, f"it holds a {type(meta).__name__}, not DCP Metadata")
     tensors = _check_entries(meta, path)
     data = _check_storage(meta, path)
     if tensors > data:

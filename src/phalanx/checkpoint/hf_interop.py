@@ -30,13 +30,14 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from phalanx._check import check_int, check_path
+from phalanx._check import check_int
 from phalanx.checkpoint.errors import CheckpointError
 from phalanx.checkpoint.interop_state import (
     checkpoint_dir,
     read_state,
     single_process,
     source_dir,
+    target_dir,
     write_state,
 )
 from phalanx.checkpoint.limits import open_regular, read_json
@@ -94,10 +95,9 @@ def to_hf(
         ``dst`` as a Path.
     """
     single_process("to_hf")
-    check_path("dst", dst, where="to_hf")
+    out = target_dir(dst, "to_hf")
     limit = check_int("max_shard_bytes", max_shard_bytes, min=1, where="to_hf")
     state = _model_state(checkpoint_dir(src, "to_hf"))
-    out = Path(dst)
     out.mkdir(parents=True, exist_ok=True)
     shards = _shards(state, limit)
     if len(shards) == 1:
@@ -129,7 +129,7 @@ def _weight_map(directory: Path) -> dict[str, list[str]]:
         raise CheckpointError(f"{index}: no 'weight_map' of tensor names to file names")
     files: dict[str, list[str]] = {}
     for key, name in mapping.items():
-        if name in ("", ".", "..") or "/" in name or "\\" in name:
+        if name in ("", ".", "..") or any(c in name for c in "/\\\0"):
             raise CheckpointError(f"{index}: {name!r} is not a plain file name of {directory}")
         files.setdefault(name, []).append(key)
     return files
@@ -137,7 +137,11 @@ def _weight_map(directory: Path) -> dict[str, list[str]]:
 
 def _read_file(path: Path, keys: list[str]) -> dict[str, torch.Tensor]:
     """The tensors of the safetensors file ``path``, which must hold exactly ``keys`` (if any)."""
-    open_regular(path).close()  # refuses a FIFO, a device or a directory before safetensors
+    try:
+        open_regular(path).close()  # refuses a FIFO, a device or a directory before safetensors
+    except OSError as exc:
+        listed = f"listed in {path.parent / INDEX}" if keys else "expected"
+        raise CheckpointError(f"{path}: {listed}, but cannot be read ({exc.strerror})") from None
     try:
         with safe_open(str(path), framework="pt") as f:
             found = list(f.keys())
@@ -162,7 +166,7 @@ def from_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, step: i
     """
     single_process("from_hf")
     directory = source_dir(src, "from_hf")
-    check_path("dst", dst, where="from_hf")
+    target_dir(dst, "from_hf")
     step = check_int("step", step, min=0, where="from_hf")
     state: dict[str, Any] = {}
     for name, keys in _weight_map(directory).items():

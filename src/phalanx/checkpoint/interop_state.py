@@ -32,6 +32,7 @@ __all__ = [
     "read_state",
     "single_process",
     "source_dir",
+    "target_dir",
     "write_state",
 ]
 
@@ -55,6 +56,20 @@ def source_dir(src: str | os.PathLike[str], where: str) -> Path:
     if not Path(src).is_dir():
         raise fail("src", os.fspath(src), "an existing directory", where=where)
     return Path(src)
+
+
+def target_dir(dst: str | os.PathLike[str], where: str) -> Path:
+    """``dst`` as a Path, refusing one that exists and is not a directory (naming it)."""
+    check_path("dst", dst, where=where)
+    if os.path.lexists(dst) and not Path(dst).is_dir():
+        raise fail(
+            "dst",
+            os.fspath(dst),
+            "a directory to write into",
+            where=where,
+            fix="it is an existing file; give a new or existing directory",
+        )
+    return Path(dst)
 
 
 def checkpoint_dir(src: str | os.PathLike[str], where: str) -> Path:
