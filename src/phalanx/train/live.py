@@ -21,6 +21,9 @@ job's own collectives are guarded. The training loop does not change:
   finished before the peer died; the failure surfaced at its next collective). After every
   membership change the members bring everyone to the highest committed step
   (:func:`.live_state.exchange`): whoever is behind receives the state, over the network.
+* **The set-up is covered too.** A member lost in ``Job.setup``'s broadcast of rank 0's model
+  (DDP) is recovered from like one lost in a step: the survivors regroup, the exchange hands the
+  start to those the broadcast did not reach, and the replacement joins at the first boundary.
 * **Replacements join at a step boundary.** Before each step, every member takes part in one
   ``LiveGroup.admit``. A replacement's ``Job.setup`` joins the exchange that follows its
   admission and receives the model, optimizer, scheduler, sampler, ledger, RNG and tracked
@@ -114,6 +117,9 @@ class LiveTraining:
         """The step in progress (its global batch and this membership's split)."""
         self.zero: LiveShards | None = None
         """ZeRO's shard mirrors and restores (:mod:`.live_zero`); None under DDP."""
+        self._started = True
+        """This member's state is the job's common start (False on a first member until the
+        set-up's broadcast of rank 0's model, or an exchange, reached it)."""
         self._runner: Runner | None = None
         self._state: TrainState | None = None
         self._checkpoints: Checkpoints | None = None
@@ -188,7 +194,12 @@ class LiveTraining:
 
     def after_setup(self, scheduler: Scheduler | None) -> None:
         """The first generation takes rank 0's model; a replacement receives the state
-        (``scheduler``'s among it: the one ``setup`` returned)."""
+        (``scheduler``'s among it: the one ``setup`` returned).
+
+        Under DDP the broadcast of rank 0's model is guarded like a step's collectives: when a
+        member is lost in it, the survivors regroup, and the exchange that settles the new
+        generation hands the start (rank 0's model, or the first survivor's when rank 0 was
+        lost before its broadcast reached anyone) to every member it did not reach."""
         self.state.scheduler = scheduler
         model = self.runner.model
         assert model is not None
@@ -197,15 +208,26 @@ class LiveTraining:
         if self.group.joined:  # a replacement admitted into the running job
             self._regroup("joined", time.monotonic())
             return
-        # ZeRO's constructors broadcast rank 0's parameters (ZeRO-3's its buffers too).
+        if self.zero is not None:  # its constructors broadcast rank 0's parameters already
+            self._common_start(model)
+            self.zero.start(self.runner, self.state, self.group, self.held)
+            return
+        # A member lost in the broadcast: the survivors regroup, and the exchange hands the
+        # start to those it did not reach (the replacement joins at a step boundary).
+        self._started = self.group.rank == 0  # the root holds the start it sends
+        self.guard(lambda: self._common_start(model))
+        self.failed = False  # no step is open: the first one is planned at the boundary
+
+    def _common_start(self, model: torch.nn.Module) -> None:
+        """Rank 0's parameters (but ZeRO's, which its constructors broadcast) and buffers (but
+        ZeRO-3's) to every member of the first generation."""
         tensors = [] if self.zero is not None else [p.detach() for p in model.parameters()]
         if not isinstance(model, FullyShardedDataParallel):
             tensors += list(model.buffers())
         broadcast_coalesced(tensors, 0, None)
+        self._started = True
         if self.group.rank in self.group.newcomers:  # it took a dead first process's place
             self.group.state_received()
-        if self.zero is not None:
-            self.zero.start(self.runner, self.state, self.group, self.held)
 
     def _shard_count(self) -> int:
         return self.launch_world_size if self.exact else self.group.world_size
@@ -448,7 +470,8 @@ class LiveTraining:
         stateful = self.group.rank not in self.group.newcomers
         runner, state = self.runner, self.state
         if self.zero is None:
-            moved = exchange(runner, state, stateful, self.held)
+            moved = exchange(runner, state, stateful, self.held, started=self._started)
+            self._started = True  # whoever lacked the start received it
             runner.regroup()
             return moved
         self.zero.restore(runner, state, self.group, self.held, self._checkpoints)

@@ -1,9 +1,10 @@
 """What a live job's members hand each other: the whole training state, in memory.
 
 After a membership change the members all-gather their committed step counts; the first member
-at the highest count sends :func:`collect`'s tree to every member behind it (a replacement, or a
-survivor whose last step failed while the others' completed) with
-:func:`phalanx.recovery.send_state`, and each receiver :func:`apply`-s it. Objects a newcomer
+at the highest count sends :func:`collect`'s tree to every member behind it (a replacement, a
+survivor whose last step failed while the others' completed, or a first member that the set-up's
+broadcast of rank 0's model did not reach) with :func:`phalanx.recovery.send_state`, and each
+receiver :func:`apply`-s it. Objects a newcomer
 has not built yet when it receives (the loader's sampler, tracked objects) keep their part in
 :class:`Pending` until they exist.
 """
@@ -26,6 +27,12 @@ if TYPE_CHECKING:  # annotations only
     from phalanx.train.train_state import TrainState
 
 __all__ = ["Held", "apply", "collect", "exchange"]
+
+OWN_START = -1
+"""The standing of a first member without the job's common start: the set-up's broadcast of
+rank 0's model did not reach it, so it holds only its own initialisation."""
+NO_STATE = -2
+"""The standing of a member without any training state (a replacement)."""
 
 
 @dataclass
@@ -128,27 +135,36 @@ def apply(runner: Runner, train: TrainState, state: dict[str, Any], held: Held) 
 
 
 def exchange(
-    runner: Runner, train: TrainState, stateful: bool, held: Held, sharded: bool = False
+    runner: Runner,
+    train: TrainState,
+    stateful: bool,
+    held: Held,
+    sharded: bool = False,
+    started: bool = True,
 ) -> tuple[int, list[int]] | None:
     """Bring every member to the highest committed step; returns (source rank, receivers), or
     None when all were there already. ``stateful``: this member holds a training state;
-    ``sharded``: as :func:`collect`'s.
+    ``sharded``: as :func:`collect`'s; ``started``: its state is the job's common start (False
+    on a first member that the set-up's broadcast did not reach: it is behind every member
+    that holds the start). When no member holds the start (its root was lost before its
+    broadcast reached anyone), the first member's own initialisation becomes it.
 
     Collective over the current default group. Raises ``RuntimeError`` when no member holds
     a state (every holder was lost at once).
     """
-    mine = torch.tensor([train.step if stateful else -1], dtype=torch.int64)
+    standing = train.step if stateful and started else OWN_START if stateful else NO_STATE
+    mine = torch.tensor([standing], dtype=torch.int64)
     counts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(counts, mine)
     steps = [int(c.item()) for c in counts]
     top = max(steps)
-    if top < 0:
+    if top == NO_STATE:
         raise RuntimeError(
             "live recovery: no member of the new generation holds the training state (all "
             "holders were lost at once); restart the job from its newest checkpoint"
         )
     src = steps.index(top)
-    behind = [r for r, s in enumerate(steps) if s < top]
+    behind = [r for r, s in enumerate(steps) if s < top or (top == OWN_START and r != src)]
     if not behind:
         return None
     rank = dist.get_rank()
