@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from phalanx import checkpoint
+from phalanx.testing import scaled
 from tests.e2e.scripts.checkpoint_crash import model_and_optimizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,7 +47,7 @@ def crashes(tmp_path_factory: pytest.TempPathFactory) -> Crashes:
         )
     out = {}
     for point, (directory, proc) in procs.items():
-        stdout, stderr = proc.communicate(timeout=60)
+        stdout, stderr = proc.communicate(timeout=scaled(60))
         out[point] = (
             directory,
             subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr),
@@ -177,7 +178,7 @@ def test_sigkill_inside_an_asynchronous_write_keeps_the_previous_checkpoint(
         cmd += ["--mb", "2", "--saves", "3", "--fault", point]
         procs[point] = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
     for point, proc in procs.items():
-        _, stderr = proc.communicate(timeout=60)
+        _, stderr = proc.communicate(timeout=scaled(60))
         assert proc.returncode == -signal.SIGKILL, stderr  # killed by its background write
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the leftover temporary directory is named

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from phalanx.testing import scaled
 from tests.e2e.launching import standalone
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,7 +25,7 @@ def _start(script: str, *args: str, nproc: int = 2, cwd: Path = ROOT) -> subproc
 
 def _stdout(proc: subprocess.Popen[str]) -> str:
     try:
-        out, err = proc.communicate(timeout=240)
+        out, err = proc.communicate(timeout=scaled(240))
     finally:
         proc.kill()
     assert proc.returncode == 0, out + err
@@ -100,7 +101,7 @@ def test_seed004_mnist_started_by_hand_over_tcp() -> None:
         for r in range(3)
     ]
     try:
-        outs = [p.communicate(timeout=180)[0] for p in procs]
+        outs = [p.communicate(timeout=scaled(180))[0] for p in procs]
     finally:
         for p in procs:
             p.kill()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from phalanx.testing import scaled
 from tests.e2e.launching import standalone
 
 pytest.importorskip("sklearn")
@@ -35,7 +36,7 @@ def _start(*extra: str) -> subprocess.Popen[str]:
 
 
 def _accuracy(proc: subprocess.Popen[str]) -> float:
-    stdout, stderr = proc.communicate(timeout=120)
+    stdout, stderr = proc.communicate(timeout=scaled(120))
     assert proc.returncode == 0, f"exit {proc.returncode}\n{stdout[-3000:]}\n{stderr}"
     found = re.findall(r"^\[rank 0\] test accuracy: (\d\.\d{3})$", stdout, re.MULTILINE)
     assert len(found) == 1, f"no accuracy line from rank 0:\n{stdout[-3000:]}"

@@ -36,7 +36,7 @@ def _run_pair(args_for_rank, env_for_rank=lambda r: {}) -> list[str]:  # type: i
                     env=env,
                 )
             )
-        outs = [p.communicate(timeout=60)[0] for p in procs]
+        outs = [p.communicate(timeout=scaled(60))[0] for p in procs]
     finally:
         for p in procs:
             p.kill()

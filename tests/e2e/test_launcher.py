@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from phalanx.launch import SpawnError, interface_for, main, spawn
+from phalanx.testing import scaled
 from tests.e2e.launching import alive, free_port
 from tests.e2e.scripts import spawn_fns
 
@@ -39,7 +40,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 def _launch(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [*LAUNCH, *args], capture_output=True, text=True, timeout=timeout, env=_env()
+        [*LAUNCH, *args], capture_output=True, text=True, timeout=scaled(timeout), env=_env()
     )
 
 
@@ -205,7 +206,7 @@ def sleeping_job(tmp_path: Path) -> Iterator[SleepingJob]:
     )
     try:
         files = [tmp_path / f"rank{r}.json" for r in (0, 1)]
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + scaled(30)
         while not all(f.exists() for f in files):
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, "workers did not start"
@@ -220,10 +221,10 @@ def _stop_launcher(proc: subprocess.Popen[str]) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
     try:
-        proc.communicate(timeout=10)
+        proc.communicate(timeout=scaled(10))
     except subprocess.TimeoutExpired:
         proc.kill()
-        proc.communicate(timeout=10)
+        proc.communicate(timeout=scaled(10))
 
 
 def _listeners(port: int) -> list[str]:
@@ -251,10 +252,10 @@ def test_stores_listen_on_loopback_only_and_sigterm_stops_every_worker_and_their
     pids = [w[k] for w in workers for k in ("pid", "child")]
     assert all(alive(pid) for pid in pids)
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=10)
+    _, err = proc.communicate(timeout=scaled(10))
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "received SIGTERM" in err
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + scaled(5)
     while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert [pid for pid in pids if alive(pid)] == []

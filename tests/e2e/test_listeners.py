@@ -10,6 +10,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from phalanx.testing import scaled
 from tests.e2e.launching import standalone
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,7 +74,7 @@ def test_listeners_on_loopback_and_the_job_secret_only_in_the_environment(
                 assert secret.encode() not in cmdline.read_bytes(), cmdline
     finally:
         proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=20)
+        out, err = proc.communicate(timeout=scaled(20))
     assert secret not in out + err  # never logged
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from phalanx.bench.slow_link import Link
+from phalanx.testing import scaled
 from tests.e2e.live_runs import LIVE_SCRIPT, check_records, live_job
 from tests.e2e.namespaces import start_in, stop
 
@@ -43,12 +44,12 @@ def test_a_lost_node_is_a_loss_of_its_workers_and_its_relaunched_agent_rejoins(
         start_in(pair, 1, *node1, **ENV),
     ]
     try:
-        _, lost_err = procs[1].communicate(timeout=120)  # the node vanishes at step 10
+        _, lost_err = procs[1].communicate(timeout=scaled(120))  # the node vanishes at step 10
         assert procs[1].returncode == -9, lost_err
         relaunched = time.monotonic()
         procs.append(start_in(pair, 1, *node1, **ENV))  # the same command again
-        out0, err0 = procs[0].communicate(timeout=240)
-        out1, err1 = procs[2].communicate(timeout=60)
+        out0, err0 = procs[0].communicate(timeout=scaled(240))
+        out1, err1 = procs[2].communicate(timeout=scaled(60))
     finally:
         for p in procs:
             stop(p)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from phalanx.testing import scaled
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "tests" / "e2e" / "scripts" / "log_job.py")
 LINE = "epoch 0 step {}: loss=1.5"
@@ -26,7 +28,7 @@ def _start(*args: str, launch: bool = False) -> subprocess.Popen[str]:
 
 def _output(proc: subprocess.Popen[str]) -> str:
     try:
-        out, err = proc.communicate(timeout=120)
+        out, err = proc.communicate(timeout=scaled(120))
     finally:
         proc.kill()
     assert proc.returncode == 0, err

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from phalanx.bench.slow_link import LinkError, slow_link, unavailable
+from phalanx.testing import scaled
 
 pytestmark = pytest.mark.netns
 
@@ -37,8 +38,8 @@ def _measure_mbit(mbit: float | None, nbytes: int) -> float:
             assert receiver.stdout is not None
             port = receiver.stdout.readline().strip()
             sender = link.popen(0, [sys.executable, "-c", SENDER, link.addr[1], port, str(nbytes)])
-            assert sender.wait(timeout=60) == 0, sender.communicate()
-            out, err = receiver.communicate(timeout=60)
+            assert sender.wait(timeout=scaled(60)) == 0, sender.communicate()
+            out, err = receiver.communicate(timeout=scaled(60))
             assert receiver.returncode == 0, err
         finally:
             receiver.kill()

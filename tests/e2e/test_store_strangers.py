@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from phalanx.testing import scaled
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "tests" / "e2e" / "scripts"
 LAUNCH = [sys.executable, "-m", "phalanx", "run"]
@@ -53,11 +55,11 @@ class Job:
         self._seen.set()
 
     def agent_port(self) -> int:
-        assert self._seen.wait(60) and self.port is not None, "".join(self.err)
+        assert self._seen.wait(scaled(60)) and self.port is not None, "".join(self.err)
         return self.port
 
     def finish(self, timeout: float) -> tuple[int, str, str]:
-        self.proc.wait(timeout)
+        self.proc.wait(scaled(timeout))
         for pump in self._pumps:
             pump.join(10)
         return self.proc.returncode, "".join(self.out), "".join(self.err)
@@ -78,7 +80,7 @@ def _job(args: list[str], **env: str) -> Iterator[Job]:
 
 
 def _with_stranger(ckpt: Path, epochs: int) -> tuple[int, str, str, set[str]]:
-    with _job(_stranger_job(ckpt, epochs)) as job:
+    with _job(_stranger_job(ckpt, epochs), WAIT_FOR_STRANGER="1") as job:
         stranger = subprocess.Popen(
             [sys.executable, str(SCRIPTS / "stranger.py"), str(job.agent_port()), "60"],
             stdout=subprocess.PIPE,
@@ -87,7 +89,7 @@ def _with_stranger(ckpt: Path, epochs: int) -> tuple[int, str, str, set[str]]:
         )
         try:
             rc, out, err = job.finish(timeout=150)
-            forged, _ = stranger.communicate(timeout=90)
+            forged, _ = stranger.communicate(timeout=scaled(90))
         finally:
             stranger.kill()
     return rc, out, err, set(forged.split())
@@ -180,13 +182,13 @@ def test_a_worker_with_a_wrong_secret_or_none_fails_at_rendezvous_naming_the_job
     done = tmp_path / "impostors-done"
     script = [str(SCRIPTS / "wait_in_group.py"), "60", str(done)]
     with _job(["--standalone", "--nproc-per-node", "2", *script]) as job:
-        env = _job_env(_worker_pids(job.proc.pid, time.monotonic() + 60)[0])
+        env = _job_env(_worker_pids(job.proc.pid, time.monotonic() + scaled(60))[0])
         impostors = {secret: _impostor(env, secret) for secret in ("0" * 64, None)}
         for secret, impostor in impostors.items():
-            stdout, stderr = impostor.communicate(timeout=60)
+            stdout, stderr = impostor.communicate(timeout=scaled(60))
             assert impostor.returncode == 3, (secret, stdout + stderr)
             elapsed = float(stdout.split("ELAPSED ")[1].split()[0])
-            assert elapsed < 5.0, (secret, stdout)
+            assert elapsed < scaled(5.0), (secret, stdout)  # not the job's 60 s wait
             where = f"127.0.0.1:{env['MASTER_PORT']}"
             assert "JobSecretError: rank 1 on " in stdout, (secret, stdout)
             job_id = env["PHALANX_RUN_ID"]
@@ -219,14 +221,14 @@ def test_an_agent_needs_the_jobs_secret() -> None:
                 capture_output=True,
                 text=True,
                 env=env,
-                timeout=90,
+                timeout=scaled(90),
             )
             if secret == "2" * 64:
                 assert node1.returncode == 0, node1.stderr
                 rc, _, err = node0.finish(timeout=60)
                 assert rc == 0, err
                 return
-            assert time.monotonic() - start < 30, secret  # interpreter start-up included
+            assert time.monotonic() - start < min(scaled(30), 59), secret  # before --rdzv-timeout
             assert node1.returncode == 1, (secret, node1.stderr)
             where = f"127.0.0.1:{port}"
             assert f"cannot join job 'job-under-test' at the rendezvous store {where}" in (
@@ -268,7 +270,7 @@ def test_a_stranger_racing_the_shm_keys_redirects_nothing(
         )
         try:
             rc, out, err = job.finish(timeout=180)
-            forged, stranger_err = stranger.communicate(timeout=120)
+            forged, stranger_err = stranger.communicate(timeout=scaled(120))
             assert ready.exists(), stranger_err
             wrong = _decoys_unchanged(tmp_path)
         finally:

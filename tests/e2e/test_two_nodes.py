@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from phalanx.bench.slow_link import Link
+from phalanx.testing import scaled
 from tests.e2e.namespaces import netns_env, start_in, stop
 
 pytestmark = pytest.mark.netns
@@ -42,7 +43,7 @@ def test_two_nodes_all_reduce_across_namespaces(pair: Link) -> None:
         procs.append(start_in(pair, 1, *common, "--node-rank", "1", SCRIPT))
         time.sleep(0.3)
         procs.append(start_in(pair, 0, *common, "--node-rank", "0", SCRIPT))
-        outs = [p.communicate(timeout=90) for p in procs]
+        outs = [p.communicate(timeout=scaled(90)) for p in procs]
     finally:
         for p in procs:
             stop(p)
@@ -131,7 +132,7 @@ def test_node_loss_continues_on_the_remaining_node(pair: Link, tmp_path: Path) -
             assert time.monotonic() < deadline, "no checkpoint within 60 s"
             time.sleep(0.05)
         os.killpg(procs[1].pid, signal.SIGKILL)  # the machine disappears
-        out, err = procs[0].communicate(timeout=120)
+        out, err = procs[0].communicate(timeout=scaled(120))
     finally:
         for p in procs:
             stop(p)

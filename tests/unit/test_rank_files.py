@@ -12,6 +12,7 @@ from phalanx.comm import call_ring
 from phalanx.comm.call_ring import CallRing, read_calls
 from phalanx.comm.flight import Record
 from phalanx.comm.rank_files import Peer, fatal_signal, thread_stack
+from phalanx.testing import scaled
 
 CHILD = """
 import ctypes, os, sys, threading, time
@@ -103,7 +104,7 @@ def test_a_rank_holding_the_gil_leaves_a_stuck_stack(tmp_path: Path) -> None:
     proc, peer = _child(tmp_path, "stuck")
     try:
         assert peer.here() and peer.alive()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + scaled(10)
         while peer.stuck() is None and time.monotonic() < deadline:
             time.sleep(0.1)
         stack = peer.stuck()
@@ -111,13 +112,13 @@ def test_a_rank_holding_the_gil_leaves_a_stuck_stack(tmp_path: Path) -> None:
         calls = peer.calls()
         assert calls is not None and calls[0].seq == 7 and calls[0].end is None
     finally:
-        proc.wait(timeout=20)
+        proc.wait(timeout=scaled(20))
     assert not peer.alive() and not (tmp_path / "rank-3.calls").exists()  # clean exit: gone
 
 
 def test_a_dead_rank_leaves_its_signal_stack_and_calls(tmp_path: Path) -> None:
     proc, peer = _child(tmp_path, "abort")
-    assert proc.wait(timeout=20) < 0
+    assert proc.wait(timeout=scaled(20)) < 0
     assert peer.alive() is False
     death = peer.death()
     assert death is not None and death[0] == "SIGABRT" and "in crash" in death[1][0]
@@ -159,7 +160,7 @@ def test_a_forked_child_neither_hangs_nor_removes_the_files(tmp_path: Path) -> N
         [sys.executable, "-c", FORKING, str(tmp_path)],
         capture_output=True,
         text=True,
-        timeout=30,
+        timeout=scaled(30),
     )
     assert out.returncode == 0, out.stderr
     assert int(out.stdout.strip()) >= 1
@@ -183,7 +184,10 @@ files.close()
 def test_a_rank_running_python_gets_no_stuck_dump(tmp_path: Path) -> None:
     # a dump taken while the main thread runs Python reads moving frames (it can segfault)
     out = subprocess.run(
-        [sys.executable, "-c", BUSY, str(tmp_path)], capture_output=True, text=True, timeout=30
+        [sys.executable, "-c", BUSY, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=scaled(30),
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "0"

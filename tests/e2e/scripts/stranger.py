@@ -99,6 +99,7 @@ def main() -> None:
     agent = _connect(port)
     _agent_junk(agent, 0, forged)
     worker = _connect(_worker_port(agent, deadline))
+    worker.set("stranger/connected", "1")  # the job (WAIT_FOR_STRANGER=1) saves from now on
     n = 0
     try:
         while time.monotonic() < deadline:

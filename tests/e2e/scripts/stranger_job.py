@@ -2,20 +2,26 @@
 
 Usage: stranger_job.py CKPT_DIR EPOCHS
 
-Each epoch is saved; after training rank 1 is late for one all-reduce (longer than
-``PHALANX_HANG_TIMEOUT``), so every rank prints a live hang report, then the job ends normally.
+With ``WAIT_FOR_STRANGER=1`` rank 0 first waits (up to 120 s) for the stranger's
+``stranger/connected`` key in the worker store, so that the saves it forges answers for come after
+it connected, however slowly the machine started it. Each epoch is saved; after training rank 1
+is late for one all-reduce (longer than ``PHALANX_HANG_TIMEOUT``), so every rank prints a live
+hang report, then the job ends normally.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 import time
+from datetime import timedelta
 
 import torch
 from torch import nn
 
 import phalanx
+from phalanx.comm.group import signed_store
 
 
 def late_for_the_all_reduce() -> None:
@@ -32,6 +38,9 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 4))
     model, _ = job.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     loader = job.loader(data, batch_size=16, shuffle=True)
+    if os.environ.get("WAIT_FOR_STRANGER") and job.world.rank == 0:
+        store = signed_store().store  # type: ignore[union-attr]
+        store.wait(["stranger/connected"], timedelta(seconds=120))
     for _ in job.epochs(epochs):
         for x, y in job.progress(loader):
             job.backward(nn.functional.cross_entropy(model(x), y))
