@@ -35,10 +35,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as md
 
+from tests.unit.pickle_bytes import get, put, shared
+
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 CPU_LIMIT_S = 1.0
 """CPU seconds a row may take (the reader refuses each in milliseconds)."""
+ROOT = Path(__file__).resolve().parents[2]
+"""The repository: the child runs this module from there (``python -m``)."""
 WALL_LIMIT_S = 120.0
 """Wall seconds for the whole child (a hung row never ends; torch's import takes a few)."""
 _META = "torch.distributed.checkpoint.metadata"
@@ -58,23 +62,6 @@ def _g(module: str, name: str) -> bytes:
 
 _FAR = 90_000
 """Memo indices far above those pickle.dumps gives a small file."""
-
-
-def _put(i: int) -> bytes:
-    return b"r" + i.to_bytes(4, "little")
-
-
-def _get(i: int) -> bytes:
-    return b"j" + i.to_bytes(4, "little")
-
-
-def _shared(levels: int, kind: str) -> bytes:
-    """A tuple or list whose every level holds the previous level twice: 2**levels values."""
-    first, step = (b")", b"%s%s\x86") if kind == "tuple" else (b"]", b"](%s%se")
-    out = first + _put(_FAR) + b"0"
-    for i in range(levels):
-        out += step % (_get(_FAR + i), _get(_FAR + i)) + _put(_FAR + i + 1) + b"0"
-    return out + _get(_FAR + levels)
 
 
 def _deep_list(depth: int) -> bytes:
@@ -156,10 +143,10 @@ def _fspath_gadget(marker: str) -> bytes:
     """``_get_layout.cache = {PosixPath(victim): decoy}``, then ``PosixPath.__fspath__ =
     _get_layout``: only allowed globals, and writing ``victim`` writes ``decoy``."""
     victim, decoy = marker + ".victim", marker + ".decoy"
-    layout = _g("torch.serialization", "_get_layout") + _put(1)
+    layout = _g("torch.serialization", "_get_layout") + put(1)
     path = _g("pathlib", "PosixPath") + b"(" + _s(victim) + b"tR"
     cache = b"}" + _s("cache") + b"}" + path + _s(decoy) + b"ss"
-    fspath = _g("pathlib", "PosixPath") + b"(N}" + _s("__fspath__") + _get(1) + b"stb0"
+    fspath = _g("pathlib", "PosixPath") + b"(N}" + _s("__fspath__") + get(1) + b"stb0"
     return b"\x80\x02" + layout + cache + b"b0" + fspath + b"N."
 
 
@@ -237,15 +224,15 @@ ROWS: dict[str, tuple[Callable[[Path, str], bytes], str]] = {
     ),
     # 2**40 values in a few hundred bytes, and depth
     "size: a 40-level shared list": (
-        _in_slot(_shared(40, "list")),
+        _in_slot(shared(40, "list", _FAR)),
         "a second reference to a list",
     ),
     "size: a 40-level shared tuple": (
-        _in_slot(_shared(40, "tuple")),
+        _in_slot(shared(40, "tuple", _FAR)),
         "counting shared references",
     ),
     "dict key: a 40-level shared tuple": (
-        _in_slot(_shared(40, "tuple"), "key"),
+        _in_slot(shared(40, "tuple", _FAR), "key"),
         "counting shared references",
     ),
     "size: 200,000 tuples deep": (_in_slot(b")" + b"\x85" * 200_000), "nested deeper than 100"),
@@ -364,9 +351,9 @@ def _run_rows(root: Path) -> tuple[dict[str, dict[str, Any]], str]:
         rows.append({"name": name, "dir": str(directory), "marker": marker})
     spec = root / "rows.json"
     spec.write_text(json.dumps({"real": str(real), "out": str(root), "rows": rows}))
-    command = [sys.executable, __file__, str(spec)]
+    command = [sys.executable, "-m", "tests.unit.test_checkpoint_crafted_dcp", str(spec)]
     try:
-        done = subprocess.run(command, capture_output=True, timeout=WALL_LIMIT_S)
+        done = subprocess.run(command, capture_output=True, timeout=WALL_LIMIT_S, cwd=ROOT)
         out, err = done.stdout, done.stderr
     except subprocess.TimeoutExpired as exc:
         out, err = exc.stdout or b"", exc.stderr or b""

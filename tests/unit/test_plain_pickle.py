@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from phalanx.comm.plain_pickle import UnsafePickleError, loads_plain
+from tests.unit.pickle_bytes import get, put, shared
 
 
 def test_plain_pickle_reads_plain_data_of_every_protocol() -> None:
@@ -68,6 +69,8 @@ def test_code_in_any_protocol_is_refused_before_it_runs(tmp_path: Path, protocol
 
 CPU_LIMIT_S = 1.0
 """CPU seconds a row may take (the machine refuses each in milliseconds)."""
+ROOT = Path(__file__).resolve().parents[2]
+"""The repository: the child runs this module from there (``python -m``)."""
 WALL_LIMIT_S = 120.0
 """Wall seconds for the whole child (a hung row never ends; its imports take a few)."""
 
@@ -77,23 +80,6 @@ def _u(text: str) -> bytes:
     return b"X" + len(raw).to_bytes(4, "little") + raw
 
 
-def _put(i: int) -> bytes:
-    return b"r" + i.to_bytes(4, "little")
-
-
-def _get(i: int) -> bytes:
-    return b"j" + i.to_bytes(4, "little")
-
-
-def _shared(levels: int, kind: str) -> bytes:
-    """A tuple or list whose every level holds the previous level twice: 2**levels values."""
-    first, step = (b")", b"%s%s\x86") if kind == "tuple" else (b"]", b"](%s%se")
-    out = first + _put(0) + b"0"
-    for i in range(levels):
-        out += step % (_get(i), _get(i)) + _put(i + 1) + b"0"
-    return out + _get(levels)
-
-
 def _in_dict(key: bytes, value: bytes) -> bytes:
     """``{"entries": [{key: value}]}``, as a Flight Recorder dump would hold it (protocol 2)."""
     return b"\x80\x02}" + _u("entries") + b"]}" + key + value + b"sas."
@@ -101,15 +87,15 @@ def _in_dict(key: bytes, value: bytes) -> bytes:
 
 ROWS: dict[str, tuple[bytes, str]] = {
     "dict key: a 40-level shared tuple": (
-        _in_dict(_shared(40, "tuple"), b"K\x01"),
+        _in_dict(shared(40, "tuple"), b"K\x01"),
         "counting shared references",
     ),
     "dict value: a 40-level shared list": (
-        _in_dict(_u("frames"), _shared(40, "list")),
+        _in_dict(_u("frames"), shared(40, "list")),
         "counting shared references",
     ),
     "set item: a 40-level shared tuple": (
-        b"\x80\x04\x8f(" + _shared(40, "tuple") + b"\x90.",
+        b"\x80\x04\x8f(" + shared(40, "tuple") + b"\x90.",
         "counting shared references",
     ),
     "200,000 lists deep": (b"\x80\x02" + b"]" * 200_000 + b"a" * 199_999 + b".", "deeper than 100"),
@@ -118,13 +104,13 @@ ROWS: dict[str, tuple[bytes, str]] = {
         b"\x80\x02" + (b"}" + _u("k")) * 200_000 + b"N" + b"s" * 200_000 + b".",
         "deeper than 100",
     ),
-    "a list that holds itself": (b"\x80\x02]" + _put(0) + _get(0) + b"a.", "second reference"),
+    "a list that holds itself": (b"\x80\x02]" + put(0) + get(0) + b"a.", "second reference"),
     "a shared dict filled later": (
-        b"\x80\x02}" + _put(0) + b"]" + _get(0) + b"a0" + _u("k") + b"Ns.",
+        b"\x80\x02}" + put(0) + b"]" + get(0) + b"a0" + _u("k") + b"Ns.",
         "items added to a dict after a second reference",
     ),
     "a 1 MB string 100,000 times": (
-        b"\x80\x02" + _u("x" * 1_000_000) + _put(0) + b"0](" + _get(0) * 100_000 + b"e.",
+        b"\x80\x02" + _u("x" * 1_000_000) + put(0) + b"0](" + get(0) * 100_000 + b"e.",
         "counting shared references",
     ),
     "dict key: an int of 80,000 bits": (
@@ -153,9 +139,9 @@ def _child() -> None:
 
 @pytest.fixture(scope="module")
 def crafted() -> tuple[dict[str, dict[str, Any]], str]:
-    command = [sys.executable, __file__, "--child"]
+    command = [sys.executable, "-m", "tests.unit.test_plain_pickle", "--child"]
     try:
-        done = subprocess.run(command, capture_output=True, timeout=WALL_LIMIT_S)
+        done = subprocess.run(command, capture_output=True, timeout=WALL_LIMIT_S, cwd=ROOT)
         out, err = done.stdout, done.stderr
     except subprocess.TimeoutExpired as exc:
         out, err = exc.stdout or b"", exc.stderr or b""
