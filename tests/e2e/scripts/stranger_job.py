@@ -2,7 +2,7 @@
 
 Usage: stranger_job.py CKPT_DIR EPOCHS
 
-With ``WAIT_FOR_STRANGER=1`` rank 0 first waits (up to 120 s) for the stranger's
+With ``WAIT_FOR_STRANGER=1`` every rank first waits (up to 120 s) for the stranger's
 ``stranger/connected`` key in the worker store, so that the saves it forges answers for come after
 it connected, however slowly the machine started it. Each epoch is saved; after training rank 1
 is late for one all-reduce (longer than ``PHALANX_HANG_TIMEOUT``), so every rank prints a live
@@ -38,7 +38,7 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 4))
     model, _ = job.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     loader = job.loader(data, batch_size=16, shuffle=True)
-    if os.environ.get("WAIT_FOR_STRANGER") and job.world.rank == 0:
+    if os.environ.get("WAIT_FOR_STRANGER"):  # every rank: none sits in a collective meanwhile
         store = signed_store().store  # type: ignore[union-attr]
         store.wait(["stranger/connected"], timedelta(seconds=120))
     for _ in job.epochs(epochs):
