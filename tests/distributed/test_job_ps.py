@@ -89,11 +89,14 @@ def _hogwild() -> dict:
     model, opt = job.setup(model, opt, loss_fn=nn.functional.cross_entropy)
     first = model[0].weight.detach().clone()  # type: ignore[index]
     dist.barrier()
-    with torch.no_grad():  # each rank adds rank+1 to one shared element, 5 times
-        for _ in range(5):
-            model[2].bias[0] += job.world.rank + 1  # type: ignore[index]
-            dist.barrier()
-    shared_sum = float(model[2].bias[0])  # type: ignore[index]
+    with torch.no_grad():  # each rank adds rank+1 to one shared element, 5 times, in turn
+        for _ in range(5):  # (at once, two read-modify-writes could lose one: Hogwild's races)
+            for turn in range(job.world.world_size):
+                if turn == job.world.rank:
+                    model[2].bias[0] += job.world.rank + 1  # type: ignore[index]
+                dist.barrier()
+    shared_sum = float(model[2].bias[0].detach())  # type: ignore[index]
+    dist.barrier()  # every rank has read it before any trains (and writes it) below
     loader = job.loader(_data(), batch_size=8)
     for _ in job.epochs(2):
         for x, y in job.progress(loader):
