@@ -23,7 +23,6 @@ import os
 import pathlib
 import pickle
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -35,14 +34,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as md
 
-from tests.unit.pickle_bytes import get, put, shared
+from tests.unit.pickle_bytes import child_reports, get, put, shared
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 CPU_LIMIT_S = 1.0
 """CPU seconds a row may take (the reader refuses each in milliseconds)."""
-ROOT = Path(__file__).resolve().parents[2]
-"""The repository: the child runs this module from there (``python -m``)."""
 WALL_LIMIT_S = 120.0
 """Wall seconds for the whole child (a hung row never ends; torch's import takes a few)."""
 _META = "torch.distributed.checkpoint.metadata"
@@ -351,14 +348,7 @@ def _run_rows(root: Path) -> tuple[dict[str, dict[str, Any]], str]:
         rows.append({"name": name, "dir": str(directory), "marker": marker})
     spec = root / "rows.json"
     spec.write_text(json.dumps({"real": str(real), "out": str(root), "rows": rows}))
-    command = [sys.executable, "-m", "tests.unit.test_checkpoint_crafted_dcp", str(spec)]
-    try:
-        done = subprocess.run(command, capture_output=True, timeout=WALL_LIMIT_S, cwd=ROOT)
-        out, err = done.stdout, done.stderr
-    except subprocess.TimeoutExpired as exc:
-        out, err = exc.stdout or b"", exc.stderr or b""
-    reports = [json.loads(line) for line in out.decode().splitlines() if line.startswith("{")]
-    return {r["name"]: r for r in reports}, err.decode()[-2000:]
+    return child_reports("tests.unit.test_checkpoint_crafted_dcp", str(spec), limit_s=WALL_LIMIT_S)
 
 
 @pytest.fixture(scope="module")

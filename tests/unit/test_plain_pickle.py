@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from phalanx.comm.plain_pickle import UnsafePickleError, loads_plain
-from tests.unit.pickle_bytes import get, put, shared
+from tests.unit.pickle_bytes import child_reports, get, put, shared
 
 
 def test_plain_pickle_reads_plain_data_of_every_protocol() -> None:
@@ -69,8 +69,6 @@ def test_code_in_any_protocol_is_refused_before_it_runs(tmp_path: Path, protocol
 
 CPU_LIMIT_S = 1.0
 """CPU seconds a row may take (the machine refuses each in milliseconds)."""
-ROOT = Path(__file__).resolve().parents[2]
-"""The repository: the child runs this module from there (``python -m``)."""
 WALL_LIMIT_S = 120.0
 """Wall seconds for the whole child (a hung row never ends; its imports take a few)."""
 
@@ -139,14 +137,7 @@ def _child() -> None:
 
 @pytest.fixture(scope="module")
 def crafted() -> tuple[dict[str, dict[str, Any]], str]:
-    command = [sys.executable, "-m", "tests.unit.test_plain_pickle", "--child"]
-    try:
-        done = subprocess.run(command, capture_output=True, timeout=WALL_LIMIT_S, cwd=ROOT)
-        out, err = done.stdout, done.stderr
-    except subprocess.TimeoutExpired as exc:
-        out, err = exc.stdout or b"", exc.stderr or b""
-    reports = [json.loads(line) for line in out.decode().splitlines() if line.startswith("{")]
-    return {r["name"]: r for r in reports}, err.decode()[-2000:]
+    return child_reports("tests.unit.test_plain_pickle", "--child", limit_s=WALL_LIMIT_S)
 
 
 @pytest.mark.parametrize("row", list(ROWS))

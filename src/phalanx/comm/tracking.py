@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ import torch.distributed as dist
 from phalanx.comm import blame, watchdog
 from phalanx.comm import fingerprint as fpr
 from phalanx.comm.call_ring import read_calls
+from phalanx.comm.call_sites import call_site
 from phalanx.comm.errors import CollectiveError, CollectiveMismatchError
 from phalanx.comm.flags import TrackingFlags
 from phalanx.comm.flight import FlightRecorder
@@ -70,8 +70,6 @@ STORE_LOST_S = 10.0
 """The progress thread stops (and says so) once the store has failed this long in a row."""
 P2P = "p2p"
 """The flight record's channel of point-to-point operations."""
-TRANSPORTS = ("phalanx/comm/", "torch/", "phalanx/pipeline/p2p.py", "phalanx/parameter_server/wire")
-"""Frames a record's call site skips: the code that only moves tensors for its caller."""
 log = logging.getLogger(__name__)
 
 
@@ -324,17 +322,6 @@ def shape_text(tensor: torch.Tensor | None, compare_shape: bool = True) -> str:
         return "-"
     dims = list(tensor.shape) if compare_shape else "[*]"
     return f"{dims} {str(tensor.dtype).removeprefix('torch.')}"
-
-
-def call_site() -> str:
-    """``file:line in function`` of the first caller outside the transports (:data:`TRANSPORTS`)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        path = frame.f_code.co_filename.replace("\\", "/")
-        if not any(part in path for part in TRANSPORTS):
-            return f"{path}:{frame.f_lineno} in {frame.f_code.co_name}"
-        frame = frame.f_back  # type: ignore[assignment]
-    return "?"
 
 
 def _entered(t: _Tracker, rank: int) -> dict[str, list[Any]]:

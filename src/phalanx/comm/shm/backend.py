@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx.comm.call_sites import UNKNOWN, site_of_caller
 from phalanx.comm.pairing import sites_compared
 from phalanx.comm.shm import collectives, zero_copy
 from phalanx.comm.shm.base import ShmGroup
@@ -34,7 +35,6 @@ from phalanx.comm.shm.layout import Layout
 from phalanx.comm.shm.ops import check_dtype, check_reduction, op_code
 from phalanx.comm.shm.segment import SEGMENT_KEY, Meeting, check_one_host, open_segment, signer
 from phalanx.comm.shm.settings import slot_bytes_from_env, spin_seconds_from_env
-from phalanx.comm.shm.sites import UNKNOWN, site_of_caller
 from phalanx.comm.shm.sync import Arrivals
 from phalanx.comm.shm.worker import Executor, ShmWork
 

@@ -14,11 +14,11 @@ from collections.abc import Callable
 
 import torch
 
+from phalanx.comm.call_sites import describe
 from phalanx.comm.errors import CollectiveMismatchError
 from phalanx.comm.shm.descriptor import Call, check_same, find_shift
 from phalanx.comm.shm.errors import ShmError
 from phalanx.comm.shm.layout import Layout
-from phalanx.comm.shm.sites import describe
 from phalanx.comm.shm.sync import Arrivals
 
 __all__ = ["Channel", "guarded"]
@@ -94,7 +94,7 @@ class Channel:
 
         ``call``'s own number is ignored (so one ``Call`` may describe many calls alike).
         ``timeout_s``: the call's own timeout (None: the group's). ``site``: the line that
-        issued it (``sites.py``; 0: unknown or not compared)."""
+        issued it (``comm/call_sites.py``; 0: unknown or not compared)."""
         if self.broken is not None:
             raise ShmError(
                 f"{self.label}: {call.kind} refused: the group failed earlier "

@@ -10,13 +10,13 @@ not compared (each rank's tensor may sit elsewhere in its part); the buffer numb
 every rank's tensor is in the same shared buffer (the zero-copy path) or none is.
 
 Each record also carries the line of code that issued the call and the line and signature of
-the rank's previous call (``sites.py``). Positions pair calls: one rank's extra all_reduce meets
-the others' next one, and when the signatures agree no comparison of the call itself can tell.
-The next call can: when a rank's call now is the very call (line and signature) another rank
-made last time, while their previous lines differed, the previous call was paired wrongly
-(:func:`find_shift`, the rule of ``comm/pairing.py``), and every rank raises before this call
-reads any data. ``PHALANX_CALL_SITES=0`` turns the rule off (rank-dependent code that shifts
-legitimately).
+the rank's previous call (``comm/call_sites.py``). Positions pair calls: one rank's extra
+all_reduce meets the others' next one, and when the signatures agree no comparison of the call
+itself can tell. The next call can: when a rank's call now is the very call (line and
+signature) another rank made last time, while their previous lines differed, the previous call
+was paired wrongly (:func:`find_shift`, the rule of ``comm/pairing.py``), and every rank raises
+before this call reads any data. ``PHALANX_CALL_SITES=0`` turns the rule off (rank-dependent code
+that shifts legitimately).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class Call:
     offset: int = field(default=0, compare=False)
     """Its byte offset in this rank's part of that buffer."""
     site: int = field(default=0, compare=False)
-    """The line that issued it (``sites.py``; 0: unknown)."""
+    """The line that issued it (``comm/call_sites.py``; 0: unknown)."""
     prev_site: int = field(default=0, compare=False)
     """The line of this rank's previous call on the group."""
     prev_signature: int = field(default=0, compare=False)

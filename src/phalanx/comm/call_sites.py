@@ -1,11 +1,11 @@
-"""Where a collective was called from, as a number that every rank computes alike.
+"""Where a collective was called from: the first frame outside the transports.
 
-A call's descriptor carries the line of code that issued it (the first frame outside the
-transports, as ``comm.tracking.call_site`` finds it) as the CRC-32 of ``file:line``, and the
-line and signature of the rank's previous call. With them the ranks can tell a skipped or extra
-collective whose neighbours share a signature (``descriptor.find_shift``). A frame walk costs
-well under a microsecond here: whether a code object is a transport, and each line's number,
-are computed once and kept.
+:func:`call_site` gives it as text (``file:line in function``, for records and reports);
+:func:`site_of_caller` as a number every rank computes alike (the CRC-32 of that text), which the
+shm backend's call descriptors carry so that the ranks can tell a skipped or extra collective
+whose neighbours share a signature (``shm/descriptor.find_shift``). One frame walk serves both,
+and it costs well under a microsecond: whether a code object is a transport, and each line's
+number and text, are computed once and kept.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import sys
 import zlib
 from types import CodeType, FrameType
 
-from phalanx.comm.tracking import TRANSPORTS
+__all__ = ["TRANSPORTS", "UNKNOWN", "call_site", "describe", "site_of_caller"]
 
-__all__ = ["UNKNOWN", "describe", "site_of_caller"]
+TRANSPORTS = ("phalanx/comm/", "torch/", "phalanx/pipeline/p2p.py", "phalanx/parameter_server/wire")
+"""Frames a call site skips: the code that only moves tensors for its caller."""
 
 UNKNOWN = 0
 """No Python caller outside the transports (torch's DDP reducer calls from C++)."""
@@ -38,7 +39,8 @@ def _number(code: CodeType, line: int) -> int:
     if len(_numbers) >= _MAX:
         _numbers.clear()
         _names.clear()
-    where = f"{code.co_filename}:{line} in {code.co_name}"
+    path = code.co_filename.replace("\\", "/")
+    where = f"{path}:{line} in {code.co_name}"
     number = _numbers[(code, line)] = zlib.crc32(where.encode()) or 1
     _names[number] = where
     return number
@@ -58,6 +60,12 @@ def site_of_caller() -> int:
             return _numbers.get((code, line)) or _number(code, line)
         frame = frame.f_back
     return UNKNOWN
+
+
+def call_site() -> str:
+    """``file:line in function`` of the first caller outside the transports (``?``: none)."""
+    number = site_of_caller()
+    return _names.get(number, "?")  # UNKNOWN has no name
 
 
 def describe(number: int) -> str:
