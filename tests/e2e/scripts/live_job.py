@@ -32,7 +32,6 @@ that one is always in flight when a member is lost or admitted.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -41,7 +40,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from live_record import live_record  # this folder is on sys.path
+from live_record import live_record, publish  # this folder is on sys.path
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -165,4 +164,4 @@ record = {
     "tracked_steps": steps.n,
 }
 job.close()
-(out / f"{member}.{incarnation}.json").write_text(json.dumps(record))
+publish(out / f"{member}.{incarnation}.json", record)

@@ -26,7 +26,6 @@ before it makes its Job.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -37,7 +36,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from live_record import live_record  # this folder is on sys.path
+from live_record import live_record, publish  # this folder is on sys.path
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -103,4 +102,4 @@ params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 record = {**live_record(job, params, started_pid), "epochs": epochs, "stepped": stepped}
 if mode != "late":  # late: only the launcher's finish marker tells the waiting replacement
     job.close()
-(folder / f"{member}.{incarnation}.json").write_text(json.dumps(record))
+publish(folder / f"{member}.{incarnation}.json", record)

@@ -1,10 +1,12 @@
-"""What a live e2e script reports at its end: one JSON-able record per member (imported by
-the scripts beside this file, which run with this folder on ``sys.path``)."""
+"""What a live e2e script reports: one JSON-able record per member, published whole (imported
+by the scripts beside this file, which run with this folder on ``sys.path``)."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,3 +29,11 @@ def live_record(job: phalanx.Job, params: torch.Tensor, started_pid: int) -> dic
         "digest": hashlib.sha256(params.numpy().tobytes()).hexdigest(),
         "params": params.tolist(),
     }
+
+
+def publish(path: Path, record: dict[str, Any]) -> None:
+    """Write ``record`` as JSON so that a reader never sees it half written (the tests poll for
+    these files and read them at once: a plain write was once read empty beside a busy CI)."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    partial.write_text(json.dumps(record))
+    os.replace(partial, path)

@@ -15,7 +15,6 @@ group is ever made: the test is about the launcher.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -25,6 +24,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
+from live_record import publish  # this folder is on sys.path
 
 from phalanx.comm import join
 from phalanx.comm.auth import job_secret
@@ -57,14 +57,14 @@ def main() -> None:
     me = os.environ[live_keys.MEMBER_ENV]
     incarnation = int(os.environ[live_keys.INCARNATION_ENV])
     record = {"pid": os.getpid(), "env": {k: os.environ.get(k) for k in LIVE}}
-    (folder / f"{me}.{incarnation}.start.json").write_text(json.dumps(record))
+    publish(folder / f"{me}.{incarnation}.start.json", record)
     nodes, local = int(os.environ["GROUP_WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
     members = [live_keys.member_id(n, r) for n in range(nodes) for r in range(local)]
     watch_only, victim = victim.startswith("~"), victim.lstrip("~")
     if me == victim and incarnation == 0 and not watch_only:
         others = [folder / f"{m}.0.start.json" for m in members if m != victim]
         _wait_for("the other slots' start", lambda: all(p.exists() for p in others))
-        (folder / f"{me}.{incarnation}.kill.json").write_text(json.dumps({"at": time.time()}))
+        publish(folder / f"{me}.{incarnation}.kill.json", {"at": time.time()})
         os.kill(os.getpid(), signal.SIGKILL)
     signer = _signer()
     _wait_for("the death marker", lambda: live_keys.dead_incarnation(signer, victim) is not None)
@@ -73,7 +73,7 @@ def main() -> None:
         _wait_for("the replacement", (folder / f"{victim}.1.start.json").exists)
     dead = live_keys.dead_incarnation(signer, victim)
     end = {"pid": os.getpid(), "dead": dead, "seen_at": seen}
-    (folder / f"{me}.{incarnation}.end.json").write_text(json.dumps(end))
+    publish(folder / f"{me}.{incarnation}.end.json", end)
 
 
 if __name__ == "__main__":
