@@ -15,7 +15,7 @@ import pytest
 import phalanx
 from phalanx.bench.low_bandwidth import main, summarize
 from phalanx.bench.low_bandwidth_worker import METHODS, strategy_for
-from phalanx.bench.slow_link import unavailable
+from phalanx.bench.hosts import unavailable
 
 
 @pytest.mark.netns

@@ -1,6 +1,6 @@
 """``phalanx bench low_bandwidth``: data parallelism against communicating rarely, on a slow link.
 
-Two network namespaces joined by a veth capped at ``--mbit`` each way (``slow_link``: ``tc
+Two namespace hosts whose links are capped at ``--mbit`` each way (``bench.hosts``: ``tc
 tbf``) stand for two machines; each runs ``phalanx run`` with one training rank, so every
 byte between the workers crosses the slow link. One after another on that link, the methods
 train the same small char GPT from the same weights on the same token budget
@@ -37,7 +37,7 @@ from typing import Any
 
 from phalanx.bench.common import Output, add_output_flags
 from phalanx.bench.low_bandwidth_worker import METHODS
-from phalanx.bench.slow_link import Link, slow_link, unavailable
+from phalanx.bench.hosts import Hosts, namespace_hosts, unavailable
 
 __all__ = ["main", "summarize"]
 
@@ -52,7 +52,7 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _run_method(link: Link, method: str, out: Path, worker_args: list[str], timeout: float) -> None:
+def _run_method(link: Hosts, method: str, out: Path, worker_args: list[str], timeout: float) -> None:
     """Train ``method`` over ``link``: one agent per namespace (the first gets the PS server)."""
     port = str(random.randrange(20000, 30000))
     procs = []
@@ -150,7 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     worker_args = ["--steps", str(args.steps), "--sync-every", str(args.sync_every)]
     worker_args += ["--outer-lr", str(args.outer_lr), "--outer-momentum", str(args.outer_momentum)]
     rows: dict[str, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory(prefix="phalanx-lowbw-") as tmp, slow_link(args.mbit) as link:
+    with (
+        tempfile.TemporaryDirectory(prefix="phalanx-lowbw-") as tmp,
+        namespace_hosts(2, args.mbit, shared=[tmp]) as link,
+    ):
         for method in methods:
             _run_method(link, method, Path(tmp), worker_args, timeout=60 + 2.0 * args.steps)
             reports = [json.loads(p.read_text()) for p in Path(tmp).glob(f"{method}-rank*.json")]

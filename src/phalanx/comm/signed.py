@@ -227,6 +227,13 @@ class SignedStore:
             expected = got
         raise TimeoutError(f"store key {self.prefix + key!r} keeps being overwritten")
 
+    def supersede(self, key: str, old: bytes, value: object) -> bool:
+        """Replace exactly the frame ``old`` (as read at ``key``) with ``value``, atomically;
+        False when someone changed ``key`` first."""
+        mine = self.encode(key, value)
+        got = self.store.compare_set(self.prefix + key, old, mine)  # type: ignore[arg-type]
+        return bool(got == mine.encode())
+
     def bump(self, key: str, amount: int) -> int:
         """Add ``amount`` to the *unsigned* counter at ``key`` and return its value.
 

@@ -16,6 +16,7 @@ job.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import time
@@ -37,6 +38,7 @@ from phalanx.launch.live_keys import INCARNATION_ENV, MEMBER_ENV
 from phalanx.launch.live_nodes import NodeWatch, NotInJob, check_dropped, rejoin, rejoin_specs
 from phalanx.launch.live_outcome import NodeOutcome, verdict
 from phalanx.launch.logs import RunLogs
+from phalanx.launch.node_claims import PreviousLife
 from phalanx.launch.rendezvous import AgentStore, Rendezvous, RendezvousError, StoreLost
 from phalanx.launch.summary import Failure, describe_failure, failure_of, format_summary
 from phalanx.launch.worker_store import WorkerStore
@@ -120,15 +122,18 @@ class Agent:
             raise AgentStopped(self.signals[0])
 
     def _run(self) -> int:
+        if self.cfg.node_rank_auto:
+            self._take_node_rank()
         if self.node == 0:
             run_id = self.cfg.rdzv_id or uuid.uuid4().hex[:12]
             self.store.publish_config(run_id, self.cfg.max_restarts)
         if self.cfg.recovery == "live":
             return self._run_live()
-        g = 0
+        g = 0 if self.node == 0 else self.store.generation(self.cfg.rdzv_timeout, self.check_stop)
         while True:
             self.generation = g
             rdzv = self._rendezvous(g)
+            g = self.generation = rdzv.generation
             failure = self._start_workers(rdzv) or self._monitor(g)
             if failure is None:
                 return self._finish(g)
@@ -138,15 +143,43 @@ class Agent:
                 continue
             return self._fail(g, failure, rdzv.max_restarts)
 
+    def _take_node_rank(self) -> None:
+        """Started without --node-rank, not hosting the store: take a free node rank."""
+        self.node = self.store.take_node_rank(self.cfg.rdzv_timeout, self.check_stop)
+        self.cfg = dataclasses.replace(self.cfg, node_rank=self.node, node_rank_auto=False)
+        self.log(
+            f"node rank {self.node} of {self.cfg.nnodes} taken at the rendezvous store "
+            f"{self.cfg.master_addr}:{self.cfg.master_port} (no --node-rank given)"
+        )
+
     def _restartable(self, failure: Failure) -> bool:
         """A worker failed, or (``--nnodes MIN:MAX``) a node was lost: the rest go on."""
         elastic = 0 < self.cfg.min_nodes < self.cfg.nnodes
         return failure.rank >= 0 or (elastic and _silent(failure))
 
     def _rendezvous(self, g: int) -> Rendezvous:
+        """Meet the other nodes at generation ``g`` (a relaunched node: at the next one)."""
+        while True:
+            try:
+                return self._meet(g)
+            except PreviousLife as previous:
+                if self.cfg.recovery == "live":  # its rejoin is :meth:`_rejoin_live`'s
+                    raise RendezvousError(
+                        f"node {self.node}: this host's previous agent (pid "
+                        f"{previous.claim.pid}) joined the live job before it formed"
+                    ) from None
+                self.log(
+                    f"node {self.node}: this host's previous agent (pid {previous.claim.pid}) "
+                    f"holds the node's place in generation {g}; joining the job's next "
+                    f"generation when node 0 starts it"
+                )
+                g = self.store.wait_generation(g, self.cfg.rdzv_timeout, self.check_stop)
+
+    def _meet(self, g: int) -> Rendezvous:
         port = None
         new_store = None
         if self.node == 0:
+            self.store.publish_generation(g)
             timeout = timedelta(seconds=self.cfg.rdzv_timeout)
             run_id = self.store.config.run_id if self.store.config else ""
             secret = self.store.signed.secret

@@ -171,8 +171,11 @@ _UNSUPPORTED_KEYS = {
 }
 
 
-def _restates(key: str, value: str, node_rank: int) -> str | None:
-    """Why ``key=value`` contradicts phalanx's rendezvous, or None when it agrees."""
+def _restates(key: str, value: str, node_rank: int | None) -> str | None:
+    """Why ``key=value`` contradicts phalanx's rendezvous, or None when it agrees (a node rank
+    taken at the rendezvous, None, agrees with any ``rank`` and ``is_host``)."""
+    if node_rank is None and key in ("rank", "is_host"):
+        return None
     if key == "rank" and value != str(node_rank):
         return f"it contradicts --node-rank {node_rank}"
     if key == "is_host" and (value.lower() in ("1", "true", "yes")) != (node_rank == 0):
@@ -182,7 +185,7 @@ def _restates(key: str, value: str, node_rank: int) -> str | None:
     return None
 
 
-def rdzv_conf(raw: str, node_rank: int) -> dict[str, str]:
+def rdzv_conf(raw: str, node_rank: int | None) -> dict[str, str]:
     """Parse ``key=value,...`` like torchrun; return the timeout keys phalanx honours.
 
     Keys that restate phalanx's rendezvous (``rank``, ``is_host``, ``store_type``) are checked

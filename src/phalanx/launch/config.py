@@ -97,6 +97,9 @@ class LaunchConfig:
     """``--nnodes MIN:MAX``: a generation may start with MIN..MAX nodes (0: all ``nnodes``)."""
     node_rank: int = 0
     """Index of this node; node 0 hosts the rendezvous store."""
+    node_rank_auto: bool = False
+    """No ``--node-rank`` under ``--rdzv-backend c10d`` (torchrun's form): the agent that hosts
+    the store is node 0, the others take a free rank there (``node_rank`` is 0 until then)."""
     master_addr: str = DEFAULT_MASTER_ADDR
     """Host of node 0's rendezvous store."""
     master_port: int = DEFAULT_MASTER_PORT

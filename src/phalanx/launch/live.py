@@ -36,6 +36,7 @@ import dataclasses
 import secrets
 import time
 from collections.abc import Callable
+from typing import Any
 
 from phalanx.comm.signed import SignedStore
 from phalanx.launch.events import Events
@@ -55,6 +56,12 @@ from phalanx.launch.workers import Worker, WorkerGroup, WorkerSpec
 __all__ = ["JobBoard", "LiveNode"]
 
 KEYS = "phalanx/live/"
+
+
+def _finish(value: Any) -> float:
+    if not (isinstance(value, dict) and isinstance(value.get("at"), int | float)):
+        raise TypeError("the first finish is an object with a time")
+    return float(value["at"])
 
 
 class JobBoard:
@@ -79,12 +86,17 @@ class JobBoard:
     def note_finished(self, member: str) -> None:
         """Say (once) that a worker of the job finished: later deaths are not replaced."""
         if not self._finished:
-            store_call(self.signed.first, f"{KEYS}finished", {"member": member})
+            first = {"member": member, "at": time.time()}
+            store_call(self.signed.first, f"{KEYS}finished", first)
             self._finished = True
 
     def someone_finished(self) -> bool:
         """True when some worker of the job, on any node, has finished."""
         return self._finished or store_call(self.signed.get, f"{KEYS}finished") is not None
+
+    def finished_at(self) -> float | None:
+        """When (``time.time()``) the job's first worker finished, if one has."""
+        return store_call(self.signed.get, f"{KEYS}finished", _finish)
 
     def publish(self, outcome: NodeOutcome) -> None:
         """Publish a node's outcome (all of its workers have exited, or node 0 lost it). The

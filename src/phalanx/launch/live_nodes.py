@@ -81,8 +81,11 @@ class NodeWatch:
         return [n for n in self.store.members if n not in self.lost]
 
     def _declare_lost(self, node: int) -> None:
-        life = self.store.lives.get(node, 0)
-        late = self.board.someone_finished()
+        # Its workers died when the node went silent, not now: the survivors may have gone on
+        # without them and finished meanwhile, which makes them lost, not dead after a finish.
+        life, gone = self.store.lives.get(node, 0), self.store.heard_at(node)
+        finished = self.board.finished_at()
+        late = finished is not None and finished < gone
         why = f"no heartbeat from its agent for {self.silence:g} s, PHALANX_NODE_SILENCE_TIMEOUT"
         deaths = []
         for local, rank in enumerate(self.store.ranks(0, node)):
@@ -90,7 +93,7 @@ class NodeWatch:
             incarnation = self.board.incarnation(member)
             report_death(self.dead, member, incarnation)
             failure = Failure(rank, local, node, 0, 1, reason=f"node {node} lost: {why}")
-            deaths.append(Death(member, incarnation, time.time(), failure, False, late))
+            deaths.append(Death(member, incarnation, gone, failure, False, late))
             self.log(
                 f"node {node} lost ({why}): rank {rank} (member {member}, incarnation "
                 f"{incarnation}) is lost; the others go on at a smaller world. To bring the "

@@ -28,12 +28,16 @@ import torch.distributed as dist
 
 from phalanx.comm.signed import Rejected, SignedStore, claimed
 from phalanx.launch import agent_values as values
+from phalanx.launch.node_claims import NoNodeRank, PreviousLife, is_previous_life, my_claim
+from phalanx.launch.node_claims import take_node_rank as _take_node_rank
 from phalanx.launch.summary import Failure, describe_failure
 
 __all__ = ["AgentStore", "Rendezvous", "RendezvousError", "StoreLost", "store_call"]
 
 T = TypeVar("T")
 CONFIG_KEY = "phalanx/config"
+GENERATION_KEY = "phalanx/generation"
+"""Node 0's current generation, where a relaunched agent starts."""
 POLL_S = 0.05
 LAST_CALL_S = 3.0
 """With ``--nnodes MIN:MAX``: once MIN nodes joined, how long node 0 waits for the others."""
@@ -106,7 +110,7 @@ class AgentStore:
         """Node ranks of the current generation (all of them unless the job is elastic)."""
         self._log = log
         self._token = secrets.token_hex(8)
-        """Tells this agent's claim of its node rank from a twin's."""
+        """Tells this agent's claims of its node rank from a twin's."""
         self._beat = 0
         self._next_beat = 0.0
         self._next_check = 0.0
@@ -263,18 +267,63 @@ class AgentStore:
             time.sleep(POLL_S)
 
     def _claim_node_rank(self, g: int) -> None:
-        """Fail everyone when two agents use the same --node-rank (else the job just hangs)."""
-        claim = asdict(values.Claim(self._token, _host(), os.getpid()))
+        """Fail everyone when two agents use the same --node-rank (else the job just hangs).
+
+        Raises:
+            PreviousLife: the claim is this host's previous, dead agent's (a relaunch).
+        """
         key = self._key(g, "joined", self.node_rank)
-        first = self._call(self.signed.first, key, claim, values.claim)
+        first = self._call(self.signed.first, key, asdict(my_claim(self._token)), values.claim)
         if first.token == self._token:
             return
+        if is_previous_life(first, self._token):
+            raise PreviousLife(g, first)
         reason = (
             f"two agents joined as node {self.node_rank} (the other on {first.host}, pid "
             f"{first.pid}); give every node its own --node-rank (0..{self.nnodes - 1})"
         )
         self.publish_failure(g, Failure(-1, -1, self.node_rank, os.getpid(), 1, reason=reason))
         raise RendezvousError(reason)
+
+    def publish_generation(self, g: int) -> None:
+        """Node 0: generation ``g`` is the job's current one."""
+        self._put(GENERATION_KEY, g)
+
+    def generation(self, timeout: float, check_stop: Callable[[], None]) -> int:
+        """The job's current generation (0 before node 0 published one)."""
+        self.config or self._read_config(timeout, check_stop)
+        return self._get(GENERATION_KEY, values.count) or 0
+
+    def wait_generation(self, after: int, timeout: float, check_stop: Callable[[], None]) -> int:
+        """Wait until node 0 starts a generation later than ``after``; return it.
+
+        Raises:
+            RendezvousError: none started within ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        while (g := self.generation(timeout, check_stop)) <= after:
+            check_stop()
+            if time.monotonic() > deadline:
+                raise RendezvousError(
+                    f"node {self.node_rank}: this host's previous agent holds its place in "
+                    f"generation {after}, and node 0 started no later generation within "
+                    f"--rdzv-timeout {timeout:.0f} s (a job with --max-restarts 0 cannot take "
+                    f"a relaunched node back)"
+                )
+            time.sleep(POLL_S)
+        return g
+
+    def take_node_rank(self, timeout: float, check_stop: Callable[[], None]) -> int:
+        """An agent started without --node-rank that does not host the store: take a rank
+        (:func:`phalanx.launch.node_claims.take_node_rank`)."""
+        self.config or self._read_config(timeout, check_stop)
+        try:
+            self.node_rank = _take_node_rank(
+                self.signed, self.nnodes, self._token, timeout, check_stop, self.where
+            )
+        except NoNodeRank as exc:
+            raise RendezvousError(str(exc)) from None
+        return self.node_rank
 
     def _missing_nodes(self, g: int) -> list[int]:
         joined = self._joined(g)
@@ -386,6 +435,12 @@ class AgentStore:
             elif now - since > timeout:
                 silent.append(n)
         return silent
+
+    def heard_at(self, node: int) -> float:
+        """When (``time.time()``) node 0 last saw ``node``'s heartbeat grow (or began to watch
+        it): about when a silent node went away."""
+        _, since = self._beats.get(node, (0, time.monotonic()))
+        return time.time() - (time.monotonic() - since)
 
 
 def _beat_key(node: int, life: int) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import ipaddress
 import os
 from datetime import timedelta
@@ -21,32 +23,48 @@ def _log(message: str) -> None:
     CONSOLE.line("stderr", f"phalanx run: {message}")
 
 
-def _open_agent_store(cfg: LaunchConfig) -> Any:
-    """Node 0 hosts the agent store on exactly the master address; other nodes connect to it."""
+def _open_agent_store(cfg: LaunchConfig, addrs: list[str]) -> tuple[Any, LaunchConfig]:
+    """Node 0 hosts the agent store on exactly the master address; other nodes connect to it.
+
+    Without --node-rank (torchrun's c10d form), an agent on the machine that owns the address
+    hosts the store and is node 0, unless another agent here already does; the others connect
+    and take a node rank at the rendezvous (:class:`~phalanx.launch.agent.Agent`).
+    """
     from phalanx.comm.store import connect_store, host_store
 
     timeout = timedelta(seconds=cfg.rdzv_timeout)
     addr = cfg.master_addr
-    if cfg.node_rank == 0:
+    hosts = _ours(addrs) if cfg.node_rank_auto else cfg.node_rank == 0
+    if hosts:
         try:
             store, port = host_store(addr, cfg.master_port, timeout)
         except OSError as exc:
-            raise PreflightError(
-                f"node 0 cannot host the rendezvous store on {addr}:{cfg.master_port}: "
-                f"{exc.strerror or exc}"
-            ) from None
-        _log(f"node 0 of {cfg.nnodes}: rendezvous store listening on {addr}:{port}")
-        return store
+            if not (cfg.node_rank_auto and exc.errno == errno.EADDRINUSE):
+                raise PreflightError(
+                    f"node 0 cannot host the rendezvous store on {addr}:{cfg.master_port}: "
+                    f"{exc.strerror or exc}"
+                ) from None
+        else:
+            _log(f"node 0 of {cfg.nnodes}: rendezvous store listening on {addr}:{port}")
+            return store, dataclasses.replace(cfg, node_rank=0, node_rank_auto=False)
     wait_for_master(addr, cfg.master_port, cfg.rdzv_timeout, _log)
     try:
-        return connect_store(addr, cfg.master_port, timeout)
+        return connect_store(addr, cfg.master_port, timeout), cfg
     except ConnectionError as exc:
         raise PreflightError(str(exc)) from None
 
 
+def _ours(addrs: list[str]) -> bool:
+    """Whether one of ``addrs`` (the master address, resolved) belongs to this machine."""
+    return any(
+        ipaddress.ip_address(a.split("%")[0]).is_loopback or interface_owning(a) is not None
+        for a in addrs
+    )
+
+
 def _warn_if_loopback(cfg: LaunchConfig, addrs: list[str]) -> None:
     """A multi-node master on loopback (e.g. a hostname mapped to 127.0.1.1) is unreachable."""
-    if cfg.node_rank != 0 or cfg.nnodes == 1:
+    if cfg.node_rank != 0 or cfg.node_rank_auto or cfg.nnodes == 1:
         return
     if any(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs):
         _log(
@@ -121,7 +139,7 @@ def main(argv: list[str]) -> int:
         addrs = resolve_host(cfg.master_addr)
         _warn_if_loopback(cfg, addrs)
         _warn_without_secret(cfg, addrs)
-        store = _open_agent_store(cfg)
+        store, cfg = _open_agent_store(cfg, addrs)
     except PreflightError as exc:
         _log(f"error: {exc}")
         return 1
