@@ -121,3 +121,19 @@ def test_unreachable_network_fails_fast(two_hosts: Hosts) -> None:
     assert proc.returncode == 1
     assert "cannot reach the master 10.99.0.1:29561: network is unreachable" in proc.stderr
     assert float(proc.stdout.split("ELAPSED ")[1]) < 5.0
+
+
+def test_a_host_with_another_secret_is_refused_by_name(two_hosts: Hosts) -> None:
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", two_hosts.addr[0]]
+    common += ["--master-port", "29569", "--rdzv-timeout", "30", SCRIPT]
+    node0 = start_on(two_hosts, 0, "--node-rank", "0", *common, PHALANX_JOB_SECRET="ab" * 32)
+    try:
+        node1 = start_on(two_hosts, 1, "--node-rank", "1", *common, PHALANX_JOB_SECRET="cd" * 32)
+        out, err = node1.communicate(timeout=scaled(60))
+    finally:
+        stop(node0)
+    assert node1.returncode == 1, out + err
+    assert "node 1 on mh1 cannot join job" in err, err
+    assert f"at the rendezvous store {two_hosts.addr[0]}:29569" in err, err
+    assert "set the same PHALANX_JOB_SECRET on every node" in err, err
+    assert "[rank" not in out  # no worker started
