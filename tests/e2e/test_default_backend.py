@@ -12,6 +12,7 @@ import pytest
 
 from phalanx.comm.env import discover_env
 from phalanx.comm.group import resolve_backend, shares_one_machine
+from tests.e2e.launching import run_ok, standalone
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(Path(__file__).resolve().parent / "scripts" / "show_backend.py")
@@ -34,6 +35,14 @@ def test_cpu_ranks_on_one_machine_default_to_shm_and_gloo_opts_out() -> None:
         assert f"[rank {rank}] BACKEND gloo SUM 2" in gloo.stdout, gloo.stdout
     assert "default backend shm (CPU ranks on one machine; --backend gloo opts out)" in auto.stderr
     assert ", backend gloo, --recovery restart)" in gloo.stderr
+
+
+def test_backend_shm_can_be_chosen_and_the_start_up_line_says_so() -> None:
+    """Issue 35, point 5: ``--backend shm`` was refused ("not one of auto, gloo, nccl, mpi")."""
+    out, err = run_ok([*standalone(2), "--backend", "shm", SCRIPT])
+    for rank in (0, 1):
+        assert f"[rank {rank}] BACKEND shm SUM 2" in out, out
+    assert ", backend shm (shared memory: every rank on this machine), --recovery" in err, err
 
 
 def test_only_a_launchers_word_puts_ranks_on_one_machine(monkeypatch: pytest.MonkeyPatch) -> None:

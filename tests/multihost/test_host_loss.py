@@ -60,6 +60,9 @@ def test_node_loss_continues_on_the_remaining_node(two_hosts: Hosts, tmp_path: P
     assert "generation 1 starts with nodes [0]" in err
     assert "resumed from" in out + err
     assert "[rank 0] DONE WORLD 2 STEPS" in out
+    assert "default backend gloo (CPU ranks on several machines)" in err
+    shrunk = "default backend shm (changed from gloo: CPU ranks on one machine; --backend gloo"
+    assert shrunk in err, err
 
 
 def test_a_rebooted_host_rejoins_in_restart_mode(two_hosts: Hosts, tmp_path: Path) -> None:

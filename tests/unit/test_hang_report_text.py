@@ -95,3 +95,33 @@ def test_too_many_distinct_stacks_are_cut(monkeypatch: pytest.MonkeyPatch) -> No
     for r in (1, 2, 3):
         answers[r] = Answer(103.0, None, [f"stack {r}\n"], [_rec(1)])
     assert "(1 more distinct stacks left out)" in build_report(inc, answers, {})
+
+
+def test_a_silent_machine_is_named_as_maybe_cut_off() -> None:
+    """Issue 35, point 7: after a cut link, no rank of the other machine can answer; the
+    report names the link beside the other causes."""
+    inc, answers, _ = _case()
+    answers[0] = Answer(102.6, inc.stuck, ["x\n"], [_rec(1), inc.stuck], host="mh0")
+    del answers[1]
+    lines = ["rank {} (host mh1, 10.0.0.2, pid 7) did not answer (dead, or stuck ...)"]
+    silent = {r: Silent([lines[0].format(r)], elsewhere=("mh1", "10.0.0.2")) for r in (1, 2)}
+    silent[3] = Silent(["rank 3 (host mh2, pid 9) did not answer"], elsewhere=("mh2", ""))
+    text = build_report(inc, answers, silent)
+    assert (
+        "No rank on host mh1 (10.0.0.2) answered (rank(s) [1, 2], on another machine than the "
+        "reporting rank): the network link to mh1 may be down or partitioned, besides those "
+        "ranks being dead or stuck; check that this machine reaches 10.0.0.2 and that they "
+        "still run."
+    ) in text
+    assert "No rank on host mh2 answered (rank(s) [3]" in text and "reaches mh2 and" in text
+    assert "rank 1 (host mh1, 10.0.0.2, pid 7) did not answer" in text  # the other causes stay
+
+
+def test_no_link_is_blamed_on_this_machine_or_where_a_rank_answered() -> None:
+    inc, answers, _ = _case()
+    answers[1] = Answer(103.0, None, ["x\n"], [_rec(1)], host="mh1")  # mh1 reached the store
+    silent = {
+        2: Silent(["rank 2 did not answer"], elsewhere=("mh1", "10.0.0.2")),
+        3: Silent(["rank 3 is dead, killed by SIGKILL."]),  # on the reporter's machine
+    }
+    assert "network link" not in build_report(inc, answers, silent)

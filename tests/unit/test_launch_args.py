@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
+from phalanx.comm.netif import interface_for
 from phalanx.launch.args import ArgsError, LaunchConfig, parse_args
-from phalanx.launch.netif import interface_for
 from phalanx.launch.run import _warn_if_loopback
 from phalanx.launch.summary import Failure, format_summary, last_exception_line
 from phalanx.launch.worker_env import JobContext, Placement, worker_env
@@ -98,7 +98,7 @@ def test_nnodes_range_with_equal_bounds_is_fixed() -> None:
         (["--master-port", "70000"], "--master-port 70000 is outside the valid port range"),
         (["--master-port", "0"], "--master-port 0 is outside"),
         (["--rdzv-endpoint", "h:x"], "--rdzv-endpoint 'x' is not a port"),
-        (["--backend", "foo"], "--backend 'foo' is not one of auto, gloo, nccl, mpi"),
+        (["--backend", "foo"], "--backend 'foo' is not one of auto, gloo, nccl, mpi, shm"),
         (["--nnodes", "3:2"], "--nnodes 3:2: MIN=3 is larger than MAX=2"),
         (["--monitor-interval", "0"], "--monitor-interval 0 is invalid"),
         (["--rdzv-timeout", "soon"], "--rdzv-timeout 'soon' is not a number"),

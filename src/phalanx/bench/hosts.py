@@ -33,7 +33,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -178,14 +178,10 @@ def _start_holder(ns: str, name: str, carried: list[str]) -> subprocess.Popen[st
 
 def _kill_group(proc: subprocess.Popen[str]) -> None:
     if proc.poll() is None:
-        try:
+        with suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    try:
+    with suppress(subprocess.TimeoutExpired, ValueError):
         proc.communicate(timeout=10)
-    except (subprocess.TimeoutExpired, ValueError):
-        pass
 
 
 @contextmanager

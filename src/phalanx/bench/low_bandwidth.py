@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.bench.common import Output, add_output_flags
-from phalanx.bench.low_bandwidth_worker import METHODS
 from phalanx.bench.hosts import Hosts, namespace_hosts, unavailable
+from phalanx.bench.low_bandwidth_worker import METHODS
 
 __all__ = ["main", "summarize"]
 
@@ -52,7 +52,9 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _run_method(link: Hosts, method: str, out: Path, worker_args: list[str], timeout: float) -> None:
+def _run_method(
+    link: Hosts, method: str, out: Path, worker_args: list[str], timeout: float
+) -> None:
     """Train ``method`` over ``link``: one agent per namespace (the first gets the PS server)."""
     port = str(random.randrange(20000, 30000))
     procs = []

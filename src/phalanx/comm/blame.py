@@ -8,7 +8,9 @@ dying peer to be gone:
 
 - a peer on this host: whether its process lives, its fatal-signal stack (faulthandler) and its
   call ring (:mod:`.call_ring`, written as it entered each call: exact, even after its death);
-- a peer on another host: its last progress snapshot, said to be one, and where its files are.
+- a peer on another host: its last progress snapshot, said to be one, and where its files are;
+  and that the network link to that host may be down or partitioned (unless a mismatch or a
+  death on this host explains the failure).
 
 A dead rank's last calls are compared with this rank's (:mod:`.pairing`), so a shape, dtype or
 op mismatch is named with both calls even though gloo killed one side.
@@ -53,6 +55,8 @@ class PeerState:
     dead: bool = False
     calls: list[Record] | None = None
     stack: list[str] = field(default_factory=list)
+    elsewhere: tuple[str, str] | None = None
+    """``(host name, address)`` of the other machine it runs on (None: this one, or unknown)."""
 
 
 def _last(calls: list[Record], group: str) -> Record | None:
@@ -91,18 +95,38 @@ def peer_state(rank: int, peer: Peer | None, group: str, seq: int, snapshot: Sna
         state = "had entered it" if last.seq >= seq else "never reached it"
         text = f"rank {rank} {state}; its last call: {_call(last)}."
         return PeerState(rank, last.seq >= seq, text, calls=calls)
+    away = (peer.host, peer.addr) if peer is not None and peer.elsewhere() else None
     snap = snapshot(rank)
     if snap is None or group not in snap:
-        return PeerState(rank, None, f"rank {rank} reported no collective yet.")
+        return PeerState(rank, None, f"rank {rank} reported no collective yet.", elsewhere=away)
     last_seq = int(snap[group][0])  # type: ignore[call-overload]
     if last_seq >= seq:
-        return PeerState(rank, True, f"rank {rank} had entered it (progress report #{last_seq}).")
+        text = f"rank {rank} had entered it (progress report #{last_seq})."
+        return PeerState(rank, True, text, elsewhere=away)
     files = "" if peer is None else f"; its files: {peer.where('fatal')}, {peer.where('calls')}"
     text = (
         f"rank {rank} had entered #{last_seq} ({snap[group][1]}) as of its last progress report "
         f"(sent every 0.5 s: it may have gone further since{files})."
     )
-    return PeerState(rank, None, text)
+    return PeerState(rank, None, text, elsewhere=away)
+
+
+def _cut_off(states: list[PeerState]) -> list[str]:
+    """For the peers on other machines: the network link to each may be down or partitioned.
+
+    Their state comes from progress reports that stop when the link does, so a peer cut off
+    looks as if it had entered the call, or fell behind, or died: the link is named beside
+    those causes, never instead of them.
+    """
+    hosts: dict[tuple[str, str], list[int]] = {}
+    for s in states:
+        if s.elsewhere is not None:
+            hosts.setdefault(s.elsewhere, []).append(s.rank)
+    return [
+        f"rank(s) {ranks} run on another machine ({host}{', ' + addr if addr else ''}): the "
+        f"network link to it may be down or partitioned."
+        for (host, addr), ranks in hosts.items()
+    ]
 
 
 @dataclass(frozen=True)
@@ -145,6 +169,8 @@ def explain(
         lines.append(f"rank(s) {behind} never reached it.")
     elif not known and not any(s.dead for s in states) and all(s.reached for s in states):
         lines.append("every rank had reached it (a peer may have died during it).")
+    if div is None and not known and not any(s.dead for s in states):
+        lines.extend(_cut_off(states))
     stacks = []
     for s in states:
         lines.append(s.text)

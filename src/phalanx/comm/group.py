@@ -2,8 +2,9 @@
 
 ``init_process_group()`` with no arguments reads the launcher's environment (see ``env.py``),
 picks NCCL when this local rank has a CUDA device, the shared-memory backend when the launcher
-put every (CPU) rank on this machine, and gloo otherwise, binds the device, and
-returns a frozen :class:`World`. The store it rendezvouses through is created here (not by torch)
+put every (CPU) rank on this machine, and gloo otherwise, pins gloo's interface where no launcher
+did (``GLOO_SOCKET_IFNAME``, as ``phalanx run`` does), binds the device, and returns a frozen
+:class:`World`. The store it rendezvouses through is created here (not by torch)
 so that the listener binds only the master address, and so that phalanx can keep a handle on it
 for collective validation and progress tracking (``tracking.py``).
 """
@@ -25,10 +26,12 @@ import torch.distributed as dist
 from phalanx._check import check_bool, check_choice, check_int, check_timeout
 from phalanx.comm import join, tracking
 from phalanx.comm.auth import job_secret
+from phalanx.comm.backends import BACKENDS, auto_backend
 from phalanx.comm.env import LaunchEnv, discover_env
 from phalanx.comm.flags import tracking_flags
 from phalanx.comm.init_method import InitMethod, parse_init_method
 from phalanx.comm.main_first import main_first
+from phalanx.comm.netif import GLOO_IFNAME, gloo_interface
 from phalanx.comm.signed import SignedStore
 from phalanx.comm.store import connect_store, host_store
 
@@ -37,11 +40,13 @@ log = logging.getLogger(__name__)
 __all__ = [
     "World",
     "adopt_world",
+    "auto_backend",
     "destroy_process_group",
     "init_process_group",
     "is_initialized",
     "is_main",
     "main_first",
+    "pin_gloo_interface",
     "process_group",
     "resolve_backend",
     "signed_store",
@@ -49,7 +54,6 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT = timedelta(seconds=300)
-BACKENDS = ("auto", "gloo", "nccl", "mpi", "shm")
 WHERE = "init_process_group"
 
 
@@ -116,9 +120,8 @@ def resolve_backend(backend: str | None, local_rank: int, one_machine: bool = Fa
         if name == "nccl" and not torch.cuda.is_available():
             raise ValueError("backend='nccl' needs a CUDA device and none is visible; use 'gloo'")
         return name
-    if torch.cuda.is_available() and local_rank < torch.cuda.device_count():
-        return "nccl"
-    return "shm" if one_machine else "gloo"
+    gpu = torch.cuda.is_available() and local_rank < torch.cuda.device_count()
+    return auto_backend(gpu, one_machine)[0]
 
 
 def shares_one_machine(env: LaunchEnv, world_size: int) -> bool:
@@ -181,6 +184,36 @@ def _rank_and_size(
             f"init_process_group: rank={r} is outside 0..{n - 1} (world_size={n}{origin})"
         )
     return r, n
+
+
+def _master_host(method: InitMethod | None, env: LaunchEnv) -> str | None:
+    """The host every rank reaches to meet (None: a file store, or one process alone)."""
+    if method is None or method.scheme == "file":
+        return None
+    return method.host if method.scheme == "tcp" else env.master_addr
+
+
+def pin_gloo_interface(master: str | None, rank: int) -> str | None:
+    """Set ``GLOO_SOCKET_IFNAME`` in this process as ``phalanx run`` sets it for its workers.
+
+    torchrun, SLURM and ranks started by hand leave gloo to pick its interface by resolving the
+    host name, which falls back to loopback where the name does not resolve: ranks on other
+    machines then cannot connect. The interface routing to ``master`` is pinned instead
+    (:func:`phalanx.comm.netif.gloo_interface`), never over the user's own value; every gloo
+    group this process makes afterwards (the default one, ``new_group``, shm's gloo
+    underneath) reads it. Returns the interface pinned, or None.
+    """
+    name = gloo_interface(os.environ, master)
+    if name is not None:
+        os.environ[GLOO_IFNAME] = name
+        log.info(
+            "rank %d: GLOO_SOCKET_IFNAME=%s, the interface that routes to the master %s "
+            "(set GLOO_SOCKET_IFNAME to choose another)",
+            rank,
+            name,
+            master,
+        )
+    return name
 
 
 def _first(*values: int | None) -> int | None:
@@ -259,6 +292,8 @@ def init_process_group(
     else:
         if method is None and (env.master_addr or world_size > 1):
             method = InitMethod("env")
+        if world_size > 1:
+            pin_gloo_interface(_master_host(method, env), rank)
         if method is None:
             opened = _Opened(dist.HashStore(), _Role.NONE, "a local store")
         else:

@@ -39,6 +39,8 @@ class Answer:
     stack: list[str]
     """``traceback.format_stack`` lines (most recent call last)."""
     records: list[Record]
+    host: str = ""
+    """Its host name ("" when it did not say)."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,9 @@ class Silent:
     """Its last calls from its ring file (None: not readable from the opener's host)."""
     stack: list[str] = field(default_factory=list)
     """Its main thread from a faulthandler dump (most recent call first), if any."""
+    elsewhere: tuple[str, str] | None = None
+    """``(host name, address)`` of the other machine it runs on (address "" when it did not
+    say); None when it runs on the reporter's machine, or nobody knows where."""
 
 
 def _waiting(rank: int, rec: Record, at: float) -> str:
@@ -103,6 +108,30 @@ def _behind(
     return behind, f"operation with rank {inc.opener}", inc.opener
 
 
+def _cut_off(answers: dict[int, Answer], silent: dict[int, Silent]) -> list[str]:
+    """The other machines none of whose ranks answered: the network to them may be down.
+
+    A rank that answered reached the store from its machine, so a machine with one such rank
+    is not cut off; one whose every known rank is silent may be (its ranks cannot answer
+    through a link that carries nothing), as well as its ranks being dead or stuck.
+    """
+    answered = {a.host for a in answers.values() if a.host}
+    hosts: dict[tuple[str, str], list[int]] = {}
+    for r, s in sorted(silent.items()):
+        if s.elsewhere is not None and s.elsewhere[0] not in answered:
+            hosts.setdefault(s.elsewhere, []).append(r)
+    lines = []
+    for (host, addr), ranks in hosts.items():
+        label = f"{host} ({addr})" if addr else host
+        lines.append(
+            f"No rank on host {label} answered (rank(s) {ranks}, on another machine than the "
+            f"reporting rank): the network link to {host} may be down or partitioned, besides "
+            f"those ranks being dead or stuck; check that this machine reaches {addr or host} "
+            f"and that they still run."
+        )
+    return lines
+
+
 def build_report(inc: Incident, answers: dict[int, Answer], silent: dict[int, Silent]) -> str:
     """The report of incident ``inc``: who waits where, who is behind, why, their stacks."""
     stuck = inc.stuck
@@ -121,6 +150,7 @@ def build_report(inc: Incident, answers: dict[int, Answer], silent: dict[int, Si
     div = first_divergence(records)
     if div is not None:
         lines.append("First divergence: " + div.describe() + ".")
+    lines.extend(_cut_off(answers, silent))
     for r in behind:
         if r in answers:
             lines.append(f"rank {r}: last completed {what}: {_last_done(records[r], peer_of)}")

@@ -16,11 +16,13 @@ GIL, so each rank keeps three files in one directory per host and job,
   process (measured: a segfault in 1 of 3 runs of a loop of 800,000 calls).
 - ``rank-<r>.calls``: the ring of the last collective calls (:mod:`.call_ring`).
 
-The token is agreed through the store; each rank publishes ``who/<r>`` (host, pid, directory,
-main thread id) so a reporter knows whether it can read a peer's files, and says where they
-are when it cannot (``HOST:PATH``). A clean exit removes the files; after a crash they stay
-as evidence (``phalanx.testing.run_distributed`` points ``PHALANX_RANK_DIR`` into its own
-temporary directory). A forked child (a DataLoader worker) stops writing into them.
+The token is agreed through the store; each rank publishes ``who/<r>`` (host, the address it
+reaches the master from, machine, pid, directory, main thread id) so a reporter knows whether it
+can read a peer's files, says where they are when it cannot (``HOST:PATH``), and names the
+other machine when a peer there may be cut off by the network. A clean exit removes the files;
+after a crash they stay as evidence (``phalanx.testing.run_distributed`` points
+``PHALANX_RANK_DIR`` into its own temporary directory). A forked child (a DataLoader worker)
+stops writing into them.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from typing import Any, BinaryIO
 
 from phalanx.comm.call_ring import CallRing, read_calls
 from phalanx.comm.flight import Record
+from phalanx.comm.netif import local_ip_for
 from phalanx.comm.signed import SignedStore
 
 __all__ = ["Peer", "RankFiles", "fatal_signal", "open_rank_files", "peers", "thread_stack"]
@@ -219,6 +222,7 @@ def open_rank_files(store: SignedStore, rank: int) -> RankFiles | None:
         files = None
     who = {
         "host": socket.gethostname(),
+        "addr": _address(),
         "machine": machine_id(),
         "pid": os.getpid(),
         "dir": "" if files is None else str(directory),
@@ -226,6 +230,13 @@ def open_rank_files(store: SignedStore, rank: int) -> RankFiles | None:
     }
     store.put(f"who/{rank}", who)
     return files
+
+
+def _address() -> str:
+    """The address this rank reaches the master from ("" when there is no MASTER_ADDR or no
+    route): what a reporter on another host names, so the link to this one can be checked."""
+    master = os.environ.get("MASTER_ADDR")
+    return (local_ip_for(master) or "") if master else ""
 
 
 def machine_id() -> str:
@@ -292,12 +303,20 @@ class Peer:
     main: int
     machine: str = ""
     """:func:`machine_id` of its machine ("" when it did not say)."""
+    addr: str = ""
+    """The address it reaches the master from ("" when it did not say)."""
 
     def here(self) -> bool:
         """True when this process can read the peer's files: same host name, machine and PID
         namespace, and its ring file present."""
         same = self.host == socket.gethostname() and self.machine in ("", machine_id())
         return same and bool(self.dir) and self.file("calls").exists()
+
+    def elsewhere(self) -> bool:
+        """True when it runs on another machine than this process: another host name, or
+        another boot of the kernel (the first part of :func:`machine_id`), where it said."""
+        boot = self.machine.split("/")[0]
+        return self.host != socket.gethostname() or boot not in ("", machine_id().split("/")[0])
 
     def file(self, kind: str) -> Path:
         """Its ``rank-<r>.<kind>`` file."""
@@ -347,6 +366,14 @@ def peers(store: SignedStore, ranks: list[int]) -> dict[int, Peer]:
     for r in ranks:
         who = store.get(f"who/{r}", _who)
         if who is not None:
-            machine = who.get("machine")
-            out[r] = Peer(r, who["host"], who["pid"], who["dir"], who["main"], str(machine or ""))
+            machine, addr = who.get("machine"), who.get("addr")
+            out[r] = Peer(
+                r,
+                who["host"],
+                who["pid"],
+                who["dir"],
+                who["main"],
+                machine if isinstance(machine, str) else "",
+                addr if isinstance(addr, str) else "",
+            )
     return out

@@ -9,7 +9,8 @@ Every rank sees the incident on its next tick and answers once, with its in-flig
 main thread's stack and the tail of its flight record. The opener collects the answers (until
 every rank has answered or, for ranks that look dead or stuck holding the GIL, ``COLLECT_S``),
 reads the silent ranks' files on its host (:mod:`.rank_files`: a faulthandler stack, the call
-ring, whether the process lives), builds the report (:mod:`.hang_report`) and publishes it;
+ring, whether the process lives; for another machine none of whose ranks answered, that the
+network link to it may be down), builds the report (:mod:`.hang_report`) and publishes it;
 every rank prints exactly that text to stderr while the job is still alive (so the launcher
 shows it too). A stuck send or receive (:mod:`.p2p` says which waits are watched) names its
 peer. A rank builds the report itself only if the opener's never comes. With
@@ -19,6 +20,7 @@ peer. A rank builds the report itself only if the opener's never comes. With
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import threading
 import time
@@ -73,8 +75,11 @@ def _answer(value: Any) -> Answer:
         raise TypeError("a stack is a list of strings")
     if not (isinstance(records, list) and isinstance(at, int | float)):
         raise TypeError("an answer is {at, in_flight, stack, records}")
+    host = value.get("host", "")
+    if not isinstance(host, str):
+        raise TypeError("an answer's host is a string")
     recs = [as_record(Record, r) for r in records]
-    return Answer(float(at), _record_or_none(value["in_flight"]), stack, recs)
+    return Answer(float(at), _record_or_none(value["in_flight"]), stack, recs, host)
 
 
 def _report(value: Any) -> str:
@@ -87,17 +92,21 @@ def silent_rank(rank: int, peer: Peer | None) -> Silent:
     """What this host can say about a rank that did not answer."""
     if peer is None:
         return Silent([f"rank {rank} did not answer and never published where it runs."])
-    who = f"rank {rank} (host {peer.host}, pid {peer.pid})"
+    at = f"{peer.host}, {peer.addr}" if peer.addr else peer.host
+    who = f"rank {rank} (host {at}, pid {peer.pid})"
+    elsewhere = (peer.host, peer.addr) if peer.elsewhere() else None
     if not peer.dir:
         return Silent(
-            [f"{who} did not answer (dead, or stuck holding the GIL); it has no rank files."]
+            [f"{who} did not answer (dead, or stuck holding the GIL); it has no rank files."],
+            elsewhere=elsewhere,
         )
     if not peer.here():
         return Silent(
             [
                 f"{who} did not answer (dead, or stuck holding the GIL); faulthandler writes "
                 f"its stacks to {peer.where('stuck')} (stuck) and {peer.where('fatal')} (fatal)."
-            ]
+            ],
+            elsewhere=elsewhere,
         )
     calls, death = peer.calls(), peer.death()
     if not peer.alive():
@@ -171,6 +180,7 @@ class Watchdog:
             "in_flight": None if stuck is None else asdict(stuck),
             "stack": _main_stack(),
             "records": [asdict(r) for r in self.recorder.records()[-TAIL:]],
+            "host": socket.gethostname(),
         }
         store.put(f"hang/answer/{inc.n}/{self.rank}", mine)
         dump_on_failure(self.recorder, self.rank)

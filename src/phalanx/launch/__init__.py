@@ -6,16 +6,17 @@ agents' protocol over node 0's store), ``agent`` (generations, restarts), ``atte
 worker's command, environment and logs), ``worker_env`` (the environment contract), ``workers``
 (processes, stopping), ``output`` / ``prefix`` (live console output with ``[rank N]``), ``logs``
 (torchrun's log files), ``events`` (torchrun's event log), ``summary`` (failure report),
-``netif`` (interface routing to the master), ``spawn``; ``--recovery live``: ``live`` (replace a
-dead worker alone), ``live_enforce`` (kill the workers the job declared dead, and stopped
-ones), ``live_keys`` (the contract with the workers: variables, death marker), ``live_nodes``
-(lost and returning nodes), ``live_outcome`` (the job's exit code), ``worker_store`` (the store
-the workers meet in).
+``backend_note`` (the workers' backend in the start-up line), ``spawn``; gloo's interface comes
+from ``phalanx.comm.netif`` (shared with the workers);
+``--recovery live``: ``live`` (replace a dead worker alone), ``live_enforce`` (kill the workers
+the job declared dead, and stopped ones), ``live_keys`` (the contract with the workers:
+variables, death marker), ``live_nodes`` (lost and returning nodes), ``live_outcome`` (the job's
+exit code), ``worker_store`` (the store the workers meet in).
 """
 
 from __future__ import annotations
 
-from phalanx.launch.netif import interface_for
+from phalanx.comm.netif import interface_for
 from phalanx.launch.run import main
 from phalanx.launch.spawn import SpawnContext, SpawnError, spawn
 

@@ -30,7 +30,7 @@ from phalanx.comm.auth import SECRET_ENV, new_secret
 from phalanx.comm.flags import env_seconds
 from phalanx.comm.signed import JobSecretError
 from phalanx.launch.attempt import worker_specs
-from phalanx.launch.backend_note import backend_note
+from phalanx.launch.backend_note import BackendNotes
 from phalanx.launch.config import LaunchConfig
 from phalanx.launch.events import Events
 from phalanx.launch.live import JobBoard, LiveNode
@@ -92,6 +92,7 @@ class Agent:
         self.generation = 0
         self.logs = RunLogs(cfg.logs, log)
         self.events = Events(cfg)
+        self.backend_notes = BackendNotes(cfg.backend)
 
     def run(self) -> int:
         """Run generations until success, final failure or a signal; return the exit code."""
@@ -198,7 +199,7 @@ class Agent:
         self.log(
             f"starting ranks {first}..{last} of {rdzv.world_size} on node {self.node} "
             f"(generation {rdzv.generation}, worker store {self.cfg.master_addr}:"
-            f"{rdzv.worker_port}{backend_note(self.cfg.backend, rdzv.world_size, self.nproc)}"
+            f"{rdzv.worker_port}{self.backend_notes.note(rdzv.world_size, self.nproc)}"
             f", --recovery {self.cfg.recovery})"
         )
         self.check_stop()

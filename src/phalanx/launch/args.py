@@ -14,6 +14,7 @@ import shutil
 import sys
 from collections.abc import Mapping
 
+from phalanx.comm.backends import shm_unusable
 from phalanx.launch import checks
 from phalanx.launch.config import (
     DEFAULT_MASTER_ADDR,
@@ -45,6 +46,10 @@ def _one_of(flag: str, value: str | None, allowed: tuple[str, ...], why: str = "
 
 def _check_choices(ns: argparse.Namespace) -> None:
     _one_of("--backend", ns.backend, BACKENDS)
+    if ns.backend == "shm" and (cannot := shm_unusable()) is not None:
+        raise ArgsError(
+            f"--backend shm: the shared-memory backend cannot run on {cannot}; pass --backend gloo"
+        )
     _one_of(
         "--rdzv-backend",
         ns.rdzv_backend,
@@ -86,21 +91,25 @@ def _master(ns: argparse.Namespace, nnodes: int) -> tuple[str, int]:
     return ns.master_addr, checks.port("--master-port", ns.master_port)
 
 
-def _topology(ns: argparse.Namespace) -> tuple[int, int, str, int]:
-    """Return nnodes (the maximum), node rank, master address and port, applying --standalone."""
-    nnodes, node_rank = checks.nnodes(ns.nnodes)[1], checks.integer("--node-rank", ns.node_rank, 0)
+def _topology(ns: argparse.Namespace) -> tuple[int, int | None, str, int]:
+    """Return nnodes (the maximum), node rank (None: taken at the rendezvous, torchrun's c10d
+    form without --node-rank), master address and port, applying --standalone."""
+    nnodes = checks.nnodes(ns.nnodes)[1]
+    node_rank = None if ns.node_rank is None else checks.integer("--node-rank", ns.node_rank, 0)
     if ns.standalone:
-        if nnodes != 1 or node_rank != 0:
+        if nnodes != 1 or node_rank not in (None, 0):
             raise ArgsError(
                 f"--standalone runs a single node, but --nnodes {ns.nnodes} --node-rank "
                 f"{ns.node_rank} was given; drop --standalone or those flags"
             )
         return 1, 0, DEFAULT_MASTER_ADDR, 0
-    if node_rank >= nnodes:
+    if node_rank is not None and node_rank >= nnodes:
         raise ArgsError(
             f"--node-rank {node_rank} is invalid with --nnodes {nnodes}: node ranks are "
             f"0..{nnodes - 1}"
         )
+    if node_rank is None and (nnodes == 1 or ns.rdzv_backend != "c10d"):
+        node_rank = 0
     addr, port = _master(ns, nnodes)
     return nnodes, node_rank, addr, port
 
@@ -111,7 +120,7 @@ def _min_nodes(raw: str) -> int:
     return lo if lo < hi else 0
 
 
-def _rdzv_timeout(ns: argparse.Namespace, node_rank: int) -> float:
+def _rdzv_timeout(ns: argparse.Namespace, node_rank: int | None) -> float:
     """``--rdzv-timeout``, or torchrun's ``--rdzv-conf timeout=`` / ``join_timeout=``."""
     given = {f"--rdzv-conf {k}=": v for k, v in checks.rdzv_conf(ns.rdzv_conf, node_rank).items()}
     if ns.rdzv_timeout is not None:
@@ -194,7 +203,8 @@ def parse_args(
         nproc_per_node=nproc,
         nnodes=nnodes,
         min_nodes=_min_nodes(ns.nnodes),
-        node_rank=node_rank,
+        node_rank=node_rank or 0,
+        node_rank_auto=node_rank is None,
         master_addr=addr,
         master_port=port,
         standalone=ns.standalone,

@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from phalanx.comm.netif import gloo_interface as pinned_interface
 from phalanx.launch.config import LaunchConfig
 from phalanx.launch.logs import AttemptLogs, RunLogs
-from phalanx.launch.netif import interface_for, interface_owning
 from phalanx.launch.output import console_env
 from phalanx.launch.prefix import line_prefix
 from phalanx.launch.rendezvous import Rendezvous
@@ -22,13 +22,15 @@ from phalanx.launch.workers import WorkerSpec, numa_bound, worker_command
 __all__ = ["gloo_interface", "worker_specs"]
 
 
-def gloo_interface(cfg: LaunchConfig) -> str | None:
-    """The interface gloo should use: the one owning --local-addr, else the route to the master."""
-    found = interface_owning(cfg.local_addr) if cfg.local_addr else interface_for(cfg.master_addr)
-    return found[0] if found else None
+def gloo_interface(cfg: LaunchConfig, base: Mapping[str, str] = os.environ) -> str | None:
+    """The interface gloo should use: the one owning --local-addr, else the route to the
+    master; None where ``base`` has the user's GLOO_SOCKET_IFNAME (``comm/netif.py``)."""
+    return pinned_interface(base, cfg.master_addr, cfg.local_addr)
 
 
-def _job(cfg: LaunchConfig, rdzv: Rendezvous, secret: str | None) -> JobContext:
+def _job(
+    cfg: LaunchConfig, rdzv: Rendezvous, secret: str | None, base: Mapping[str, str]
+) -> JobContext:
     return JobContext(
         master_addr=cfg.master_addr,
         master_port=rdzv.worker_port,
@@ -36,7 +38,7 @@ def _job(cfg: LaunchConfig, rdzv: Rendezvous, secret: str | None) -> JobContext:
         max_restarts=rdzv.max_restarts,
         run_id=rdzv.run_id,
         backend=cfg.backend,
-        gloo_ifname=gloo_interface(cfg),
+        gloo_ifname=gloo_interface(cfg, base),
         secret=secret,
         role=cfg.role,
         signals=cfg.signals_text,
@@ -62,7 +64,7 @@ def worker_specs(
     base: Mapping[str, str] = os.environ,
 ) -> tuple[list[WorkerSpec], AttemptLogs]:
     """The workers of this node for the attempt ``rdzv`` agreed on, and where their logs go."""
-    job = _job(cfg, rdzv, secret)
+    job = _job(cfg, rdzv, secret, base)
     places = [
         Placement(
             rank=rdzv.rank_offset + local,

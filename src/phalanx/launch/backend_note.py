@@ -1,27 +1,82 @@
-"""What the workers' default backend will be, for the launcher's start-up line.
+"""What backend the workers will get, for the launcher's start-up line of each generation.
 
 A worker that leaves the backend to phalanx (``phalanx.init_process_group()``, ``phalanx.Job``)
 gets NCCL on a GPU, the shared-memory backend when every CPU rank runs on this machine, and
-gloo otherwise (``phalanx.comm.group.resolve_backend``). The launcher says which, and how to
-opt out, so a user never wonders what carried the job.
+gloo otherwise (:func:`phalanx.comm.backends.auto_backend`). The launcher says which, and how to
+opt out, so a user never wonders what carried the job. An elastic job that loses a node can
+land on one machine, where that default turns from gloo to shm (and back when nodes return):
+:class:`BackendNotes` says so in the line of the generation where it changes.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
-__all__ = ["backend_note"]
+from phalanx.comm.backends import auto_backend
+
+__all__ = ["BackendNotes", "backend_note", "workers_backend"]
+
+
+def workers_backend(
+    backend: str | None, world_size: int, nproc: int, environ: Mapping[str, str] = os.environ
+) -> tuple[str, str, bool]:
+    """``(name, why, chosen)``: the workers' backend and why; ``chosen`` when the user named it
+    (``--backend``, else the launcher's own ``PHALANX_BACKEND``) rather than left it to auto."""
+    given = (backend or environ.get("PHALANX_BACKEND") or "auto").lower()
+    if given != "auto":
+        return given, _placement(given, world_size, nproc), True
+    import torch
+
+    one_machine = world_size > 1 and world_size == nproc
+    name, why = auto_backend(torch.cuda.is_available(), one_machine)
+    if name == "gloo" and world_size > nproc:
+        why = "CPU ranks on several machines"
+    return name, why, False
+
+
+def _placement(name: str, world_size: int, nproc: int) -> str:
+    """What a chosen backend does with these ranks, where its name alone does not say."""
+    if name != "shm":
+        return ""
+    if world_size > nproc:
+        return "shared memory inside each machine, gloo between the machines"
+    return "shared memory: every rank on this machine"
+
+
+def _note(name: str, why: str, chosen: bool, before: str | None = None) -> str:
+    if chosen:
+        return f", backend {name}" + (f" ({why})" if why else "")
+    if before is not None:
+        why = f"changed from {before}: {why}; --backend {before} keeps {before}"
+    elif name == "shm":
+        why += "; --backend gloo opts out"
+    return f", default backend {name}" + (f" ({why})" if why else "")
 
 
 def backend_note(backend: str | None, world_size: int, nproc: int) -> str:
-    """``", default backend X (...)"`` for the start-up line; empty when it says nothing new."""
-    chosen = backend or os.environ.get("PHALANX_BACKEND")
-    if chosen:
-        return f", backend {chosen.lower()}"
-    import torch
+    """``", default backend X (why)"`` (or ``", backend X"`` when chosen) for the start-up line."""
+    return _note(*workers_backend(backend, world_size, nproc))
 
-    if torch.cuda.is_available():
-        return ", default backend nccl (GPU ranks)"
-    if world_size > 1 and world_size == nproc:
-        return ", default backend shm (CPU ranks on one machine; --backend gloo opts out)"
-    return ", default backend gloo"
+
+class BackendNotes:
+    """The backend part of each generation's start-up line, which says when the default changed.
+
+    One per agent: it remembers the backend of the generation before. An elastic job whose new
+    generation lands on one machine has its auto backend turn from gloo to shm (every rank now
+    shares this machine), and from shm to gloo when a node joins again; the line says so, and
+    how to keep one backend throughout.
+    """
+
+    def __init__(self, backend: str | None, environ: Mapping[str, str] = os.environ) -> None:
+        self.backend = backend
+        self.environ = environ
+        self.last: str | None = None
+        """The backend of the previous generation's workers (None before the first)."""
+
+    def note(self, world_size: int, nproc: int) -> str:
+        """The note for a generation of ``world_size`` ranks, ``nproc`` of them on this node."""
+        name, why, chosen = workers_backend(self.backend, world_size, nproc, self.environ)
+        before, self.last = self.last, name
+        changed = None if chosen or before in (None, name) else before
+        return _note(name, why, chosen, changed)

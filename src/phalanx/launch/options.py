@@ -10,11 +10,11 @@ import argparse
 from collections.abc import Mapping
 from typing import NoReturn
 
+from phalanx.comm.backends import BACKENDS
 from phalanx.launch.config import DEFAULT_MASTER_ADDR, DEFAULT_SIGNALS, ArgsError
 
 __all__ = ["BACKENDS", "build_parser"]
 
-BACKENDS = ("auto", "gloo", "nccl", "mpi")
 METAVARS = {
     "nnodes": "N|MIN:MAX",
     "nproc_per_node": "N|cpu|gpu|auto",
@@ -209,7 +209,13 @@ def _add_rendezvous(r: _Options) -> None:
         help="phalanx: seconds to gather the nodes at each rendezvous (default 300)",
     )
     r.flag("--standalone", help="single node, store on loopback with a free port")
-    r.value("--node-rank", "--node_rank", default="0", help="rank of this node")
+    r.value(
+        "--node-rank",
+        "--node_rank",
+        default=None,
+        help="rank of this node (default 0; with --rdzv-backend c10d on several nodes, taken at "
+        "the rendezvous as torchrun does)",
+    )
     r.value("--master-addr", "--master_addr", default=DEFAULT_MASTER_ADDR, help="node 0's host")
     r.value("--master-port", "--master_port", default=None, help="node 0's port (29500)")
     r.value(
@@ -222,7 +228,11 @@ def _add_rendezvous(r: _Options) -> None:
         "--backend",
         default=None,
         pet=False,
-        help=f"phalanx: PHALANX_BACKEND of the workers ({'|'.join(BACKENDS)})",
+        help="phalanx: the workers' backend when they leave it to phalanx "
+        "(phalanx.init_process_group(), phalanx.Job), passed as PHALANX_BACKEND. auto "
+        "(default): nccl for GPU ranks, shm (shared memory) for CPU ranks all on one machine, "
+        "else gloo. shm across machines: shared memory inside each, gloo between them. The "
+        "start-up line says which backend the workers get",
     )
 
 

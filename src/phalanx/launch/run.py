@@ -10,9 +10,9 @@ from datetime import timedelta
 from typing import Any
 
 from phalanx.comm.auth import SECRET_ENV
+from phalanx.comm.netif import interface_owning
 from phalanx.launch.args import ArgsError, LaunchConfig, notes, parse_args
 from phalanx.launch.logs import load_logs_specs
-from phalanx.launch.netif import interface_owning
 from phalanx.launch.output import CONSOLE
 from phalanx.launch.preflight import PreflightError, resolve_host, wait_for_master
 

@@ -20,7 +20,7 @@ from datetime import timedelta
 from typing import Any
 
 from phalanx._check import check_bool, check_instance, check_int, check_picklable, check_timeout
-from phalanx.launch.netif import interface_for
+from phalanx.comm.netif import GLOO_IFNAME, gloo_interface
 from phalanx.launch.nproc import MAX_ENV, nproc_limit
 from phalanx.launch.summary import last_exception_line, signal_name
 
@@ -73,9 +73,8 @@ def _child_env(rank: int, nprocs: int, port: int) -> dict[str, str]:
         "TORCHELASTIC_USE_AGENT_STORE": "True",
         "TORCHELASTIC_RESTART_COUNT": "0",
     }
-    iface = interface_for("127.0.0.1")
-    if iface is not None and "GLOO_SOCKET_IFNAME" not in os.environ:
-        env["GLOO_SOCKET_IFNAME"] = iface[0]
+    if (iface := gloo_interface(os.environ, "127.0.0.1")) is not None:
+        env[GLOO_IFNAME] = iface
     return env
 
 

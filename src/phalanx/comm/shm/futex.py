@@ -14,6 +14,8 @@ import os
 import platform
 from collections.abc import Callable
 
+from phalanx.comm.backends import shm_unusable
+
 __all__ = ["available", "futex_wait", "futex_wake"]
 
 _SYS_FUTEX = {"x86_64": 202, "amd64": 202}
@@ -29,13 +31,11 @@ class _Timespec(ctypes.Structure):
 def available() -> str | None:
     """None when this machine can run the shared-memory backend, else the reason it cannot.
 
-    Only Linux on x86-64: the backend publishes data with plain stores and relies on x86-64's
-    total store order (see ``sync.py``); the futex syscall number is the x86-64 one.
+    Only Linux on x86-64 (``phalanx.comm.backends.shm_unusable``, the one rule): the backend
+    publishes data with plain stores and relies on x86-64's total store order (see ``sync.py``);
+    the futex syscall number is the x86-64 one.
     """
-    machine = platform.machine().lower()
-    if platform.system() != "Linux" or machine not in _SYS_FUTEX:
-        return f"{platform.system()} on {platform.machine()} (it needs Linux on x86-64)"
-    return None
+    return shm_unusable()
 
 
 _syscall: Callable[..., int] | None = None

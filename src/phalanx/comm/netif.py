@@ -1,8 +1,13 @@
-"""Which local network interface carries the traffic to the master address.
+"""Which local network interface carries the traffic to the master address, and gloo's pin.
 
-gloo picks its interface by resolving the host name, which on many machines lands on an address
-the peers cannot reach. The launcher pins ``GLOO_SOCKET_IFNAME`` to the interface that routes to
-the master instead; ``phalanx doctor`` reports the same answer.
+gloo picks its interface by resolving this machine's host name: where the name does not resolve
+(common on clusters) it falls back to loopback, and where it resolves to ``127.0.1.1`` it binds
+loopback too, so ranks on other machines cannot connect. :func:`gloo_interface` is the one
+decision of which interface to pin as ``GLOO_SOCKET_IFNAME`` instead: the one owning
+``--local-addr``, else the one that routes to the master; never over a value the user set.
+``phalanx run`` pins it in its workers' environment, ``phalanx.init_process_group`` in its own
+process when another launcher (torchrun, SLURM, by hand) did not, and ``phalanx doctor`` reports
+the same answer.
 """
 
 from __future__ import annotations
@@ -11,8 +16,19 @@ import fcntl
 import ipaddress
 import socket
 import struct
+from collections.abc import Mapping
 
-__all__ = ["interface_for", "interface_owning", "ipv4_interfaces", "local_ip_for"]
+__all__ = [
+    "GLOO_IFNAME",
+    "gloo_interface",
+    "interface_for",
+    "interface_owning",
+    "ipv4_interfaces",
+    "local_ip_for",
+]
+
+GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
+"""The variable gloo reads (when each of its groups is made) for the interfaces to use."""
 
 _SIOCGIFFLAGS = 0x8913
 _SIOCGIFADDR = 0x8915
@@ -116,3 +132,31 @@ def ipv4_interfaces() -> list[tuple[str, str]]:
         if ip is not None:
             out.append((name, ip))
     return out
+
+
+def gloo_interface(
+    environ: Mapping[str, str], master_addr: str | None, local_addr: str | None = None
+) -> str | None:
+    """The interface to pin as ``GLOO_SOCKET_IFNAME``; None leaves it as it is.
+
+    Args:
+        environ: The environment gloo will run in: a ``GLOO_SOCKET_IFNAME`` there (even
+            empty) is the user's choice and wins (None).
+        master_addr: The host every rank reaches (the store's); None or "" when there is none
+            (``file://``, a single process): None.
+        local_addr: This machine's address as the user gave it (``--local-addr``): the
+            interface that owns it wins over the route to the master.
+
+    Returns:
+        The interface's name, or None when the user chose, or nothing was found (the master
+        does not resolve, no route leads to it): then gloo decides as it always does.
+    """
+    if GLOO_IFNAME in environ:
+        return None
+    if local_addr:
+        found = interface_owning(local_addr)
+    elif master_addr:
+        found = interface_for(master_addr)
+    else:
+        return None
+    return None if found is None else found[0]
