@@ -40,6 +40,20 @@ the batches the loop has actually consumed). Whoever hands batches to the loop c
 (``phalanx.Job``'s loader does, see ``phalanx/train/resume_point.py``); :meth:`state_dict` records
 the epoch and that position, and after :meth:`load_state_dict` the next ``iter(sampler)`` skips
 the indices already consumed in the epoch.
+
+Resuming at another number of replicas (an elastic restart after a host was lost, or a restart
+with more processes): the epoch's *global sequence* (entry ``p`` holds ``permutation[p % N]``)
+depends on the seed, the epoch, ``N`` and ``shuffle`` only, and rank ``r``'s ``k``-th index is
+entry ``r + k*R``. When every rank is at position ``k`` (ranks that step together are), the ranks
+together have consumed exactly the first ``k*R`` entries (:attr:`DistributedSampler.consumed`),
+whatever each rank's own shard was, and every rank's state says so. A sampler over ``R'``
+replicas that loads such a state deals the rest of the sequence from entry ``start = k*R`` on as
+it deals a whole epoch: rank ``r``'s ``k``-th index is entry ``start + r + k*R'``, with the
+counts of the table above for the ``N - start`` samples left, padded (wrapping to the epoch's
+first samples) or cut as configured. Every sample of the epoch is then trained exactly once over
+the two runs, plus the padding of the last batch (or minus the cut tail, with ``drop_last``). The
+next epoch is dealt whole again. A state saved at the same number of replicas, and a finished
+epoch, load as they were saved.
 """
 
 from __future__ import annotations
@@ -142,30 +156,44 @@ class DistributedSampler(Sampler[int]):
         self.position = 0
         """Indices of this epoch already consumed (see :meth:`advance`)."""
         self._n = len(dataset)
-        self.num_samples = self._count()
-        """Indices this rank yields per epoch (``len(self)``)."""
-        uneven = not even_batches and not drop_last
-        self.total_size = self._n if uneven else self.num_samples * num_replicas
-        """Indices over all ranks per epoch (padded or cut; the dataset size when uneven)."""
+        self.start = 0
+        """Entries of this epoch's global sequence consumed before this sampler dealt it: 0,
+        except in an epoch resumed from a save at another number of replicas (see the module
+        docstring); the next epoch starts at 0 again."""
+        self.num_samples = 0
+        """Indices this rank yields in the epoch from :attr:`start` on (``len(self)``)."""
+        self.total_size = 0
+        """Entries of the epoch's global sequence dealt (padded or cut; the dataset size when
+        uneven), counted from its beginning."""
+        self._lay_out(0, warn=True)
 
-    def _count(self) -> int:
-        n, r, b = self._n, self.num_replicas, self.batch_size
+    def _lay_out(self, start: int, *, warn: bool = False) -> None:
+        """Deal the epoch's global sequence from entry ``start`` on (0: the whole epoch)."""
+        self.start = start
+        self.num_samples = self._count(self._n - start, warn)
+        uneven = not self.even_batches and not self.drop_last
+        self.total_size = self._n if uneven else start + self.num_samples * self.num_replicas
+
+    def _count(self, n: int, warn: bool = False) -> int:
+        """This rank's indices when ``n`` samples are dealt (see the module docstring)."""
+        r, b = self.num_replicas, self.batch_size
         if not self.even_batches:
             if not self.drop_last:
-                return math.ceil((n - self.rank) / r)
+                return max(0, math.ceil((n - self.rank) / r))
             b = None
         count = _per_rank(n, r, b, self.drop_last)
-        if count == 0 and n > 0:
+        if count == 0 and n > 0 and warn:
             need = f"num_replicas={r}" if b is None else f"num_replicas*batch_size={r}*{b}={r * b}"
             warnings.warn(
                 f"DistributedSampler: drop_last=True drops all {n} samples (fewer than {need}): "
                 f"rank {self.rank} yields nothing; use drop_last=False (pads with duplicates)",
-                stacklevel=4,  # the user's call: _count, __init__, the check wrapper
+                stacklevel=5,  # the user's call: _count, _lay_out, __init__, the check wrapper
             )
         return count
 
     def __len__(self) -> int:
-        """Indices per epoch for this rank (the whole epoch, whatever :attr:`position` is)."""
+        """Indices per epoch for this rank (the whole epoch, whatever :attr:`position` is; after
+        a resume at another number of replicas, the rest of that epoch from :attr:`start`)."""
         return self.num_samples
 
     @property
@@ -173,9 +201,16 @@ class DistributedSampler(Sampler[int]):
         """Padded (duplicate) indices among this rank's ``len(self)`` this epoch: the last ones."""
         if self.drop_last or not self.even_batches:
             return 0
-        # This rank's k-th index sits at global position rank + k*R; positions >= N are padding.
-        real = max(0, -((self.rank - self._n) // self.num_replicas))
+        # This rank's k-th index sits at global position start + rank + k*R; those >= N are
+        # padding.
+        real = max(0, -((self.start + self.rank - self._n) // self.num_replicas))
         return self.num_samples - min(real, self.num_samples)
+
+    @property
+    def consumed(self) -> int:
+        """Entries of the epoch's global sequence consumed over all ranks, when every rank is at
+        this :attr:`position`: ``start + position * num_replicas`` (padding included)."""
+        return self.start + self.position * self.num_replicas
 
     @property
     def remaining(self) -> int:
@@ -187,6 +222,8 @@ class DistributedSampler(Sampler[int]):
         epoch = check_int("epoch", epoch, min=0, where="DistributedSampler.set_epoch")
         if epoch != self.epoch:
             self.position = 0
+            if self.start:
+                self._lay_out(0)  # a resumed epoch's rest was dealt from start; others whole
         self.epoch = epoch
 
     def advance(self, n_samples: int) -> None:
@@ -211,19 +248,24 @@ class DistributedSampler(Sampler[int]):
                 f"DistributedSampler: the dataset changed size from {self._n} to "
                 f"{len(self.dataset)} after the sampler was built; build a new sampler"
             )
-        if self.position >= self.num_samples:
-            self.position = 0
+        if self.position >= self.num_samples > 0:
+            self.position = 0  # the epoch over again, whole (as torch's sampler reads it again)
+            if self.start:
+                self._lay_out(0)
         if self.num_samples == 0:
             return iter([])
-        start = self.position
         # Global position p holds permutation[p % N]: torch's cyclic padding (or its cut).
-        first = min(self.rank + start * self.num_replicas, self.total_size)
+        first = min(self.start + self.rank + self.position * self.num_replicas, self.total_size)
         positions = torch.arange(first, self.total_size, self.num_replicas)
         order = epoch_order(self._n, self.seed, self.epoch, self.shuffle)
         return iter(order[positions % self._n].tolist())
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-able position: epoch, consumed indices, seed, and the layout they refer to."""
+        """JSON-able position: epoch, consumed indices, seed, and the layout they refer to.
+
+        ``start`` and ``num_replicas`` place ``position`` in the epoch's global sequence (see
+        :attr:`consumed`), so that a sampler over another number of replicas can continue it.
+        """
         return {
             "epoch": self.epoch,
             "position": self.position,
@@ -232,34 +274,94 @@ class DistributedSampler(Sampler[int]):
             "dataset_len": self._n,
             "shuffle": self.shuffle,
             "num_samples": self.num_samples,
+            "start": self.start,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore epoch, seed and position; the next ``iter()`` resumes after the consumed ones.
 
-        A finished epoch (``position`` equal to the saved per-rank count) loads into any
-        sampler over the same data: it stays finished.
+        A state saved with this layout (the same number of replicas, dataset size, per-rank
+        count and ``shuffle``) loads as it was saved. A finished epoch (``position`` equal to
+        the saved per-rank count) loads into any sampler over the same data: it stays finished.
+        A state saved inside an epoch by another number of replicas (or another ``batch_size``
+        or ``drop_last``) loads as the number of entries of the epoch's global sequence all
+        ranks consumed (:attr:`consumed`); this sampler deals the rest of that epoch over its
+        replicas (see the module docstring). So does an :class:`~phalanx.data.ElasticSampler`
+        state (a ``Job(recovery='live')`` checkpoint), whose ``cursor`` is that count.
 
         Raises:
-            ValueError: when resuming mid-epoch (``position > 0``) with a different number of
-                replicas, dataset size, per-rank count or ``shuffle``: the consumed indices
-                would not match.
+            ValueError: a state saved inside an epoch, at another layout, over a dataset of
+                another size or with another ``shuffle`` (the consumed entries of the saved
+                order are other samples in this one); a state missing the keys that place its
+                position, or with a position outside the saved per-rank count.
         """
-        position = int(state.get("position", 0))
-        if position and position == state.get("num_samples"):
-            # The saved epoch was finished: nothing of it is left to skip, whatever the
-            # number of replicas now (an elastic restart at another world size).
-            position = self.num_samples
-        elif position:
-            keys = ("num_replicas", "dataset_len", "num_samples", "shuffle")
-            saved = tuple(state.get(k) for k in keys)
-            here = (self.num_replicas, self._n, self.num_samples, self.shuffle)
-            if saved != here or not 0 <= position <= self.num_samples:
-                raise ValueError(
-                    f"DistributedSampler.load_state_dict: cannot resume mid-epoch at "
-                    f"position={position}: saved {keys}={saved}, "
-                    f"this sampler has {here}; resume at an epoch boundary (position=0) instead"
-                )
-        self.epoch = int(state["epoch"])
-        self.seed = int(state.get("seed", self.seed))
-        self.position = position
+        where = "DistributedSampler.load_state_dict"
+        consumed = _consumed(state, where)
+        epoch, seed = int(state["epoch"]), int(state.get("seed", self.seed))
+        start, position = 0, 0
+        if consumed is None:  # the saved epoch was finished: it stays finished
+            position = self._count(self._n)
+            start = 0 if position else self._n  # none of it here: an empty rest, not a start
+        elif self._same_layout(state):
+            start, position = int(state.get("start", 0)), int(state["position"])
+        elif consumed:
+            self._check_same_order(state, consumed, epoch)
+            start = min(consumed, self._n)  # beyond N: only padding was left
+        self._lay_out(start)
+        self.epoch, self.seed, self.position = epoch, seed, position
+
+    def _same_layout(self, state: dict[str, Any]) -> bool:
+        """``state`` was saved by a sampler dealing this epoch as this one would (each rank's
+        indices at the same entries of the same global sequence)."""
+        start = state.get("start", 0)
+        if not isinstance(start, int) or not 0 <= start <= self._n:
+            return False
+        here = (self.num_replicas, self._n, self.shuffle, self._count(self._n - start))
+        saved = tuple(state.get(k) for k in ("num_replicas", "dataset_len", "shuffle"))
+        return (*saved, state.get("num_samples")) == here
+
+    def _check_same_order(self, state: dict[str, Any], consumed: int, epoch: int) -> None:
+        """The saved state's consumed entries name the same samples in this sampler's order."""
+        saved = (state.get("dataset_len"), state.get("shuffle"))
+        if saved == (self._n, self.shuffle):
+            return
+        raise ValueError(
+            f"DistributedSampler.load_state_dict: cannot resume mid-epoch at position="
+            f"{state.get('position', state.get('cursor'))}: the saving run had trained the first "
+            f"{consumed} entries of epoch {epoch}'s order of dataset_len={saved[0]} samples with "
+            f"shuffle={saved[1]}, and this sampler's order is of dataset_len={self._n} with "
+            f"shuffle={self.shuffle}: the same entries are other samples here, so some would be "
+            f"trained twice and others skipped. Build the sampler (job.loader) over the dataset "
+            f"the checkpoint was saved with, with shuffle={saved[1]}, or resume from a "
+            f"checkpoint saved at the end of an epoch"
+        )
+
+
+def _consumed(state: dict[str, Any], where: str) -> int | None:
+    """Entries of the saved epoch's global sequence the saving run consumed over all its ranks
+    (0: none), or None when it finished the epoch.
+
+    Every rank of the saving run is at the same position (ranks step together), so any rank's
+    state gives the same count: ``start + position * num_replicas``.
+    """
+    if "position" not in state and "cursor" in state:  # an ElasticSampler's: the count itself
+        return check_int("state['cursor']", state["cursor"], min=0, where=where)
+    position = check_int("state['position']", state.get("position", 0), min=0, where=where)
+    start = check_int("state['start']", state.get("start", 0), min=0, where=where)
+    if position == 0 and start == 0:
+        return 0
+    missing = [k for k in ("num_replicas", "num_samples") if k not in state]
+    if missing:
+        raise ValueError(
+            f"{where}: state has position={position} but no {', '.join(map(repr, missing))}: "
+            f"the samples it consumed cannot be placed in the epoch's order; pass a "
+            f"DistributedSampler.state_dict() (or an ElasticSampler's)"
+        )
+    replicas = check_int("state['num_replicas']", state["num_replicas"], min=1, where=where)
+    count = check_int("state['num_samples']", state["num_samples"], min=0, where=where)
+    if position > count:
+        raise ValueError(
+            f"{where}: state['position']={position} exceeds the saved per-rank count "
+            f"state['num_samples']={count}: the state is malformed"
+        )
+    return None if position == count else start + position * replicas

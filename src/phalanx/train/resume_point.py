@@ -7,7 +7,10 @@ one, or draws other dropout masks:
 - **The sampler position** counts the samples whose gradients are in the weights. It advances
   when the job's loader hands a batch to the loop (:class:`ResumableLoader`), so a ``save()``
   after ``step()`` counts the batch just trained, and one after the last batch ends the epoch,
-  whether the loop runs through ``job.progress(loader)`` or over ``loader`` itself.
+  whether the loop runs through ``job.progress(loader)`` or over ``loader`` itself. Every rank
+  is at the same position, so a job resumed at another world size goes on from the samples all
+  ranks consumed (``DistributedSampler.load_state_dict``: the rest of the epoch is dealt over
+  the new ranks).
 - **Batches not yet in the weights** (micro-steps pending: ``step()`` returned False; or a batch
   fetched and not trained) are not in the checkpoint (accumulated gradients are not saved): the
   resume point is then before the first of them, whose position and generator states were
