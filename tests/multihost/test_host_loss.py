@@ -1,14 +1,15 @@
 """A host lost in the middle of training, under each recovery: the job goes on without it
 (``--nnodes MIN:MAX``), or takes it back when the same command runs there again (restart mode).
 
-Each job trains ``scripts/elastic_job.py`` (DDP, a checkpoint every epoch) on 2 namespace hosts
-x 2 workers; the lost host's launcher and workers are SIGKILLed together, as a machine that
-disappears.
+Each job trains ``scripts/elastic_job.py`` (DDP, a checkpoint in the middle of every epoch) on
+2 namespace hosts x 2 workers; the lost host's launcher and workers are SIGKILLed together, as a
+machine that disappears.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -38,7 +39,8 @@ def _wait_for_checkpoint(ckpt: Path, procs: list[subprocess.Popen[str]]) -> None
 def test_node_loss_continues_on_the_remaining_node(two_hosts: Hosts, tmp_path: Path) -> None:
     # --nnodes 1:2: when node 1 disappears (its launcher and workers SIGKILLed), node 0's
     # workers fail, node 0 restarts, closes the next rendezvous with itself alone after the
-    # last call, and resumes from the newest checkpoint at world size 2 with ranks 0..1.
+    # last call, and resumes from the newest checkpoint, saved mid-epoch at world 4, at world
+    # size 2 with ranks 0..1, finishing that epoch (before: "cannot resume mid-epoch").
     ckpt = tmp_path / "ckpt"
     common = [
         *("--nnodes", "1:2", "--nproc-per-node", "2", "--master-addr", two_hosts.addr[0]),
@@ -58,7 +60,8 @@ def test_node_loss_continues_on_the_remaining_node(two_hosts: Hosts, tmp_path: P
     assert procs[0].returncode == 0, out + err
     assert "[rank 0] GEN 0 WORLD 4" in out and "[rank 0] GEN 1 WORLD 2" in out
     assert "generation 1 starts with nodes [0]" in err
-    assert "resumed from" in out + err
+    step, epoch = map(int, re.findall(r"resumed from \S+ \(step (\d+), epoch (\d+)\)", err)[0])
+    assert step == 2 * epoch + 1, err  # after the 1st of the epoch's 2 steps at world 4
     assert "[rank 0] DONE WORLD 2 STEPS" in out
     assert "default backend gloo (CPU ranks on several machines)" in err
     shrunk = "default backend shm (changed from gloo: CPU ranks on one machine; --backend gloo"

@@ -1,4 +1,5 @@
-"""A DDP Job that checkpoints every epoch and reports its world size (elastic launcher test).
+"""A DDP Job that checkpoints in the middle of every epoch and reports its world size (the
+multi-host tier's lost-host tests: a resume at another world size continues the epoch).
 
 Usage: elastic_job.py CKPT_DIR
 """
@@ -23,12 +24,13 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 model, optimizer = job.setup(model, optimizer)
 loader = job.loader(data, batch_size=8)
 for _ in job.epochs(25):
-    for x, y in job.progress(loader):
+    for i, (x, y) in enumerate(job.progress(loader)):
         job.backward(nn.functional.cross_entropy(model(x), y))
         job.step()
+        if i == 0:  # after the first of 2 (world 4) or 4 (world 2) steps: mid-epoch
+            job.save()
         if generation == 0:  # slow enough that the test's kill lands mid-training
             time.sleep(0.05)
-    job.save()
 if job.world.is_main:
     print(f"DONE WORLD {job.world.world_size} STEPS {job.step_count}", flush=True)
 job.close()
