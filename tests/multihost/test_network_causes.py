@@ -1,5 +1,6 @@
 """A cut network link between two namespace hosts (issue 35, point 7): the hang report names
-the link to the silent host as a possible cause, beside a dead or stuck process."""
+the link to the silent host as a possible cause, beside a dead or stuck process; once the link
+is mended, the collective completes and the job ends well."""
 
 from __future__ import annotations
 
@@ -49,9 +50,14 @@ def test_the_hang_report_names_the_cut_link_to_the_silent_host(
         go.touch()
         report = _wait_for(outs[0][1], "phalanx hang report", 60)
         report = _wait_for(outs[0][1], "still run.", 10)
+        two_hosts.mend(1)
+        codes = [p.wait(timeout=scaled(60)) for p in procs]
     finally:
         for p in procs:
             stop(p)
+    assert codes == [0, 0], [err.read_text() for _, err in outs]
+    assert "[rank 0] DONE 4" in outs[0][0].read_text()
+    assert "[rank 1] DONE 4" in outs[1][0].read_text()
     host, addr = two_hosts.names[1], two_hosts.addr[1]
     assert f"rank 1 (host {host}, {addr}, pid" in report, report
     assert (

@@ -1,6 +1,7 @@
 """All-reduce once, then (once the file GO exists) again: a test cuts a host's link in between.
 
-Usage: cut_link_job.py GO. Rank 0 prints READY after the first all-reduce.
+Usage: cut_link_job.py GO. Rank 0 prints READY after the first all-reduce; every rank prints
+DONE <sum> after the second.
 """
 
 import os
@@ -19,5 +20,6 @@ if world.rank == 0:
     print("READY", flush=True)
 while not os.path.exists(sys.argv[1]):
     time.sleep(0.05)
-phalanx.all_reduce(t)  # across the cut link: waits until the test stops the job
+phalanx.all_reduce(t)  # across the cut link: waits until the test mends it
+print(f"DONE {t.item():g}", flush=True)
 phalanx.destroy_process_group()
