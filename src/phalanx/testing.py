@@ -123,13 +123,16 @@ def _worker(
     import phalanx
 
     os.environ.update(options["env"])
+    per_node = world_size // options["nodes"]
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        GROUP_RANK="0",
+        LOCAL_RANK=str(rank % per_node),
+        LOCAL_WORLD_SIZE=str(per_node),
+        GROUP_RANK=str(rank // per_node),
     )
+    if options["nodes"] > 1:  # shm tells machines apart by this name
+        os.environ["PHALANX_SHM_HOST"] = f"{options['tmp']}-node{rank // per_node}"
     torch.set_num_threads(1)
     try:
         phalanx.init_process_group(
@@ -174,6 +177,7 @@ def run_distributed(
     env: Mapping[str, str] | None = None,
     may_die: Collection[int] = (),
     tcp: bool = False,
+    nodes: int = 1,
 ) -> list[Any]:
     """Call ``fn(*args)`` on ``world_size`` ranks and return each rank's result, by rank.
 
@@ -194,6 +198,11 @@ def run_distributed(
         tcp: Rendezvous over a TCPStore on a free loopback port, as ``phalanx run`` does,
             instead of a FileStore in the job's temp dir (whose ``wait`` polls every 10 ms:
             benchmarks of store-driven protocols want the TCP one).
+        nodes: Pretend the ranks run on this many machines, as a launcher lays them out:
+            ``world_size / nodes`` consecutive ranks per node, with ``LOCAL_RANK``,
+            ``LOCAL_WORLD_SIZE`` and ``GROUP_RANK`` (``phalanx.world().node_rank``) set so,
+            and ``PHALANX_SHM_HOST`` naming each node (a ``backend="shm"`` group that spans
+            nodes is then hierarchical, as across machines). Must divide ``world_size``.
 
     Raises:
         DistributedTestError: naming the first rank that raised (with its traceback), died, or
@@ -201,12 +210,19 @@ def run_distributed(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not (isinstance(nodes, int) and nodes >= 1 and world_size % nodes == 0):
+        raise ValueError(
+            f"run_distributed(nodes={nodes!r}): nodes must be an int >= 1 that divides "
+            f"world_size={world_size}"
+        )
     ctx = _context()
     tmp = tempfile.mkdtemp(prefix="phalanx-test-")
     options = {
         "backend": backend or os.environ.get(TEST_BACKEND_ENV) or "gloo",
         "collective_timeout": collective_timeout,
         "validate": validate,
+        "nodes": nodes,
+        "tmp": tmp,
         # The ranks' per-host files (stacks of stuck or dead ranks) go with the job's temp dir.
         "env": {"PHALANX_RANK_DIR": tmp, **(env or {})},
     }

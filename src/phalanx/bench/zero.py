@@ -36,7 +36,7 @@ from torch import nn
 
 from phalanx.bench.common import Output, add_output_flags, timed
 
-__all__ = ["main"]
+__all__ = ["char_batch", "char_gpt", "main", "state_bytes", "train_step"]
 
 BASELINE = {"zero1": "torch-zero1", "zero2": "torch-zero1", "zero3": "torch-fsdp"}
 IMPLS = ("torch-zero1", "zero1", "zero2", "torch-fsdp", "zero3")
@@ -46,7 +46,8 @@ ratio is to the same stage on gloo."""
 BASELINE.update({impl: impl.removesuffix("-shm") for impl in SHM_IMPLS})
 
 
-def _model() -> nn.Module:
+def char_gpt() -> nn.Module:
+    """examples/char_gpt.py's model (4 blocks, width 128), seeded: the same on every rank."""
     from phalanx.datasets import char_corpus
     from phalanx.models import GPT, GPTConfig
 
@@ -58,7 +59,7 @@ def _build(impl: str, shm: Any = None) -> tuple[nn.Module, torch.optim.Optimizer
     from phalanx.sharding import ZeroRedundancyOptimizer
     from phalanx.sharding.zero3 import FullyShardedDataParallel
 
-    model = _model()
+    model = char_gpt()
     kw: dict[str, Any] = {"lr": 3e-3, "weight_decay": 0.1}
     group = shm if impl.endswith("-shm") else None
     impl = impl.removesuffix("-shm")
@@ -88,21 +89,25 @@ def _build(impl: str, shm: Any = None) -> tuple[nn.Module, torch.optim.Optimizer
     return model, torch.optim.AdamW(model.parameters(), **kw)
 
 
-def _batch(rank: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+def char_batch(rank: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``batch`` windows of 64 characters of Shakespeare for ``rank``, and their targets."""
     from phalanx.datasets import char_corpus, random_windows
 
     train, _ = char_corpus("shakespeare").split(0.9)
     return random_windows(train, 64, batch, torch.Generator().manual_seed(rank))
 
 
-def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+def train_step(
+    model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> None:
+    """One training step: zero_grad, forward, backward, step."""
     opt.zero_grad(set_to_none=True)
     _, loss = model(x, y)
     loss.backward()
     opt.step()
 
 
-def _state_bytes(model: nn.Module, opt: Any) -> dict[str, int]:
+def state_bytes(model: nn.Module, opt: Any) -> dict[str, int]:
     """Bytes held after a step: parameters, gradients (incl. ZeRO-2 shards), optimizer state."""
     from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
@@ -146,22 +151,22 @@ def _rank_job(cfg: dict[str, Any]) -> dict[str, Any]:
     import phalanx
 
     rank = phalanx.world().rank
-    x, y = _batch(rank, cfg["batch"])
+    x, y = char_batch(rank, cfg["batch"])
     shm = dist.new_group(backend="shm") if set(cfg["impls"]) & set(SHM_IMPLS) else None
     runs = {impl: _build(impl, shm) for impl in cfg["impls"]}
     out: dict[str, Any] = {i: {"times": []} for i in runs}
     for impl, (model, opt) in runs.items():  # memory and bytes first, one at a time
-        out[impl]["peak_bytes"] = _peak_growth(partial(_step, model, opt, x, y), 2)
+        out[impl]["peak_bytes"] = _peak_growth(partial(train_step, model, opt, x, y), 2)
         phalanx.reset_comm_stats()
-        _step(model, opt, x, y)
+        train_step(model, opt, x, y)
         out[impl]["comm_bytes"] = sum(b for _, b in phalanx.comm_stats().values())
-        out[impl]["state"] = _state_bytes(model, opt)
+        out[impl]["state"] = state_bytes(model, opt)
     names = list(runs)
     for it in range(cfg["warmup"] + cfg["iters"]):
         shift = it % len(names)
         for impl in names[shift:] + names[:shift]:
             model, opt = runs[impl]
-            took = timed(partial(_step, model, opt, x, y))
+            took = timed(partial(train_step, model, opt, x, y))
             if it >= cfg["warmup"]:
                 out[impl]["times"].append(took)
     return out

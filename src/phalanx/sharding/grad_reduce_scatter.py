@@ -13,6 +13,10 @@ counts them).
 Each rank's chunk carries one gradient flag per parameter of the bucket (see
 :mod:`phalanx.sharding.layout`): a range whose parameter had a gradient on no rank gets
 ``grad = None`` and is skipped by the optimizer, as ``torch.optim`` skips it.
+
+Hybrid sharding: a reduced chunk is all-reduced over the replicate group (the ranks holding
+the same ranges on other hosts) where the bucket is waited for; its flags then say whether any
+rank of the world had a gradient.
 """
 
 from __future__ import annotations
@@ -52,10 +56,14 @@ class GradReducer:
         group: dist.ProcessGroup | None,
         stage: int,
         on_launch: Callable[[], None],
+        replicate: dist.ProcessGroup | None = None,
     ) -> None:
         assert all(b.flags == len(b.params) for b in layout.buckets), "layout without flags"
         self.params, self.layout, self.owned, self.pool = params, layout, owned, pool
         self.group, self.stage, self.world = group, stage, layout.world
+        self.replicate = replicate
+        self.ranks = self.world * (dist.get_world_size(replicate) if replicate else 1)
+        """Every rank the gradients average over (hybrid sharding: the replicas' too)."""
         self._on_launch = on_launch
         self._grads: list[torch.Tensor | None] = [None] * len(layout.buckets)
         self._bucket_of = {p: i for i, b in enumerate(layout.buckets) for p in b.params}
@@ -121,7 +129,9 @@ class GradReducer:
         """Wait for bucket ``b``'s reduce-scatter and add its average to this rank's ranges."""
         if flight.work is not None:
             flight.work.wait()
-        flight.out.div_(self.world)  # sum -> average (flags: > 0 iff some rank had a gradient)
+        if self.replicate is not None:  # the same chunk on the other hosts
+            c.all_reduce(flight.out, group=self.replicate)
+        flight.out.div_(self.ranks)  # sum -> average (flags: > 0 iff some rank had a gradient)
         grad = self._grads[b]
         if grad is None:
             grad = self._grads[b] = flight.out

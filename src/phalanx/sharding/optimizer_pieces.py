@@ -120,7 +120,8 @@ def optimizer_view(model: Any, optimizer: Any) -> PieceOptimizerState | None:
     if optimizer is None or not callable(layout):
         return None
     names = [e.keys[0] for u in getattr(model, "units", []) for e in u.entries]
-    return PieceOptimizerState(optimizer, layout(), names)
+    saves = getattr(model, "replica_index", 0) == 0  # hybrid sharding: replica 0 writes
+    return PieceOptimizerState(optimizer, layout(), names, saves=saves)
 
 
 class PieceOptimizerState:
@@ -128,10 +129,18 @@ class PieceOptimizerState:
     parameters hold known pieces (``layout``: each parameter, flattened, with its pieces)."""
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, layout: HeldPieces, names: list[str] | None = None
+        self,
+        optimizer: torch.optim.Optimizer,
+        layout: HeldPieces,
+        names: list[str] | None = None,
+        *,
+        saves: bool = True,
     ) -> None:
         self.optimizer = optimizer
         self.layout = layout
+        self.saves = saves
+        """Whether :meth:`sharded_state` gives pieces (False: a hybrid replica other than the
+        first, whose shards equal the first's; it still loads its own)."""
         self.keys = names or [piece.key for _, pieces in layout for piece in pieces]
         """Every parameter's name (all ranks' shards), to assemble a plain optimizer's state."""
 
@@ -150,7 +159,8 @@ class PieceOptimizerState:
                     continue
                 per_element.add(k)
                 v = v.reshape(-1)  # flat shards are 1-D already; whole parameters are not
-                pieces += [(p.of_state(k), p.held_in(v)) for p in held]
+                if self.saves:
+                    pieces += [(p.of_state(k), p.held_in(v)) for p in held]
         meta = {
             "format": FORMAT,
             "num_params": len(self.keys),

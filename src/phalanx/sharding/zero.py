@@ -16,6 +16,10 @@ Who averages the gradients:
 - **stage=2**: as stage 1, but the reduce-scatter runs *during backward*, from gradient hooks,
   and each parameter's full gradient is freed as soon as it is copied, so a rank keeps 4Ψ/N
   bytes of gradient plus the buckets in flight (:mod:`phalanx.sharding.grad_reduce_scatter`).
+
+Hybrid sharding (``replicate_group``, :mod:`phalanx.sharding.hybrid`): the ranges are split
+over ``process_group`` (one host's ranks) and each reduced bucket chunk is all-reduced over
+``replicate_group`` (the ranks holding the same ranges on the other hosts) before it is stepped.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from phalanx.sharding.zero_params import (
     check_flags,
     check_options,
     check_params,
+    check_replicate,
     check_same_dense_type,
     check_zero_args,
     sync_options,
@@ -75,6 +80,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, JoinableZero):
             backward; it then also broadcasts rank 0's parameters at construction, unless
             ``broadcast_params=False`` (a live job's replacement receives them after it joins).
         bucket_cap_mb: Bucket size for the reduce-scatter / all-gather pipeline.
+        replicate_group: Hybrid sharding (``stage`` 1 or 2): the ranks that hold the same
+            ranges as this one on other hosts. Each reduce-scattered chunk is all-reduced over
+            it, so gradients average over ``process_group`` x ``replicate_group``; rank 0's
+            parameters are broadcast over both at construction. None: plain ZeRO.
         **defaults: Passed to ``optimizer_class``.
 
     ``step(closure, **kwargs)``, ``zero_grad``, ``add_param_group``, ``consolidate_state_dict``
@@ -97,9 +106,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, JoinableZero):
         stage: int | None = None,
         bucket_cap_mb: float = 25.0,
         broadcast_params: bool = True,
+        replicate_group: dist.ProcessGroup | None = None,
         **defaults: Any,
     ) -> None:
         check_options(optimizer_class, stage, defaults)
+        check_replicate(stage, replicate_group)
         check_flags(overlap_with_ddp)
         groups = check_params(params)
         check_same_dense_type(
@@ -114,6 +125,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, JoinableZero):
         ready = dist.is_available() and dist.is_initialized()
         self.world = dist.get_world_size(process_group) if ready else 1
         self.rank = dist.get_rank(process_group) if ready else 0
+        self.replicate_group = replicate_group
+        self.replicas = dist.get_world_size(replicate_group) if replicate_group else 1
+        self.replica = dist.get_rank(replicate_group) if replicate_group else 0
+        """This rank's index in ``replicate_group``: only replica 0 writes checkpoint pieces."""
         self.params: list[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
         self.layout: ShardLayout = self._plan()
         self.buffers: list[torch.Tensor] | None = [] if self.parameters_as_bucket_view else None
@@ -156,6 +171,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, JoinableZero):
                 self.buffers.append(buf)
             if broadcast and self.stage is not None and self.world > 1:
                 broadcast_from_rank0(self.params, bucket, buf, self.process_group)
+            if broadcast and self.replicas > 1:  # then across hosts (hybrid sharding)
+                broadcast_from_rank0(self.params, bucket, buf, self.replicate_group)
         self.owned += owned_ranges(
             self.params, self.layout, self.rank, step_params=self.stage is None, first_bucket=first
         )
@@ -188,6 +205,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, JoinableZero):
                 self.process_group,
                 self.stage,
                 self._notify,
+                self.replicate_group,
             )
             self._reducer.require_backward_grad_sync = sync
 
@@ -232,6 +250,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, JoinableZero):
         """
         if not dist.is_initialized():
             raise RuntimeError("ZeroRedundancyOptimizer.regroup: init the new group first")
+        if self.replicate_group is not None:
+            raise ValueError(
+                "ZeroRedundancyOptimizer.regroup: a hybrid-sharded optimizer "
+                "(replicate_group=...) cannot be regrouped; live recovery supports plain ZeRO"
+            )
         check_group("process_group", process_group, where="ZeroRedundancyOptimizer.regroup")
         zero_state.check_full_state(self, full_state)
         for p in self.params:  # a step in flight is dropped (its reduction is lost anyway)
@@ -393,7 +416,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, JoinableZero):
 
     def sharded_state(self) -> ShardedState:
         """This rank's state as world-size-independent pieces (``phalanx.checkpoint``)."""
-        return zero_pieces.sharded_state(self)
+        return zero_pieces.sharded_state(self, writes=self.replica == 0)
 
     def load_sharded_state(self, meta: dict[str, Any], reader: PieceReader) -> None:
         """Restore from pieces saved at any world size."""

@@ -21,6 +21,7 @@ __all__ = [
     "check_flags",
     "check_options",
     "check_params",
+    "check_replicate",
     "check_same_dense_type",
     "check_zero_args",
     "sync_options",
@@ -137,6 +138,15 @@ def check_options(optimizer_class: Any, stage: int | None, defaults: dict[str, A
             check_float(key, defaults[key], where=WHERE)
 
 
+def check_replicate(stage: int | None, replicate_group: Any) -> None:
+    """Hybrid sharding averages the gradients itself: it needs ``stage`` 1 or 2."""
+    if replicate_group is not None and stage is None:
+        raise ValueError(
+            f"{WHERE}(replicate_group=...): hybrid sharding averages the gradients itself, "
+            f"so it needs stage=1 or stage=2 (stage=None leaves them to DDP over every rank)"
+        )
+
+
 def check_flags(overlap_with_ddp: bool) -> None:
     """``overlap_with_ddp`` (a bool, by the argument rules) is refused when True."""
     if overlap_with_ddp:
@@ -149,6 +159,7 @@ def check_flags(overlap_with_ddp: bool) -> None:
 
 check_zero_args = checked(
     process_group=GROUP,
+    replicate_group=GROUP,
     parameters_as_bucket_view=FLAG,
     overlap_with_ddp=FLAG,
     broadcast_params=FLAG,

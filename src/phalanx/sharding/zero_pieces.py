@@ -52,9 +52,10 @@ def _scalar_piece(r: OwnedRange, k: str, v: Any) -> tuple[Piece, torch.Tensor]:
     )
 
 
-def sharded_state(opt: ZeroShards) -> ShardedState:
+def sharded_state(opt: ZeroShards, writes: bool = True) -> ShardedState:
+    """This rank's pieces (none unless ``writes``: a hybrid replica other than the first)."""
     pieces: list[tuple[Piece, torch.Tensor]] = []
-    for r, elems, scalars in stepped_ranges(opt):
+    for r, elems, scalars in stepped_ranges(opt) if writes else []:
         pieces += [(r.piece.of_state(k), t.detach().reshape(-1)) for k, t in sorted(elems.items())]
         if r.piece.start == 0:
             pieces += [_scalar_piece(r, k, v) for k, v in sorted(scalars.items())]

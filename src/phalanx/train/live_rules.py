@@ -59,6 +59,12 @@ def check_strategy(chosen: Strategy, grad_accum: int, exact: bool) -> None:
             f"phalanx.Zero(stage=1|2|3), live-exact only DDP (use recovery='restart' for "
             f"the others)"
         )
+    if isinstance(chosen, Zero) and chosen.shard != "world":
+        raise ValueError(
+            f"Job(recovery={'live-exact' if exact else 'live'!r}): strategy={chosen!r} "
+            f"cannot recover live: live recovery regroups plain ZeRO (shard='world'); use "
+            f"recovery='restart' with shard={chosen.shard!r}"
+        )
     if grad_accum != 1:
         raise ValueError(
             f"Job(recovery='live', grad_accum={grad_accum}): live recovery redoes whole "

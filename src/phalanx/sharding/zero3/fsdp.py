@@ -4,11 +4,16 @@ Each rank keeps 1/N of every parameter, of its gradient and (through any ``torch
 optimizer built over :meth:`parameters`) of the optimizer state: 16Ψ/N bytes for fp32 Adam
 instead of 16Ψ. Parameters are all-gathered just in time, unit by unit, in forward and again in
 backward, and gradients are reduce-scattered: 3Ψ elements per step, 1.5x DDP's 2Ψ.
+
+Hybrid sharding (``replicate_group``, :mod:`phalanx.sharding.hybrid`): the shards are split
+over ``process_group`` (one host's ranks) and replicated over ``replicate_group`` (the ranks
+that hold the same shard on the other hosts), each reduced gradient shard all-reduced there.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -31,6 +36,7 @@ from phalanx.sharding.zero3.unit import FlatUnit, GroupInfo
 __all__ = ["FullyShardedDataParallel"]
 
 FLAT_NAME = "_flat_param"
+WHERE = "FullyShardedDataParallel"
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -38,7 +44,13 @@ class FullyShardedDataParallel(nn.Module):
 
     Args:
         module: The model (its parameters are replaced by views of gathered buffers).
-        process_group: The data-parallel group (default: the world).
+        process_group: The data-parallel group (default: the world); with
+            ``replicate_group``, the group that splits the shards (one host's ranks).
+        replicate_group: Hybrid sharding: the ranks holding the same shard as this one on other
+            hosts (each of them in its own ``process_group`` of the same size). Gradient shards
+            are all-reduced over it after each reduce-scatter, so they average over
+            ``process_group`` x ``replicate_group``; rank 0's parameters are broadcast over both
+            at construction. None (default): plain ZeRO-3.
         wrap: Which submodules become units of their own (gathered one at a time): a module
             class, a tuple of classes or a predicate. The outermost selected modules count
             (no nesting); every other parameter, and any parameter shared across units (tied
@@ -66,6 +78,7 @@ class FullyShardedDataParallel(nn.Module):
         module: nn.Module,
         *,
         process_group: dist.ProcessGroup | None = None,
+        replicate_group: dist.ProcessGroup | None = None,
         wrap: WrapPolicy = None,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
@@ -77,7 +90,8 @@ class FullyShardedDataParallel(nn.Module):
         _check_args(
             module, process_group, param_dtype, reduce_dtype, prefetch, sync_module_states, rank
         )
-        info = _group_info(process_group)
+        check_group("replicate_group", replicate_group, where=f"[rank {rank}] {WHERE}")
+        info = _group_info(process_group, replicate_group)
         keys = st.StateLayout.tensor_keys(module)
         try:
             policy = normalize_wrap(wrap)
@@ -85,10 +99,9 @@ class FullyShardedDataParallel(nn.Module):
             raise TypeError(f"[rank {rank}] FullyShardedDataParallel: {exc}") from None
         chosen = select_units(module, policy)
         per_unit, root_refs = assign_params(module, [name for name, _ in chosen])
-        if sync_module_states and info.world > 1:
+        if sync_module_states:
             _check_same_structure(module, per_unit, root_refs, info)
-            for buf in module.buffers():
-                c.broadcast(buf, info.src, info.group)
+            _broadcast_buffers(module, info)
         build = lambda name, mod, refs: FlatUnit(  # noqa: E731
             name, mod, refs, info, param_dtype, reduce_dtype, sync_module_states
         )
@@ -98,6 +111,7 @@ class FullyShardedDataParallel(nn.Module):
             unit.module.register_parameter(FLAT_NAME, unit.flat_param)
         self.module = module
         self.process_group = process_group
+        self.replicate_group = replicate_group
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.require_backward_grad_sync = True
         self._info = info
@@ -220,6 +234,11 @@ class FullyShardedDataParallel(nn.Module):
                 of another model (a key missing, a shape differing), before anything changes.
         """
         where = "FullyShardedDataParallel.regroup"
+        if self.replicate_group is not None:
+            raise ValueError(
+                f"{where}: a hybrid-sharded model (replicate_group=...) cannot be regrouped; "
+                f"live recovery supports plain ZeRO-3"
+            )
         if not dist.is_initialized():
             raise RuntimeError(f"{where}: no default process group; init the new group first")
         check_group("process_group", process_group, where=where)
@@ -249,8 +268,15 @@ class FullyShardedDataParallel(nn.Module):
         return {key: entry.shape for key, (_, entry) in self._layout.params.items()}
 
     def sharded_state(self) -> ShardedState:
-        """This rank's pieces of every parameter, keyed by the original state-dict keys."""
+        """This rank's pieces of every parameter, keyed by the original state-dict keys (none
+        on a hybrid replica other than the first: its shards equal the first's)."""
         return st.sharded_state(self._layout, self.units, self._info)
+
+    @property
+    def replica_index(self) -> int:
+        """This rank's index in ``replicate_group`` (0 without one): only replica 0 writes
+        checkpoint pieces, which every replica's shards equal."""
+        return self._info.replica
 
     def load_sharded_state(self, meta: dict[str, Any], reader: PieceReader) -> None:
         """Fill this rank's shards from pieces saved at any world size."""
@@ -278,9 +304,29 @@ class FullyShardedDataParallel(nn.Module):
         return total
 
 
-def _group_info(group: dist.ProcessGroup | None) -> GroupInfo:
+def _group_info(
+    group: dist.ProcessGroup | None, replicate: dist.ProcessGroup | None = None
+) -> GroupInfo:
     src = dist.get_global_rank(group, 0) if group is not None else 0
-    return GroupInfo(group, dist.get_rank(group), dist.get_world_size(group), src)
+    info = GroupInfo(group, dist.get_rank(group), dist.get_world_size(group), src)
+    if replicate is None:
+        return info
+    return dataclasses.replace(
+        info,
+        replicate=replicate,
+        replicas=dist.get_world_size(replicate),
+        replica=dist.get_rank(replicate),
+        replica_src=dist.get_global_rank(replicate, 0),
+    )
+
+
+def _broadcast_buffers(module: nn.Module, info: GroupInfo) -> None:
+    """Rank 0's buffers on every rank: inside the shard group, then across replicas."""
+    for buf in module.buffers():
+        if info.world > 1:
+            c.broadcast(buf, info.src, info.group)
+        if info.replicas > 1:
+            c.broadcast(buf, info.replica_src, info.replicate)
 
 
 def _check_args(
@@ -318,19 +364,24 @@ def _check_args(
 def _check_same_structure(
     module: nn.Module, per_unit: list[Any], root: list[Any], info: GroupInfo
 ) -> None:
-    """Every rank must build the same units (else their collectives would not pair up)."""
-    if info.world == 1:
-        return
+    """Every rank must build the same units (else their collectives would not pair up):
+    compared inside the shard group, and across replicas under hybrid sharding."""
     sizes = [sum(r.param.numel() for r in refs) for refs in [*per_unit, root]]
     sig = [len(sizes), sum(sizes), sum((i + 1) * n for i, n in enumerate(sizes))]
     device = next(module.parameters()).device
     mine = torch.tensor(sig, dtype=torch.int64, device=device)
-    every = torch.empty(3 * info.world, dtype=torch.int64, device=device)
-    c.all_gather_into_tensor(every, mine, group=info.group)
-    rows = every.view(info.world, 3).tolist()
-    if any(row != rows[0] for row in rows):
-        raise ValueError(
-            f"[rank {info.rank}] FullyShardedDataParallel: ranks built different units "
-            f"([units, params, checksum] by rank: {rows}); wrap the same model with the same "
-            f"wrap policy on every rank"
-        )
+    for group, size, what in (
+        (info.group, info.world, "rank"),
+        (info.replicate, info.replicas, "replica"),
+    ):
+        if size == 1:
+            continue
+        every = torch.empty(3 * size, dtype=torch.int64, device=device)
+        c.all_gather_into_tensor(every, mine, group=group)
+        rows = every.view(size, 3).tolist()
+        if any(row != rows[0] for row in rows):
+            raise ValueError(
+                f"[rank {info.rank}] FullyShardedDataParallel: ranks built different units "
+                f"([units, params, checksum] by {what}: {rows}); wrap the same model with the "
+                f"same wrap policy on every rank"
+            )

@@ -23,6 +23,11 @@ unit back for a predecessor would keep its full gradient and parameters alive (t
 ZeRO-3 frees), and a unit without a gradient this step would hold back every later one until
 backward ends. A unit is one flat leaf whose hook fires once, so there is nothing to count, and
 the one wait site is :meth:`Runtime._drain` (at most one reduce-scatter in flight).
+
+Hybrid sharding (``replicate_group``): each reduced shard is also all-reduced over the ranks
+that hold it on the other hosts. That all-reduce starts when the next unit's reduce-scatter is
+issued and is waited for one unit later (:meth:`Runtime._advance`), so at most one
+reduce-scatter inside the host and one all-reduce between hosts are in flight.
 """
 
 from __future__ import annotations
@@ -184,8 +189,21 @@ class Runtime:
         pending = unit.reduce_grad(grad, self.require_backward_grad_sync)
         unit.free()
         if pending is not None:
-            self._drain()  # the previous reduce-scatter overlapped this unit's backward
+            self._advance()  # the previous reduce-scatter overlapped this unit's backward
             self._pending.append(pending)
+
+    def _advance(self) -> None:
+        """Make room for a new reduce-scatter: finish the ones in flight, except that under
+        hybrid sharding the newest only *crosses* (its all-reduce between hosts starts and
+        overlaps the next unit's backward; :class:`PendingReduce`)."""
+        newest = self._pending[-1:]
+        if newest and newest[0].crosses:
+            newest[0].cross()
+            self._pending = self._pending[:-1]
+            self._drain()
+            self._pending = newest
+        else:
+            self._drain()
 
     def _drain(self) -> None:
         for pending in self._pending:

@@ -83,8 +83,9 @@ def gather_flat(unit: FlatUnit) -> torch.Tensor:
 def full_state_dict(
     layout: StateLayout, units: list[FlatUnit], info: GroupInfo, rank0_only: bool
 ) -> dict[str, torch.Tensor]:
-    """Gathered parameters and buffers under the original keys (``{}`` off rank 0 if asked)."""
-    keep = not rank0_only or info.rank == 0
+    """Gathered parameters and buffers under the original keys (``{}`` off rank 0 if asked:
+    the first rank of the first replica under hybrid sharding)."""
+    keep = not rank0_only or (info.rank == 0 and info.replica == 0)
     values: dict[int, torch.Tensor] = {}  # id(entry) -> full parameter
     for unit in units:
         flat = gather_flat(unit)
@@ -170,8 +171,11 @@ def load_full_state_dict(
 
 
 def sharded_state(layout: StateLayout, units: list[FlatUnit], info: GroupInfo) -> ShardedState:
-    """This rank's pieces of every parameter; buffers whole from the group's rank 0."""
+    """This rank's pieces of every parameter; buffers whole from the group's rank 0. Under
+    hybrid sharding only the first replica writes (the others hold equal shards): no pieces."""
     pieces: list[tuple[Piece, torch.Tensor]] = []
+    if info.replica != 0:
+        return ShardedState({"zero3_world_size": info.world}, pieces)
     for unit in units:
         shard = unit.flat_param.detach()
         pieces += [(Piece(p.key, p.shape, p.start, p.end), p.held_in(shard)) for p in unit.pieces]

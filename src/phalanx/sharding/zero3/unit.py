@@ -39,10 +39,24 @@ class GroupInfo:
     """The data-parallel group as a unit needs it."""
 
     group: dist.ProcessGroup | None
+    """The ranks the unit is sharded over."""
     rank: int
     world: int
     src: int
     """Global rank of the group's rank 0 (the source of ``sync_module_states``)."""
+    replicate: dist.ProcessGroup | None = None
+    """Hybrid sharding: the ranks that hold the same shard on other hosts (None: none)."""
+    replicas: int = 1
+    """Size of :attr:`replicate` (1 without it)."""
+    replica: int = 0
+    """This rank's index in :attr:`replicate` (only replica 0 writes checkpoint pieces)."""
+    replica_src: int = 0
+    """Global rank of :attr:`replicate`'s rank 0."""
+
+    @property
+    def ranks(self) -> int:
+        """Every rank the gradient is averaged over: ``world * replicas``."""
+        return self.world * self.replicas
 
 
 @dataclass
@@ -58,19 +72,44 @@ class Entry:
 
 @dataclass
 class PendingReduce:
-    """An issued reduce-scatter whose result becomes ``unit.flat_param.grad`` on :meth:`finish`."""
+    """An issued reduce-scatter whose result becomes ``unit.flat_param.grad`` on :meth:`finish`.
+
+    Under hybrid sharding the reduced shard is then all-reduced over the replicate group
+    (:meth:`cross`), which the runtime starts before it waits for it, so the traffic between
+    hosts overlaps the next unit's backward.
+    """
 
     unit: FlatUnit
     work: Any
     out: torch.Tensor
-    source: torch.Tensor  # the full gradient: kept alive until the collective completes
+    source: torch.Tensor | None  # the full gradient: kept alive until the collective completes
     divide: bool
+    across: Any = None
+    """The all-reduce over the replicate group, once :meth:`cross` started it."""
 
-    def finish(self) -> None:
+    @property
+    def crosses(self) -> bool:
+        """Whether the shard still goes to the other hosts (hybrid sharding)."""
+        return self.unit.info.replicate is not None
+
+    def cross(self) -> None:
+        """Wait for the reduce-scatter (the full gradient goes), then start the all-reduce of
+        the shard over the replicate group, if any. Once; :meth:`finish` calls it if needed."""
+        if self.source is None:
+            return
         if self.work is not None:
             self.work.wait()
+        self.work = self.source = None
+        info = self.unit.info
+        if info.replicate is not None:
+            self.across = c.all_reduce(self.out, group=info.replicate, async_op=True)
+
+    def finish(self) -> None:
+        self.cross()
+        if self.across is not None:
+            self.across.wait()
         if self.divide:
-            self.out.div_(self.unit.info.world)
+            self.out.div_(self.unit.info.ranks)
         self.unit.accumulate_shard_grad(self.out)
 
 
@@ -158,6 +197,8 @@ class FlatUnit:
                     del mod._parameters[pname]
             if sync_states and self.info.world > 1:
                 c.broadcast(full, self.info.src, self.info.group)
+            if sync_states and self.info.replicas > 1:  # host by host, then across hosts
+                c.broadcast(full, self.info.replica_src, self.info.replicate)
             r = self.info.rank
             return full[r * self.chunk : (r + 1) * self.chunk].clone()
 
@@ -247,7 +288,7 @@ class FlatUnit:
         grad = grad.to(self.reduce_dtype)
         predivide = self.reduce_dtype == torch.float16  # keep fp16 sums in range
         if predivide:
-            grad.div_(self.info.world)
+            grad.div_(self.info.ranks)
         out = torch.empty(self.chunk, dtype=self.reduce_dtype, device=self.device)
         work = c.reduce_scatter_tensor(out, grad, group=self.info.group, async_op=True)
         self.reduced = True

@@ -207,15 +207,15 @@ class Runner:
     ) -> Prepared:
         """Wrap ``model`` (on this rank's device); rebuild ``optimizer`` if the strategy shards it,
         re-pointing ``scheduler`` at the rebuild."""
-        s, world = self.strategy, self.world
-        wrapped = s.wrap(model, world)
+        s = self.strategy
+        wrapped = self.wrap(model)
         if optimizer is None and s.rebuilds_optimizer:
             raise ValueError(
                 f"strategy={s!r} rebuilds the optimizer in its sharded form: "
                 f"pass it to Job.setup(model, optimizer)"
             )
         if optimizer is not None and s.rebuilds_optimizer:
-            optimizer = s.shard_optimizer(wrapped, optimizer, world)
+            optimizer = self.shard_optimizer(wrapped, optimizer)
             if scheduler is not None:
                 repoint(scheduler, optimizer)
         precision.wrap_forward(wrapped)
@@ -223,6 +223,17 @@ class Runner:
         self._owners = s.sync_owners(wrapped, optimizer)
         self.comm_measured = s.measure_comm(wrapped, optimizer)
         return Prepared(wrapped, optimizer, optimizer, scheduler, loss_fn)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """The model as the strategy trains it (:meth:`Strategy.wrap`; a runner that made
+        process groups of its own passes them)."""
+        return self.strategy.wrap(model, self.world)
+
+    def shard_optimizer(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> torch.optim.Optimizer:
+        """The optimizer rebuilt in the strategy's form (:meth:`Strategy.shard_optimizer`)."""
+        return self.strategy.shard_optimizer(model, optimizer, self.world)
 
     def attach_phases(self, enter: Callable[[str | None], None]) -> None:
         """Let the strategy mark phases finer than the job can (a pipeline, per action)."""

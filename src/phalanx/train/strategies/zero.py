@@ -1,9 +1,14 @@
-"""``phalanx.Zero(stage=1|2|3)``: ZeRO sharding of optimizer state, gradients, parameters.
+"""``phalanx.Zero(stage=1|2|3, shard="world"|"host")``: ZeRO sharding of optimizer state,
+gradients, parameters.
 
 Stages 1 and 2 keep the model whole and rebuild the optimizer as a
 ``phalanx.ZeroRedundancyOptimizer`` (same class, parameter groups and options); stage 3 wraps
 the model in ``phalanx.FullyShardedDataParallel`` (each ``ModuleList`` element, or each
 top-level child, a unit) and rebuilds the optimizer over the shards.
+
+``shard="host"`` (hybrid sharding, :mod:`phalanx.sharding.hybrid`): :meth:`Zero.start` builds
+each host's shard group and the replicate groups across hosts, and its runner
+(:class:`ZeroRunner`) hands them to the same wrapper and optimizer.
 """
 
 from __future__ import annotations
@@ -14,10 +19,11 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from phalanx._check import FLAG, check_float, check_int, rule
+from phalanx._check import FLAG, check_choice, check_float, check_int, rule
 from phalanx.comm.group import World
+from phalanx.sharding.hybrid import SHARD_CHOICES, HybridGroups, make_hybrid_groups
 from phalanx.train.grad_scaler import GradShards
-from phalanx.train.strategies.base import Strategy, SyncOwner, check_fields
+from phalanx.train.strategies.base import JobOptions, Runner, Strategy, SyncOwner, check_fields
 from phalanx.train.strategies.optimizers import (
     accepted,
     options,
@@ -25,7 +31,7 @@ from phalanx.train.strategies.optimizers import (
     unit_policy,
 )
 
-__all__ = ["Zero"]
+__all__ = ["Zero", "ZeroRunner"]
 
 DEFAULT_BUCKET_MB = 25.0
 
@@ -45,6 +51,12 @@ class Zero(Strategy):
             this rank's shards that its neighbour keeps in memory after every this many steps
             (default 1: every step). A larger value costs less and may roll a recovery back
             by up to ``mirror_every - 1`` steps, which are trained again. Ignored otherwise.
+        shard: ``"world"`` (default): shard over every rank. ``"host"``: hybrid sharding
+            (HSDP; DeepSpeed's hpZ): shard over the ranks of each host, on shared memory
+            (CPU) or NCCL, and replicate across hosts, each gradient shard all-reduced there
+            (gloo on CPU); the gradient still averages over every rank. Hosts are the
+            launcher's nodes (``phalanx.world().node_rank``), each with the same number of
+            ranks. Not with live recovery.
     """
 
     name: ClassVar[str] = "zero"
@@ -53,6 +65,7 @@ class Zero(Strategy):
     bucket_cap_mb: float = DEFAULT_BUCKET_MB
     init_sync: bool = True
     mirror_every: int = 1
+    shard: str = "world"
 
     def __post_init__(self) -> None:
         check_fields(
@@ -61,6 +74,7 @@ class Zero(Strategy):
             bucket_cap_mb=rule(check_float, above=0),
             init_sync=FLAG,
             mirror_every=rule(check_int, min=1),
+            shard=rule(check_choice, choices=SHARD_CHOICES),
         )
         if self.stage == 3 and self.bucket_cap_mb != DEFAULT_BUCKET_MB:
             raise ValueError(
@@ -68,18 +82,32 @@ class Zero(Strategy):
                 f"communicates per unit (drop bucket_cap_mb)"
             )
 
-    def wrap(self, model: nn.Module, world: World) -> nn.Module:
+    def start(self, world: World, job: JobOptions) -> Runner:
+        """Under ``shard="host"``, build the hosts' groups (collective); else the plain runner."""
+        if self.shard == "world":
+            return Runner(self, world)
+        return ZeroRunner(self, world, make_hybrid_groups(world))
+
+    def wrap(self, model: nn.Module, world: World, hybrid: HybridGroups | None = None) -> nn.Module:
         if self.stage < 3:
             return model
         from phalanx.sharding.zero3 import FullyShardedDataParallel
 
         units = unit_policy(model)
         return FullyShardedDataParallel(
-            model, wrap=lambda m: m in units, sync_module_states=self.init_sync
+            model,
+            wrap=lambda m: m in units,
+            sync_module_states=self.init_sync,
+            process_group=None if hybrid is None else hybrid.shard,
+            replicate_group=None if hybrid is None else hybrid.replicate,
         )
 
     def shard_optimizer(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, world: World
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        world: World,
+        hybrid: HybridGroups | None = None,
     ) -> torch.optim.Optimizer:
         if self.stage == 3:
             from phalanx.sharding.zero import check_elementwise
@@ -96,6 +124,8 @@ class Zero(Strategy):
             stage=self.stage,
             bucket_cap_mb=self.bucket_cap_mb,
             broadcast_params=self.init_sync,
+            process_group=None if hybrid is None else hybrid.shard,
+            replicate_group=None if hybrid is None else hybrid.replicate,
             **accepted(type(optimizer), optimizer.defaults),
         )
 
@@ -137,3 +167,22 @@ class Zero(Strategy):
         if isinstance(optimizer, ZeroRedundancyOptimizer):
             owners.append(optimizer)
         return owners
+
+
+class ZeroRunner(Runner):
+    """A hybrid-sharded ZeRO job (``Zero(shard="host")``): the default runner, with the
+    hosts' groups handed to the wrapper and the optimizer."""
+
+    def __init__(self, strategy: Zero, world: World, hybrid: HybridGroups) -> None:
+        super().__init__(strategy, world)
+        self.zero = strategy
+        self.hybrid = hybrid
+        """This rank's shard group (its host) and replicate group (its peers across hosts)."""
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return self.zero.wrap(model, self.world, self.hybrid)
+
+    def shard_optimizer(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> torch.optim.Optimizer:
+        return self.zero.shard_optimizer(model, optimizer, self.world, self.hybrid)
