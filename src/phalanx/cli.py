@@ -16,10 +16,12 @@ SUITES = (
     "ddp",
     "checkpoint",
     "zero",
+    "zero_hybrid",
     "pipeline",
     "tensor_parallel",
     "param_server",
     "low_bandwidth",
+    "hosts_backend",
 )
 
 USAGE = """usage: phalanx <command> [args]
@@ -27,8 +29,8 @@ USAGE = """usage: phalanx <command> [args]
 commands:
   run      launch a training script on N processes / machines (torchrun's flags)
   bench    benchmarks: `phalanx bench SUITE [--quick] [--out DIR]`, SUITE one of comm, ddp,
-           checkpoint, zero, pipeline, tensor_parallel, param_server, low_bandwidth (ours vs
-           torch or the methods against each other, same run;
+           checkpoint, zero, zero_hybrid, pipeline, tensor_parallel, param_server,
+           low_bandwidth, hosts_backend (ours vs torch or the methods against each other, same run;
            results in DIR, default a new runs/bench-SUITE-<timestamp>/)
   plan     model-state memory per device for DDP and ZeRO-1/2/3 (the ZeRO paper's formulas)
   doctor   check torch, backends, GPUs, network interfaces and ports

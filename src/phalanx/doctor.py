@@ -118,13 +118,20 @@ def _default_backend_check() -> Check:
     here, why = auto_backend(gpu, one_machine=True)
     if gpu:
         return Check("default", "ok", f"{here} ({why})")
-    across = auto_backend(gpu, one_machine=False)[0]
+    # across machines, shm (hierarchical) needs phalanx run's word that each runs 2 or more
+    across = auto_backend(gpu, one_machine=False, fewest_local=2)[0]
     because = "" if here == "shm" else f" ({why})"
+    machines = f"{across} across machines"
+    if across == "shm":
+        machines = (
+            "shm across machines that each run 2 or more (hierarchical, under phalanx run), "
+            "else gloo"
+        )
     return Check(
         "default",
         "ok",
-        f"backend {here} when every rank runs on this machine{because}, {across} across "
-        "machines; --backend / PHALANX_BACKEND choose another",
+        f"backend {here} when every rank runs on this machine{because}, {machines}; "
+        "--backend / PHALANX_BACKEND choose another",
     )
 
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 import phalanx
+from phalanx.bench.hosts import unavailable
 from phalanx.bench.low_bandwidth import main, summarize
 from phalanx.bench.low_bandwidth_worker import METHODS, strategy_for
-from phalanx.bench.hosts import unavailable
 
 
 @pytest.mark.netns

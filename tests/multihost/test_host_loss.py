@@ -63,9 +63,8 @@ def test_node_loss_continues_on_the_remaining_node(two_hosts: Hosts, tmp_path: P
     step, epoch = map(int, re.findall(r"resumed from \S+ \(step (\d+), epoch (\d+)\)", err)[0])
     assert step == 2 * epoch + 1, err  # after the 1st of the epoch's 2 steps at world 4
     assert "[rank 0] DONE WORLD 2 STEPS" in out
-    assert "default backend gloo (CPU ranks on several machines)" in err
-    shrunk = "default backend shm (changed from gloo: CPU ranks on one machine; --backend gloo"
-    assert shrunk in err, err
+    assert "default backend shm (hierarchical: shared memory inside each machine" in err, err
+    assert "default backend shm (CPU ranks on one machine; --backend gloo opts out)" in err, err
 
 
 def test_a_rebooted_host_rejoins_in_restart_mode(two_hosts: Hosts, tmp_path: Path) -> None:

@@ -41,7 +41,10 @@ def test_backend_shm_where_it_cannot_run_names_the_flag(monkeypatch: pytest.Monk
 def test_help_lists_shm_and_the_default_rule() -> None:
     text = " ".join(build_parser({}).format_help().split())
     assert "--backend auto|gloo|nccl|mpi|shm" in text
-    assert "shm (shared memory) for CPU ranks all on one machine, else gloo" in text
+    assert (
+        "shm (shared memory) for CPU ranks all on one machine, or on several machines that "
+        "each run 2 or more (shared memory inside each, gloo between them), else gloo" in text
+    )
 
 
 def test_the_start_up_line_says_what_was_chosen() -> None:

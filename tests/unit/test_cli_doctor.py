@@ -56,8 +56,9 @@ def test_doctor_says_whether_shm_can_run_and_what_a_job_gets(
     assert shm.status == "ok" and shm.detail.startswith("usable: segments are memfds")
     assert "/dev/shm writable, 65536 MiB free" in shm.detail
     assert doctor._default_backend_check().detail == (
-        "backend shm when every rank runs on this machine, gloo across machines; "
-        "--backend / PHALANX_BACKEND choose another"
+        "backend shm when every rank runs on this machine, shm across machines that each run "
+        "2 or more (hierarchical, under phalanx run), else gloo; --backend / PHALANX_BACKEND "
+        "choose another"
     )
     monkeypatch.setattr(doctor, "_memfd", lambda: "memfd_create failed: Operation not permitted")
     monkeypatch.setattr(doctor, "_dev_shm", lambda: (None, 32 * 2**20))

@@ -2,11 +2,12 @@
 
 ``init_process_group()`` with no arguments reads the launcher's environment (see ``env.py``),
 picks NCCL when this local rank has a CUDA device, the shared-memory backend when the launcher
-put every (CPU) rank on this machine, and gloo otherwise, pins gloo's interface where no launcher
-did (``GLOO_SOCKET_IFNAME``, as ``phalanx run`` does), binds the device, and returns a frozen
-:class:`World`. The store it rendezvouses through is created here (not by torch)
-so that the listener binds only the master address, and so that phalanx can keep a handle on it
-for collective validation and progress tracking (``tracking.py``).
+put every (CPU) rank on this machine or (``phalanx run``) 2 or more on every machine, and gloo
+otherwise, pins gloo's interface where no launcher did (``GLOO_SOCKET_IFNAME``, as ``phalanx
+run`` does), binds the device, and returns a frozen :class:`World`. The store it rendezvouses
+through is created here (not by torch) so that the listener binds only the master address, and
+so that phalanx can keep a handle on it for collective validation and progress tracking
+(``tracking.py``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch.distributed as dist
 from phalanx._check import check_bool, check_choice, check_int, check_timeout
 from phalanx.comm import join, tracking
 from phalanx.comm.auth import job_secret
-from phalanx.comm.backends import BACKENDS, auto_backend
+from phalanx.comm.backends import BACKENDS, MIN_LOCAL_ENV, auto_backend
 from phalanx.comm.env import LaunchEnv, discover_env
 from phalanx.comm.flags import tracking_flags
 from phalanx.comm.init_method import InitMethod, parse_init_method
@@ -42,6 +43,7 @@ __all__ = [
     "adopt_world",
     "auto_backend",
     "destroy_process_group",
+    "fewest_local_ranks",
     "init_process_group",
     "is_initialized",
     "is_main",
@@ -102,9 +104,13 @@ class _Opened:
     where: str
 
 
-def resolve_backend(backend: str | None, local_rank: int, one_machine: bool = False) -> str:
+def resolve_backend(
+    backend: str | None, local_rank: int, one_machine: bool = False, fewest_local: int = 0
+) -> str:
     """Map ``None``/"auto" to nccl when ``cuda:local_rank`` exists, else to shm when
-    ``one_machine`` (CPU ranks that all share this machine), else gloo; validate names."""
+    ``one_machine`` (CPU ranks that all share this machine) or when every machine runs
+    ``fewest_local`` >= 2 ranks (hierarchical), else gloo (:func:`auto_backend`); validate
+    names."""
     from_env = os.environ.get("PHALANX_BACKEND") if backend is None else None
     if from_env:
         name = from_env.lower()
@@ -121,7 +127,7 @@ def resolve_backend(backend: str | None, local_rank: int, one_machine: bool = Fa
             raise ValueError("backend='nccl' needs a CUDA device and none is visible; use 'gloo'")
         return name
     gpu = torch.cuda.is_available() and local_rank < torch.cuda.device_count()
-    return auto_backend(gpu, one_machine)[0]
+    return auto_backend(gpu, one_machine, fewest_local)[0]
 
 
 def shares_one_machine(env: LaunchEnv, world_size: int) -> bool:
@@ -132,6 +138,22 @@ def shares_one_machine(env: LaunchEnv, world_size: int) -> bool:
     """
     said = "LOCAL_WORLD_SIZE" in os.environ and env.source in ("phalanx", "torchrun")
     return said and world_size > 1 and env.local_world_size == world_size
+
+
+def fewest_local_ranks(env: LaunchEnv, world_size: int) -> int:
+    """The fewest ranks any machine of the job can put on shared memory, as ``phalanx run``
+    says (``PHALANX_MIN_LOCAL_WORLD_SIZE``, from its rendezvous); 0 under any other launcher,
+    which does not know the other machines' rank counts, or for a world the launcher did not
+    make (``world_size=`` other than its ``WORLD_SIZE``)."""
+    text = os.environ.get(MIN_LOCAL_ENV)
+    if env.source != "phalanx" or text is None or world_size != env.world_size:
+        return 0
+    if not text.strip().isdigit():
+        raise ValueError(
+            f"environment variable {MIN_LOCAL_ENV}={text!r} is not a count of ranks (phalanx "
+            "run sets it for its workers): unset it"
+        )
+    return int(text)
 
 
 def _tcp_store(
@@ -251,7 +273,10 @@ def init_process_group(
         backend: "gloo", "nccl", "mpi", "shm" (shared memory, CPU ranks on one machine: see
             ``phalanx.comm.shm``), or None/"auto": NCCL when this local rank has a CUDA device;
             else shm when a launcher (``phalanx run``, torchrun) put every rank on this
-            machine (``LOCAL_WORLD_SIZE`` = ``WORLD_SIZE`` > 1); else gloo.
+            machine (``LOCAL_WORLD_SIZE`` = ``WORLD_SIZE`` > 1), or when ``phalanx run`` put
+            2 or more on every machine (``PHALANX_MIN_LOCAL_WORLD_SIZE`` >= 2: the
+            hierarchical group, shared memory inside each machine and gloo between them);
+            else gloo.
             ``PHALANX_BACKEND`` (``phalanx run --backend``) overrides None.
         init_method: "env://" (default when MASTER_ADDR is set), "tcp://HOST:PORT" or
             "file:///path". Rank 0 hosts the store for env:// and tcp://, bound only to HOST.
@@ -279,9 +304,11 @@ def init_process_group(
     flags = tracking_flags()  # a malformed PHALANX_* flag is refused before rendezvous
     env = discover_env()
     rank, world_size = _rank_and_size(method, env, rank, world_size)
-    name = resolve_backend(backend, env.local_rank, shares_one_machine(env, world_size))
+    one_machine, fewest = shares_one_machine(env, world_size), fewest_local_ranks(env, world_size)
+    name = resolve_backend(backend, env.local_rank, one_machine, fewest)
     if name == "shm" and backend is None and not os.environ.get("PHALANX_BACKEND") and rank == 0:
-        log.info("backend shm: CPU ranks on one machine (backend='gloo' opts out)")
+        why = auto_backend(False, one_machine, fewest)[1]
+        log.info("backend shm: %s (backend='gloo' opts out)", why)
     device = torch.device("cpu")
     if name == "nccl":
         device = torch.device("cuda", env.local_rank)

@@ -196,10 +196,11 @@ class Agent:
     def _start_workers(self, rdzv: Rendezvous) -> Failure | None:
         """Start this node's workers; a Failure (already published) if they cannot start."""
         first, last = rdzv.rank_offset, rdzv.rank_offset + self.nproc - 1
+        backend = self.backend_notes.note(rdzv.world_size, self.nproc, rdzv.fewest_local)
         self.log(
             f"starting ranks {first}..{last} of {rdzv.world_size} on node {self.node} "
             f"(generation {rdzv.generation}, worker store {self.cfg.master_addr}:"
-            f"{rdzv.worker_port}{self.backend_notes.note(rdzv.world_size, self.nproc)}"
+            f"{rdzv.worker_port}{backend}"
             f", --recovery {self.cfg.recovery})"
         )
         self.check_stop()

@@ -43,6 +43,8 @@ class Joined:
 
     nproc: int
     host: str
+    shm: bool = True
+    """The shared-memory backend can run on this node (``comm.backends.shm_unusable``)."""
 
 
 @dataclass(frozen=True)

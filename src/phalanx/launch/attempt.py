@@ -1,8 +1,9 @@
 """What one attempt starts on this node: each worker's command, environment, prefix and logs.
 
 This is where the flags meet the rendezvous: the agreed ranks and worker store give each
-worker its environment (:func:`~phalanx.launch.worker_env.worker_env`), the log plan adds its
-TORCHELASTIC_ERROR_FILE and files, and global rank 0 gets the launcher's stdin.
+worker its environment (:func:`~phalanx.launch.worker_env.worker_env`, plus
+``PHALANX_MIN_LOCAL_WORLD_SIZE``: the fewest ranks any node runs, for the "auto" backend), the
+log plan adds its TORCHELASTIC_ERROR_FILE and files, and global rank 0 gets the launcher's stdin.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from phalanx.comm.backends import MIN_LOCAL_ENV
 from phalanx.comm.netif import gloo_interface as pinned_interface
 from phalanx.launch.config import LaunchConfig
 from phalanx.launch.logs import AttemptLogs, RunLogs
@@ -76,7 +78,10 @@ def worker_specs(
         )
         for local in range(cfg.nproc_per_node)
     ]
-    envs = [worker_env(base, place, job) for place in places]
+    # The rendezvous knows every node's rank count; the "auto" backend across machines needs
+    # the fewest (comm.backends.auto_backend), which no single node's variables tell.
+    fewest = {MIN_LOCAL_ENV: str(rdzv.fewest_local)}
+    envs = [{**worker_env(base, place, job), **fewest} for place in places]
     plan = logs.attempt(rdzv.run_id, rdzv.generation, envs)
     template = cfg.logs.prefix_template
     prefixes = [line_prefix(template, cfg.role, p.rank, p.local_rank) for p in places]

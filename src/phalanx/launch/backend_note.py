@@ -1,11 +1,13 @@
 """What backend the workers will get, for the launcher's start-up line of each generation.
 
 A worker that leaves the backend to phalanx (``phalanx.init_process_group()``, ``phalanx.Job``)
-gets NCCL on a GPU, the shared-memory backend when every CPU rank runs on this machine, and
-gloo otherwise (:func:`phalanx.comm.backends.auto_backend`). The launcher says which, and how to
-opt out, so a user never wonders what carried the job. An elastic job that loses a node can
-land on one machine, where that default turns from gloo to shm (and back when nodes return):
-:class:`BackendNotes` says so in the line of the generation where it changes.
+gets NCCL on a GPU, the shared-memory backend when every CPU rank runs on this machine or when
+every machine runs 2 or more (the hierarchical group: shared memory inside each machine, gloo
+between them), and gloo otherwise (:func:`phalanx.comm.backends.auto_backend`). The launcher
+says which, and how to opt out, so a user never wonders what carried the job. An elastic job
+whose generation changes shape can change that default (a node with a single rank joins: shm
+to gloo; it leaves: back): :class:`BackendNotes` says so in the line of the generation where it
+changes.
 """
 
 from __future__ import annotations
@@ -19,18 +21,24 @@ __all__ = ["BackendNotes", "backend_note", "workers_backend"]
 
 
 def workers_backend(
-    backend: str | None, world_size: int, nproc: int, environ: Mapping[str, str] = os.environ
+    backend: str | None,
+    world_size: int,
+    nproc: int,
+    environ: Mapping[str, str] = os.environ,
+    fewest_local: int = 0,
 ) -> tuple[str, str, bool]:
     """``(name, why, chosen)``: the workers' backend and why; ``chosen`` when the user named it
-    (``--backend``, else the launcher's own ``PHALANX_BACKEND``) rather than left it to auto."""
+    (``--backend``, else the launcher's own ``PHALANX_BACKEND``) rather than left it to auto.
+    ``fewest_local``: the rendezvous's :attr:`~phalanx.launch.rendezvous.Rendezvous.fewest_local`
+    (0: unknown)."""
     given = (backend or environ.get("PHALANX_BACKEND") or "auto").lower()
     if given != "auto":
         return given, _placement(given, world_size, nproc), True
     import torch
 
     one_machine = world_size > 1 and world_size == nproc
-    name, why = auto_backend(torch.cuda.is_available(), one_machine)
-    if name == "gloo" and world_size > nproc:
+    name, why = auto_backend(torch.cuda.is_available(), one_machine, fewest_local)
+    if name == "gloo" and world_size > nproc and not why:
         why = "CPU ranks on several machines"
     return name, why, False
 
@@ -54,18 +62,18 @@ def _note(name: str, why: str, chosen: bool, before: str | None = None) -> str:
     return f", default backend {name}" + (f" ({why})" if why else "")
 
 
-def backend_note(backend: str | None, world_size: int, nproc: int) -> str:
+def backend_note(backend: str | None, world_size: int, nproc: int, fewest_local: int = 0) -> str:
     """``", default backend X (why)"`` (or ``", backend X"`` when chosen) for the start-up line."""
-    return _note(*workers_backend(backend, world_size, nproc))
+    return _note(*workers_backend(backend, world_size, nproc, fewest_local=fewest_local))
 
 
 class BackendNotes:
     """The backend part of each generation's start-up line, which says when the default changed.
 
     One per agent: it remembers the backend of the generation before. An elastic job whose new
-    generation lands on one machine has its auto backend turn from gloo to shm (every rank now
-    shares this machine), and from shm to gloo when a node joins again; the line says so, and
-    how to keep one backend throughout.
+    generation has a node with a single rank has its auto backend turn from shm to gloo, and
+    back when that node leaves or every node runs 2 or more again; the line says so, and how to
+    keep one backend throughout.
     """
 
     def __init__(self, backend: str | None, environ: Mapping[str, str] = os.environ) -> None:
@@ -74,9 +82,12 @@ class BackendNotes:
         self.last: str | None = None
         """The backend of the previous generation's workers (None before the first)."""
 
-    def note(self, world_size: int, nproc: int) -> str:
-        """The note for a generation of ``world_size`` ranks, ``nproc`` of them on this node."""
-        name, why, chosen = workers_backend(self.backend, world_size, nproc, self.environ)
+    def note(self, world_size: int, nproc: int, fewest_local: int = 0) -> str:
+        """The note for a generation of ``world_size`` ranks, ``nproc`` of them on this node,
+        ``fewest_local`` on the node with the fewest (0: unknown; see :func:`workers_backend`)."""
+        name, why, chosen = workers_backend(
+            self.backend, world_size, nproc, self.environ, fewest_local
+        )
         before, self.last = self.last, name
         changed = None if chosen or before in (None, name) else before
         return _note(name, why, chosen, changed)

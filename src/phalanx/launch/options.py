@@ -231,8 +231,8 @@ def _add_rendezvous(r: _Options) -> None:
         help="phalanx: the workers' backend when they leave it to phalanx "
         "(phalanx.init_process_group(), phalanx.Job), passed as PHALANX_BACKEND. auto "
         "(default): nccl for GPU ranks, shm (shared memory) for CPU ranks all on one machine, "
-        "else gloo. shm across machines: shared memory inside each, gloo between them. The "
-        "start-up line says which backend the workers get",
+        "or on several machines that each run 2 or more (shared memory inside each, gloo "
+        "between them), else gloo. The start-up line says which backend the workers get",
     )
 
 

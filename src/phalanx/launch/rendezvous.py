@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from phalanx.comm.backends import shm_unusable
 from phalanx.comm.signed import Rejected, SignedStore, claimed
 from phalanx.launch import agent_values as values
 from phalanx.launch.node_claims import NoNodeRank, PreviousLife, is_previous_life, my_claim
@@ -81,6 +82,11 @@ class Rendezvous:
     run_id: str
     max_restarts: int
     """Node 0's --max-restarts, so that all nodes agree on whether to restart."""
+    fewest_local: int = 0
+    """The fewest ranks any node of the generation can put on shared memory: its nproc, 0 on a
+    node where shm cannot run. With 2 or more, "auto" is the hierarchical shm group across
+    nodes (``comm.backends.auto_backend``); the workers get it as
+    ``PHALANX_MIN_LOCAL_WORLD_SIZE``."""
 
 
 class AgentStore:
@@ -188,7 +194,8 @@ class AgentStore:
         """
         config = self.config or self._read_config(timeout, check_stop)
         self._claim_node_rank(g)
-        self._put(self._key(g, "nproc", self.node_rank), asdict(values.Joined(nproc, _host())))
+        joined_here = values.Joined(nproc, _host(), shm_unusable() is None)
+        self._put(self._key(g, "nproc", self.node_rank), asdict(joined_here))
         if worker_port is not None:
             self._put(self._key(g, "worker_port"), worker_port)
         if self.node_rank == 0:  # node 0 closes the generation: who is in it
@@ -206,7 +213,8 @@ class AgentStore:
         joined: list[tuple[str, Callable[[Any], object]]] = [
             (self._key(g, "nproc", n), values.joined) for n in self.members
         ]
-        nprocs = [j.nproc for j in self._wait_for(joined, timeout, check_stop, g)]
+        records = self._wait_for(joined, timeout, check_stop, g)
+        nprocs = [j.nproc for j in records]
         mine = self.members.index(self.node_rank)
         return Rendezvous(
             generation=g,
@@ -216,6 +224,7 @@ class AgentStore:
             nnodes=len(self.members),
             run_id=config.run_id,
             max_restarts=config.max_restarts,
+            fewest_local=_fewest_local(records),
         )
 
     def formed(self, g: int, timeout: float, check_stop: Callable[[], None]) -> Rendezvous | None:
@@ -229,7 +238,11 @@ class AgentStore:
         self.members = members
         world = sum(len(self.ranks(g, n)) for n in members)
         first = self.ranks(g, self.node_rank).start
-        return Rendezvous(g, first, world, port, len(members), config.run_id, config.max_restarts)
+        records = [self._get(self._key(g, "nproc", n), values.joined) for n in members]
+        fewest = _fewest_local([j for j in records if j is not None])
+        return Rendezvous(
+            g, first, world, port, len(members), config.run_id, config.max_restarts, fewest
+        )
 
     def ranks(self, g: int, node: int) -> range:
         """The global ranks of ``node``'s workers in generation ``g`` (empty if not in it)."""
@@ -450,3 +463,8 @@ def _beat_key(node: int, life: int) -> str:
 
 def _host() -> str:
     return socket.gethostname()
+
+
+def _fewest_local(records: list[values.Joined]) -> int:
+    """:attr:`Rendezvous.fewest_local` from the generation's join records."""
+    return min((j.nproc if j.shm else 0 for j in records), default=0)
