@@ -13,21 +13,34 @@ the same finalization race).
 The guard: an ``atexit`` handler, run while the interpreter is still whole, that releases the GIL
 briefly when gloo's threads are alive, so they finish those destructions first. It costs 50 ms
 at exit, and nothing in a process without gloo threads.
+
+Two ways in: ``import phalanx`` installs it, and ``phalanx run`` installs it in every worker
+before the script starts (:mod:`phalanx.launch.worker_site`), so a script that never imports
+phalanx is guarded too. For that, this module imports nothing but the standard library (the
+worker's hook loads this file alone, under :data:`HOOKED_NAME`, and must not import torch before
+the script does). ``PHALANX_EXIT_GUARD=0`` turns the guard off both ways.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import sys
 import time
 
-import torch.distributed as dist
+TYPE_CHECKING = False  # not typing's: it costs milliseconds at each worker's start
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
-__all__ = ["GRACE_S", "install"]
+__all__ = ["ENABLE_ENV", "GRACE_S", "HOOKED_NAME", "enabled", "install"]
 
 GRACE_S = 0.05
 """How long the main thread holds back finalization at exit, with the GIL released."""
 GLOO_THREAD = "pt_gloo_runloop"
+ENABLE_ENV = "PHALANX_EXIT_GUARD"
+"""``0`` in the environment: no exit guard, neither from ``import phalanx`` nor ``phalanx run``."""
+HOOKED_NAME = "_phalanx_exit_guard"
+"""The name this file has in ``sys.modules`` when a ``phalanx run`` worker's hook loaded it."""
 
 _installed = False
 
@@ -41,7 +54,8 @@ def _gloo_threads_alive() -> bool:
     try:
         tasks = os.listdir("/proc/self/task")
     except OSError:
-        return dist.is_available() and dist.is_initialized()
+        dist = sys.modules.get("torch.distributed")  # never imported here: see the module doc
+        return dist is not None and dist.is_available() and dist.is_initialized()
     for task in tasks:
         try:
             with open(f"/proc/self/task/{task}/comm") as comm:
@@ -57,9 +71,21 @@ def _let_gloo_threads_finish() -> None:
         time.sleep(GRACE_S)
 
 
+def enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    """False when ``PHALANX_EXIT_GUARD`` turns the guard off: ``0``, ``false``, ``no`` or ``off``
+    in any case, as :func:`phalanx.comm.flags.env_flag` reads them."""
+    return environ.get(ENABLE_ENV, "").strip().lower() not in ("0", "false", "no", "off")
+
+
 def install() -> None:
-    """Register the exit guard once per process (importing :mod:`phalanx.comm` does)."""
+    """Register the exit guard once per process, unless ``PHALANX_EXIT_GUARD=0``.
+
+    Importing :mod:`phalanx.comm` calls it; so does the start-up hook of ``phalanx run``'s
+    workers, with its own copy of this module: the handler is registered once either way.
+    """
     global _installed
-    if not _installed:
-        atexit.register(_let_gloo_threads_finish)
-        _installed = True
+    hooked = sys.modules.get(HOOKED_NAME)
+    if _installed or getattr(hooked, "_installed", False) or not enabled():
+        return
+    atexit.register(_let_gloo_threads_finish)
+    _installed = True

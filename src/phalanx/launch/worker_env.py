@@ -5,7 +5,9 @@ holds every variable torchrun's agent sets (``LocalElasticAgent._start_workers``
 launcher's own ``OMP_NUM_THREADS`` / ``TORCHELASTIC_SIGNALS_TO_HANDLE``), compared variable by
 variable with a real torchrun in the tests; the log planner adds ``TORCHELASTIC_ERROR_FILE``.
 Under ``--recovery live`` each worker also gets its slot's variables (:mod:`.live_keys`); they
-are never inherited from the launcher's own environment.
+are never inherited from the launcher's own environment. PYTHONPATH starts with the folder of the
+workers' start-up hook (:mod:`.worker_site`), which installs the exit guard and then puts the
+user's PYTHONPATH back before the script runs.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 from phalanx.comm.auth import SECRET_ENV
 from phalanx.launch.config import DEFAULT_SIGNALS
 from phalanx.launch.live_keys import LIVE_ENV, live_env
+from phalanx.launch.worker_site import site_env
 
 __all__ = ["JobContext", "Placement", "worker_env"]
 
@@ -109,6 +112,7 @@ def worker_env(base: Mapping[str, str], place: Placement, job: JobContext) -> di
         PYTHONUNBUFFERED="1",
     )
     env.update(_local_rank_env(base, place.local_rank, job.virtual_local_rank))
+    env.update(site_env(base))
     if job.recovery == "live":
         env.update(live_env(place.node_rank, place.local_rank))
     if job.backend is not None:
