@@ -21,11 +21,12 @@ LAUNCH = [sys.executable, "-m", "phalanx.launch"]
 
 
 def make_hosts(n: int, shared: Path, mbit: float | None = None) -> Iterator[Hosts]:
-    """``n`` hosts that all see ``shared`` (a fixture's body); skip where they cannot be made."""
+    """``n`` hosts that all see ``shared`` and this checkout (its tests' scripts), wherever it
+    is (a fixture's body); skip where they cannot be made."""
     if (why := unavailable()) is not None:
         pytest.skip(why)
     try:
-        with namespace_hosts(n, mbit, shared=[shared]) as hosts:
+        with namespace_hosts(n, mbit, shared=[shared, ROOT]) as hosts:
             yield hosts
     except HostsError as exc:
         pytest.skip(f"cannot create namespace hosts here: {exc}")

@@ -10,8 +10,9 @@
   clusters);
 - mount namespace: a private ``/dev/shm`` and a private ``/tmp`` (both empty tmpfs), so that
   shared-memory segments and temporary files of one host are invisible to the others. The paths
-  in ``shared`` (a test's directory standing in for NFS), the running Python and phalanx's own
-  source stay visible at the same paths on every host, even when they live under ``/tmp``.
+  in ``shared`` (a test's directory standing in for NFS), the running Python, phalanx's own
+  source and the current directory stay visible at the same paths on every host, even when
+  they live under ``/tmp``.
 
 :meth:`Hosts.popen` starts a command on a host (``nsenter`` into the holder's namespaces, in a
 new session), :meth:`Hosts.cut` takes a host's link down and :meth:`Hosts.mend` brings it back.
@@ -130,10 +131,12 @@ def _tbf(ns: str, dev: str, mbit: float) -> None:
 
 def _visible(shared: Sequence[str | os.PathLike[str]]) -> list[str]:
     """The paths every host must see where they are: ``shared``, this Python, phalanx's source
-    (outermost first, without ones inside another)."""
+    and the current directory (where :meth:`Hosts.popen` runs commands by default), outermost
+    first, without ones inside another."""
     import phalanx
 
-    paths = [*shared, sys.prefix, sys.exec_prefix, Path(phalanx.__file__).resolve().parents[1]]
+    here = Path(phalanx.__file__).resolve().parents[1]
+    paths = [*shared, sys.prefix, sys.exec_prefix, here, os.getcwd()]
     resolved = sorted({os.path.realpath(p) for p in paths}, key=len)
     kept: list[str] = []
     for p in resolved:
