@@ -33,6 +33,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ from typing import Any
 
 from phalanx._check import check_int
 
-__all__ = ["Hosts", "HostsError", "namespace_hosts", "unavailable"]
+__all__ = ["Hosts", "HostsError", "launch_on_hosts", "namespace_hosts", "unavailable"]
 
 TOOLS = ("ip", "tc", "unshare", "nsenter")
 
@@ -98,6 +99,56 @@ class Hosts:
     def mend(self, host: int) -> None:
         """Bring ``host``'s link back up."""
         _run("ip", "-n", self.switch, "link", "set", _port(self.ns[host]), "up")
+
+
+def _launch_env(drop: Sequence[str]) -> dict[str, str]:
+    """This environment for a launcher on a host: phalanx's ``src`` first, one thread per
+    worker, no interface pin (each host has its own), less the variables in ``drop``."""
+    src = str(Path(__file__).resolve().parents[2])
+    env = {k: v for k, v in os.environ.items() if k not in ("GLOO_SOCKET_IFNAME", *drop)}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def launch_on_hosts(
+    hosts: Hosts,
+    nproc: Sequence[int],
+    worker: Sequence[str],
+    timeout: float,
+    flags: Sequence[str] = (),
+    drop_env: Sequence[str] = (),
+) -> list[str]:
+    """One ``phalanx run`` per host (host ``i`` is node ``i`` with ``nproc[i]`` workers, node 0
+    hosts the store) running ``worker`` (what follows the launcher's flags, e.g. ``["-m",
+    "module", ...]``); wait for all of them, and return each host's stderr.
+
+    Raises:
+        RuntimeError: a host's launcher exited non-zero (its exit code and the end of its
+            stderr), or the job took longer than ``timeout`` seconds (then every launcher is
+            killed).
+    """
+    port = str(random.randrange(20000, 30000))
+    nodes = ["--nnodes", str(len(nproc)), "--master-addr", hosts.addr[0], "--master-port", port]
+    procs = []
+    for node, n in enumerate(nproc):
+        place = [*nodes, "--node-rank", str(node), "--nproc-per-node", str(n), "--rdzv-timeout"]
+        launch = [sys.executable, "-m", "phalanx.launch", *place, "120", *flags]
+        procs.append(hosts.popen(node, [*launch, *worker], env=_launch_env(drop_env)))
+    deadline = time.monotonic() + timeout
+    logs = []
+    try:
+        for node, p in enumerate(procs):
+            _, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            if p.returncode != 0:
+                raise RuntimeError(f"node {node} failed (exit {p.returncode}):\n{err[-3000:]}")
+            logs.append(err)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"the job did not end within {timeout:.0f} s") from None
+    finally:
+        for p in procs:
+            _kill_group(p)
+    return logs
 
 
 def unavailable() -> str | None:

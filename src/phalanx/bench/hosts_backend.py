@@ -22,18 +22,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import random
 import statistics
 import sys
 import tempfile
-import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from phalanx.bench.common import Output, add_output_flags
-from phalanx.bench.hosts import Hosts, namespace_hosts, unavailable
+from phalanx.bench.hosts import Hosts, launch_on_hosts, namespace_hosts, unavailable
 from phalanx.bench.hosts_backend_worker import BACKENDS
 
 __all__ = ["main", "parse_rates", "summarize"]
@@ -53,41 +50,11 @@ def parse_rates(text: str) -> list[float]:
     return rates
 
 
-def _env() -> dict[str, str]:
-    """This environment for a launcher on a host: our ``src`` first, no interface pin."""
-    src = str(Path(__file__).resolve().parents[2])
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("GLOO_SOCKET_IFNAME", "PHALANX_BACKEND")
-    }
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
 def run_job(link: Hosts, nproc: int, out: Path, worker_args: list[str], timeout: float) -> str:
     """One job over ``link``: ``phalanx run --backend shm`` on each host; node 0's start-up line."""
-    port = str(random.randrange(20000, 30000))
-    procs = []
-    for node in range(len(link.addr)):
-        place = ["--nnodes", str(len(link.addr)), "--node-rank", str(node)]
-        place += ["--nproc-per-node", str(nproc), "--backend", "shm"]
-        master = ["--master-addr", link.addr[0], "--master-port", port, "--rdzv-timeout", "120"]
-        launch = [sys.executable, "-m", "phalanx.launch", *place, *master]
-        worker = ["-m", "phalanx.bench.hosts_backend_worker", str(out), *worker_args]
-        procs.append(link.popen(node, [*launch, *worker], env=_env()))
-    deadline = time.monotonic() + timeout
-    logs = []
-    try:
-        for p in procs:
-            _, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            if p.returncode != 0:
-                raise RuntimeError(f"the job failed (exit {p.returncode}):\n{err[-3000:]}")
-            logs.append(err)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
-                p.communicate()
+    worker = ["-m", "phalanx.bench.hosts_backend_worker", str(out), *worker_args]
+    nodes = [nproc] * len(link.addr)
+    logs = launch_on_hosts(link, nodes, worker, timeout, ["--backend", "shm"], ["PHALANX_BACKEND"])
     return next((line for line in logs[0].splitlines() if "starting ranks" in line), "")
 
 

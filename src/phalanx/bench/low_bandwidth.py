@@ -26,17 +26,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import random
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 from phalanx.bench.common import Output, add_output_flags
-from phalanx.bench.hosts import Hosts, namespace_hosts, unavailable
+from phalanx.bench.hosts import Hosts, launch_on_hosts, namespace_hosts, unavailable
 from phalanx.bench.low_bandwidth_worker import METHODS
 
 __all__ = ["main", "summarize"]
@@ -44,38 +41,16 @@ __all__ = ["main", "summarize"]
 DEFAULT = ("ddp", "powersgd", "ps_async", "localsgd", "diloco", "diloco_int8", "streaming_diloco")
 
 
-def _env() -> dict[str, str]:
-    src = str(Path(__file__).resolve().parents[2])
-    env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
 def _run_method(
     link: Hosts, method: str, out: Path, worker_args: list[str], timeout: float
 ) -> None:
     """Train ``method`` over ``link``: one agent per namespace (the first gets the PS server)."""
-    port = str(random.randrange(20000, 30000))
-    procs = []
-    for side in (0, 1):
-        nproc = "2" if method == "ps_async" and side == 0 else "1"
-        node = ["--nnodes", "2", "--node-rank", str(side), "--nproc-per-node", nproc]
-        master = ["--master-addr", link.addr[0], "--master-port", port, "--rdzv-timeout", "60"]
-        launch = [sys.executable, "-m", "phalanx.launch", *node, *master]
-        worker = ["-m", "phalanx.bench.low_bandwidth_worker", method, str(out), *worker_args]
-        procs.append(link.popen(side, [*launch, *worker], env=_env()))
-    deadline = time.monotonic() + timeout
+    nproc = [2 if method == "ps_async" else 1, 1]
+    worker = ["-m", "phalanx.bench.low_bandwidth_worker", method, str(out), *worker_args]
     try:
-        for p in procs:
-            _, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            if p.returncode != 0:
-                raise RuntimeError(f"{method} failed (exit {p.returncode}):\n{err[-3000:]}")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
-                p.communicate()
+        launch_on_hosts(link, nproc, worker, timeout)
+    except RuntimeError as exc:
+        raise RuntimeError(f"{method}: {exc}") from None
 
 
 def summarize(reports: list[dict[str, Any]], link_mbit: float) -> dict[str, Any]:

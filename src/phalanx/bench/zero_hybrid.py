@@ -27,17 +27,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import random
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 from phalanx.bench.common import Output, add_output_flags
-from phalanx.bench.hosts import Hosts, namespace_hosts, unavailable
+from phalanx.bench.hosts import Hosts, launch_on_hosts, namespace_hosts, unavailable
 from phalanx.bench.zero_hybrid_worker import DEFAULT, IMPLS
 
 __all__ = ["main", "summarize"]
@@ -45,35 +42,10 @@ __all__ = ["main", "summarize"]
 BASELINES = ("torch-hsdp", "zero3")
 
 
-def _env() -> dict[str, str]:
-    src = str(Path(__file__).resolve().parents[2])
-    env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
 def _run(link: Hosts, nproc: int, out: Path, worker_args: list[str], timeout: float) -> None:
     """One ``phalanx run`` agent per host, ``nproc`` workers each; raise naming a failure."""
-    port = str(random.randrange(20000, 30000))
-    procs = []
-    for side in (0, 1):
-        node = ["--nnodes", "2", "--node-rank", str(side), "--nproc-per-node", str(nproc)]
-        master = ["--master-addr", link.addr[0], "--master-port", port, "--rdzv-timeout", "120"]
-        launch = [sys.executable, "-m", "phalanx.launch", *node, *master]
-        worker = ["-m", "phalanx.bench.zero_hybrid_worker", str(out), *worker_args]
-        procs.append(link.popen(side, [*launch, *worker], env=_env()))
-    deadline = time.monotonic() + timeout
-    try:
-        for p in procs:
-            _, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            if p.returncode != 0:
-                raise RuntimeError(f"a host's job failed (exit {p.returncode}):\n{err[-3000:]}")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
-                p.communicate()
+    worker = ["-m", "phalanx.bench.zero_hybrid_worker", str(out), *worker_args]
+    launch_on_hosts(link, [nproc, nproc], worker, timeout)
 
 
 def summarize(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
