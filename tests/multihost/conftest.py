@@ -23,3 +23,9 @@ def two_hosts(tmp_path: Path) -> Iterator[Hosts]:
 def three_hosts(tmp_path: Path) -> Iterator[Hosts]:
     """Three namespace hosts on a bridge (``mh0`` .. ``mh2``) sharing ``tmp_path``."""
     yield from make_hosts(3, tmp_path)
+
+
+@pytest.fixture
+def two_hosts_100mbit(tmp_path: Path) -> Iterator[Hosts]:
+    """Two namespace hosts whose links are capped at 100 Mbit/s each way (``tc tbf``)."""
+    yield from make_hosts(2, tmp_path, mbit=100)

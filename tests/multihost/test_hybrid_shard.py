@@ -2,7 +2,7 @@
 
 Each host runs ``phalanx run`` with 2 workers: the shards live inside each host (on shared
 memory) and each gradient shard is all-reduced with its twin on the other host (gloo over the
-bridge). After 3 steps the parameters equal one process's within 1e-5 (floating-point
+bridge, each link capped at 100 Mbit/s). After 3 steps the parameters equal one process's within 1e-5 (floating-point
 reassociation of the mean); the checkpoint the job saved then loads on one host of 2 ranks,
 exactly, in one process (another host count: the pieces come from the first host's ranks;
 ``tests/distributed/test_zero_hybrid.py`` reloads at 1 x 4, 4 x 1 and 1 x 2).
@@ -52,8 +52,9 @@ def _run(hosts: Hosts, nodes: list[list[str]], *job: str) -> list[str]:
 
 
 def test_hybrid_zero3_across_two_hosts_then_resumed_on_one(
-    two_hosts: Hosts, tmp_path: Path
+    two_hosts_100mbit: Hosts, tmp_path: Path
 ) -> None:
+    two_hosts = two_hosts_100mbit
     ckpt, addr = str(tmp_path / "ckpt"), two_hosts.addr[0]
     node = ["--nnodes", "2", "--nproc-per-node", "2", "--master-addr", addr]
     node += ["--master-port", "29563", "--rdzv-timeout", "60"]
