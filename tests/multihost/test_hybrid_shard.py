@@ -2,10 +2,10 @@
 
 Each host runs ``phalanx run`` with 2 workers: the shards live inside each host (on shared
 memory) and each gradient shard is all-reduced with its twin on the other host (gloo over the
-bridge, each link capped at 100 Mbit/s). After 3 steps the parameters equal one process's within 1e-5 (floating-point
-reassociation of the mean); the checkpoint the job saved then loads on one host of 2 ranks,
-exactly, in one process (another host count: the pieces come from the first host's ranks;
-``tests/distributed/test_zero_hybrid.py`` reloads at 1 x 4, 4 x 1 and 1 x 2).
+bridge, each link capped at 100 Mbit/s). After 3 steps the parameters equal one process's within
+1e-5 (floating-point reassociation of the mean); the checkpoint the job saved then loads on one
+host of 2 ranks, exactly, in one process (another host count: the pieces come from the first
+host's ranks; ``tests/distributed/test_zero_hybrid.py`` reloads at 1 x 4, 4 x 1 and 1 x 2).
 """
 
 from __future__ import annotations
