@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from phalanx.launch import main
+from phalanx.testing import scaled
 from tests.e2e.launching import (
     DEADLINE_S,
     SCRIPTS,
@@ -50,8 +51,9 @@ def test_signals_to_handle_are_forwarded_then_the_grace_ends(tmp_path: Path) -> 
     assert proc.returncode == 128 + signal.SIGUSR1, err
     assert "received SIGUSR1; stopping the workers (forwarding SIGUSR1)" in err
     assert "[rank 0] SIGUSR1 in rank 0" in out and "[rank 1] SIGUSR1 in rank 1" in out
-    # The workers ignore it: SIGKILL after --shutdown-timeout 1 (the default grace is 3 s).
-    assert time.monotonic() - sent < 2.9
+    # The workers ignore it: SIGKILL after --shutdown-timeout 1 (the default grace is 3 s); the
+    # rest (the launcher's teardown) stretches with the measured load (failed at 2.91 s, load 9).
+    assert time.monotonic() - sent < 1.0 + scaled(1.9)
 
 
 def test_role_virtual_local_rank_local_addr_and_events() -> None:
