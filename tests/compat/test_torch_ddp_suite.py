@@ -5,8 +5,9 @@ gloo: with torch's class, then with phalanx's those that torch's passed. Then, p
 class must pass it or skip it for want of a GPU (the baseline: what can run here); phalanx's
 class must pass every test torch's passes, except the reviewed list in
 ``ddp_internal_only.txt``, whose entries must still fail on the torch-internal attribute they
-name (so the list cannot silently go stale). Then ``distributed_test`` once more with the default
-group on phalanx's ``backend="shm"``: both classes must pass there every test they pass on gloo.
+name (so the list cannot silently go stale). Then, in the same subprocess (one start-up of the
+suites, not two), each class runs the ``distributed_test`` tests it passed once more with the
+default group on phalanx's ``backend="shm"``: both must pass there every test they pass on gloo.
 """
 
 from __future__ import annotations
@@ -55,16 +56,14 @@ def _run(tmp: Any, *args: str) -> dict[str, dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    return _run(tmp_path_factory.mktemp("compat"))
+    return _run(tmp_path_factory.mktemp("compat"), "--then-shm")
 
 
 @pytest.fixture(scope="module")
-def on_shm(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    """``distributed_test`` with its default group on phalanx's ``backend="shm"`` (the RPC
-    suite makes groups of its own)."""
-    return _run(
-        tmp_path_factory.mktemp("compat_shm"), "--backend", "shm", "-k", "distributed_test::"
-    )
+def on_shm(outcomes: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The ``distributed_test`` tests each class passed on gloo, run again with their default
+    group on phalanx's ``backend="shm"`` (the RPC suite makes groups of its own)."""
+    return {impl: outcomes[f"{impl}@shm"] for impl in ("torch", "phalanx")}
 
 
 def test_the_internal_only_list_names_selected_tests() -> None:

@@ -47,9 +47,10 @@ RETRIED_DEADLINE = 30.0
 and its start-up race hangs; a race then costs 30 s before the retry, not 90."""
 RETRIED_SUITES = ("ddp_under_dist_autograd_test",)
 BACKEND_VAR = "PHALANX_SUITE_BACKEND"
-"""The backend ``distributed_test``'s default group is made with (``--backend``; gloo unless
-set). The suite's own ``BACKEND`` stays ``gloo``, so its gloo-specific expectations and skips
-hold: ``--backend shm`` runs the tests torch runs on gloo on phalanx's shared-memory backend."""
+"""The backend ``distributed_test``'s default group is made with (``--backend``, set in each
+rank process; gloo unless set). The suite's own ``BACKEND`` stays ``gloo``, so its
+gloo-specific expectations and skips hold: ``--backend shm`` runs the tests torch runs on gloo
+on phalanx's shared-memory backend."""
 """Suites whose failed test runs once more. Their fixture starts 4-6 RPC processes with
 TensorPipe and races on start-up ("Default process group has not been initialized" on the
 master, or the deadline) when a 2-core machine is loaded, with torch's class as with
@@ -229,8 +230,9 @@ def _run_body(case: Case, module: Any, instance: Any, rank: int) -> None:
     instance._barrier()
 
 
-def _rank(case: Case, impl: str, rank: int, tmp: str, conn: Any) -> None:
+def _rank(case: Case, impl: str, rank: int, tmp: str, backend: str, conn: Any) -> None:
     os.environ.update(_env(tmp, case.world_size))
+    os.environ[BACKEND_VAR] = backend
     import importlib
     import unittest
 
@@ -262,8 +264,9 @@ def _context() -> Any:
     return ctx
 
 
-def run_test(case: Case, impl: str, ctx: Any) -> Outcome:
-    """Run one test on every rank; the first failing rank decides, a deadline bounds it."""
+def run_test(case: Case, impl: str, ctx: Any, backend: str = "gloo") -> Outcome:
+    """Run one test on every rank (``distributed_test``'s default group on ``backend``); the
+    first failing rank decides, a deadline bounds it."""
     tmp = tempfile.mkdtemp(prefix="phalanx-compat-")
     for sub in ("barrier", "test_dir", "init_dir"):
         os.mkdir(os.path.join(tmp, sub))
@@ -271,7 +274,7 @@ def run_test(case: Case, impl: str, ctx: Any) -> Outcome:
     try:
         for rank in range(case.world_size):
             recv, send = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_rank, args=(case, impl, rank, tmp, send), daemon=True)
+            p = ctx.Process(target=_rank, args=(case, impl, rank, tmp, backend, send), daemon=True)
             p.start()
             send.close()
             procs.append(p)
@@ -311,9 +314,14 @@ def _gather(procs: list[Any], conns: list[Any], deadline: float, limit: float) -
 
 
 def run_suite(
-    impl: str, cases: list[Case], verbose: bool = False, static: bool = True
+    impl: str,
+    cases: list[Case],
+    verbose: bool = False,
+    static: bool = True,
+    backend: str = "gloo",
 ) -> dict[str, Outcome]:
-    """Run ``cases`` with ``impl`` ("torch" or "phalanx"); each test's outcome by id.
+    """Run ``cases`` with ``impl`` ("torch" or "phalanx") and ``distributed_test``'s default
+    group on ``backend``; each test's outcome by id.
 
     With ``static``, a test that ``static_skips`` finds skipped here starts no process; the first
     such test of each reason still runs on its ranks, and fails unless they skip it for that
@@ -324,19 +332,22 @@ def run_suite(
     results: dict[str, Outcome] = {}
     confirmed: set[str] = set()
     for case in cases:
-        o = _outcome(case, impl, ctx, confirmed) if static else _run_retried(case, impl, ctx)
+        if static:
+            o = _outcome(case, impl, ctx, confirmed, backend)
+        else:
+            o = _run_retried(case, impl, ctx, backend)
         results[case.id] = o
         if verbose:
-            print(f"{impl:8} {o.status:8} {o.seconds:6.2f}s {case.id}", flush=True)
+            print(f"{impl:8} {backend:4} {o.status:8} {o.seconds:6.2f}s {case.id}", flush=True)
     return results
 
 
-def _outcome(case: Case, impl: str, ctx: Any, confirmed: set[str]) -> Outcome:
+def _outcome(case: Case, impl: str, ctx: Any, confirmed: set[str], backend: str) -> Outcome:
     """The static skip where its reason is in ``confirmed``, else the ranks' outcome, checked."""
     skip = _skipped_here(case)
     if skip is not None and skip.detail in confirmed:
         return skip
-    o = _run_retried(case, impl, ctx)
+    o = _run_retried(case, impl, ctx, backend)
     if skip is None:
         return o
     confirmed.add(skip.detail)
@@ -345,11 +356,11 @@ def _outcome(case: Case, impl: str, ctx: Any, confirmed: set[str]) -> Outcome:
     return o
 
 
-def _run_retried(case: Case, impl: str, ctx: Any) -> Outcome:
-    o = run_test(case, impl, ctx)
+def _run_retried(case: Case, impl: str, ctx: Any, backend: str) -> Outcome:
+    o = run_test(case, impl, ctx, backend)
     if o.status == "failed" and case.suite in RETRIED_SUITES:
         first = o.detail.strip().splitlines()[-1:] or [""]
-        o = run_test(case, impl, ctx)
+        o = run_test(case, impl, ctx, backend)
         o = Outcome(o.status, f"{o.detail} (retried once; first run: {first[0]})", o.seconds)
     return o
 
@@ -368,10 +379,13 @@ def _skipped_here(case: Case) -> Outcome | None:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m tests.compat.torch_suite [--impl torch|phalanx|both] [--backend gloo|shm]
-    [-k SUBSTRING]``.
+    [--then-shm] [-k SUBSTRING]``.
 
     With ``both``, phalanx's class runs only the tests torch's passes: the others (no GPU
-    here, or skipped by torch itself) say nothing about phalanx's class.
+    here, or skipped by torch itself) say nothing about phalanx's class. With ``--then-shm``,
+    each class then runs again, with the default group on phalanx's ``backend="shm"``, the
+    ``distributed_test`` tests it passed (reported as ``torch@shm`` and ``phalanx@shm``): the
+    same ranks' forkserver, so no second start-up of the suites.
     """
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--impl", choices=["torch", "phalanx", "both"], default="both")
@@ -384,18 +398,32 @@ def main(argv: list[str] | None = None) -> int:
         help="the default group's backend in distributed_test (shm: phalanx's shared memory)",
     )
     parser.add_argument(
+        "--then-shm",
+        action="store_true",
+        help="then run each class's passed distributed_test tests again on shm",
+    )
+    parser.add_argument(
         "--run-all", action="store_true", help="start the ranks of every test, even static skips"
     )
     args = parser.parse_args(argv)
     cases = [c for c in select() if args.pattern in c.id]
-    os.environ[BACKEND_VAR] = args.backend  # before the forkserver starts: its ranks inherit it
+    static = not args.run_all
     report = {}
     if args.impl in ("torch", "both"):
-        report["torch"] = run_suite("torch", cases, True, not args.run_all)
+        report["torch"] = run_suite("torch", cases, True, static, args.backend)
     if args.impl in ("phalanx", "both"):  # with both, only where torch's class passes
         baseline = report.get("torch")
         ours = [c for c in cases if baseline is None or baseline[c.id].status == "passed"]
-        report["phalanx"] = run_suite("phalanx", ours, True, not args.run_all)
+        report["phalanx"] = run_suite("phalanx", ours, True, static, args.backend)
+    if args.then_shm:
+        for impl, outcomes in list(report.items()):
+            passed = [
+                c
+                for c in cases
+                if c.suite == "distributed_test" and c.id in outcomes
+                if outcomes[c.id].status == "passed"
+            ]
+            report[f"{impl}@shm"] = run_suite(impl, passed, True, static, "shm")
     counts = {
         impl: {s: sum(o.status == s for o in r.values()) for s in ("passed", "skipped", "failed")}
         for impl, r in report.items()

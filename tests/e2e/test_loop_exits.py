@@ -12,6 +12,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -81,21 +82,29 @@ def test_the_readme_quick_start_commits_its_last_checkpoint_and_a_rerun_trains_n
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-000020"
 
 
-def test_a_script_without_close_commits_its_last_asynchronous_save(tmp_path: Path) -> None:
-    code, output = _run(tmp_path, LOOP_EXIT, str(tmp_path / "ckpt"), "3")
-    assert code == 0, output
-    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-000024", output
-    assert "waiting for checkpoint step 24" in output  # said, not silent
+class Preempted(NamedTuple):
+    """The SIGTERM scenario's three runs (see :func:`preempted`)."""
+
+    stopped: str  # the preempted run's output
+    step: int  # the step its SIGTERM committed
+    latest: str  # its checkpoint directory's "latest" then, before the rerun
+    epochs: int  # of the two later runs
+    resumed: tuple[int, str]  # exit code, output
+    clean: tuple[int, str]
+    clean_ckpt: Path
 
 
-def test_sigterm_commits_the_last_step_and_the_rerun_resumes_bit_identically(
-    tmp_path: Path,
-) -> None:
-    ckpt, stamp = tmp_path / "preempted", tmp_path / "stamp"
-    # A job of 1000 epochs: only the SIGTERM ends it. The launcher passes the signal on to its
-    # workers (as SLURM signals every task) and waits up to --shutdown-timeout for them.
+@pytest.fixture(scope="module")
+def preempted(tmp_path_factory: pytest.TempPathFactory) -> Preempted:
+    """A job of 1000 epochs stopped by SIGTERM after step 5; then, side by side, the rerun that
+    resumes it and a clean run of as many epochs in a fresh directory. Those two, like every
+    run of loop_exit.py, end without ``job.close()``."""
+    tmp = tmp_path_factory.mktemp("sigterm")
+    ckpt, stamp = tmp / "preempted", tmp / "stamp"
+    # Only the SIGTERM ends it. The launcher passes the signal on to its workers (as SLURM
+    # signals every task) and waits up to --shutdown-timeout for them.
     proc = _launch(
-        tmp_path,
+        tmp,
         "--shutdown-timeout",
         "60",
         LOOP_EXIT,
@@ -122,15 +131,43 @@ def test_sigterm_commits_the_last_step_and_the_rerun_resumes_bit_identically(
     assert proc.returncode == 128 + signal.SIGTERM, output
     stopped = re.search(r"SIGTERM: step (\d+) committed", output)
     assert stopped is not None, output
-    step = int(stopped.group(1))
-    assert step >= 5 and (ckpt / "latest").read_text().strip() == f"step-{step:06d}", output
+    step, latest = int(stopped.group(1)), (ckpt / "latest").read_text().strip()
+    epochs = step // STEPS_PER_EPOCH + 2
+    runs = [_launch(tmp, LOOP_EXIT, str(where), str(epochs)) for where in (ckpt, tmp / "clean")]
+    try:
+        outputs = ["".join(finish(p)) for p in runs]
+        resumed, clean = [(p.returncode, output) for p, output in zip(runs, outputs)]
+    finally:
+        for p in runs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.communicate(timeout=10)
+    return Preempted(output, step, latest, epochs, resumed, clean, tmp / "clean")
+
+
+def test_sigterm_commits_the_last_step_and_the_rerun_resumes_bit_identically(
+    preempted: Preempted,
+) -> None:
+    step = preempted.step
+    assert step >= 5 and preempted.latest == f"step-{step:06d}", preempted.stopped
     # Resumed, it ends as a run never interrupted: same parameters, bit for bit.
-    epochs = str(step // STEPS_PER_EPOCH + 2)
-    code, resumed = _run(tmp_path, LOOP_EXIT, str(ckpt), epochs)
+    code, resumed = preempted.resumed
     assert code == 0 and f"(step {step}," in resumed, resumed
-    code, clean = _run(tmp_path, LOOP_EXIT, str(tmp_path / "clean"), epochs)
+    code, clean = preempted.clean
     assert code == 0, clean
     assert _digest(resumed) == _digest(clean)
+
+
+def test_a_script_without_close_commits_its_last_asynchronous_save(
+    preempted: Preempted,
+) -> None:
+    """The clean run of the SIGTERM scenario: it saves asynchronously after its last epoch
+    and ends without ``job.close()``."""
+    code, output = preempted.clean
+    assert code == 0, output
+    last = preempted.epochs * STEPS_PER_EPOCH
+    assert (preempted.clean_ckpt / "latest").read_text().strip() == f"step-{last:06d}", output
+    assert f"waiting for checkpoint step {last}" in output  # said, not silent
 
 
 def test_save_on_sigterm_false_keeps_the_default_action(tmp_path: Path) -> None:
