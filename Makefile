@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 NOEXTRAS := .venv-noextras
 SRC := $(shell find src/phalanx -type f -not -path '*/__pycache__/*')
 
-.PHONY: demo test pytest lint install smoke-noextras clean
+.PHONY: demo test pytest lint install smoke-noextras docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,15 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+
+# The documentation site (mkdocs.yml, docs/): the benchmark page must be what
+# tools/bench_page.py makes from benchmarks/results/, the site builds into site/ with warnings as
+# errors, and every internal link of the built pages resolves. `make test` checks the same
+# (tests/docs/test_site.py).
+docs: $(STAMP)
+	$(BIN)/python tools/bench_page.py --check
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --clean --site-dir site
+	$(BIN)/python tools/check_site_links.py site
 
 # phalanx as `pip install phalanx` leaves it: a venv with torch (the local wheel, as above) and
 # `pip install .` without extras. Made afresh when pyproject.toml changes (a dependency dropped
@@ -61,4 +70,4 @@ pytest: $(STAMP)
 	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 clean:
-	rm -rf $(VENV) $(NOEXTRAS) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(NOEXTRAS) build dist site src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

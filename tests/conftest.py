@@ -13,3 +13,28 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+CPU_LOG_ENV = "PHALANX_TEST_CPU_LOG"
+"""A file: each test appends its CPU seconds (its process and the children it waited for) and
+its wall seconds, to find what makes ``make test`` slow on two cores (``tools/test_cpu.py``
+sums it by file)."""
+
+if os.environ.get(CPU_LOG_ENV):
+    import resource
+    import time
+    from collections.abc import Iterator
+
+    import pytest
+
+    def _cpu() -> float:
+        own = resource.getrusage(resource.RUSAGE_SELF)
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+        cpu, wall = _cpu(), time.monotonic()
+        yield
+        line = f"{_cpu() - cpu:.2f}\t{time.monotonic() - wall:.2f}\t{item.nodeid}\n"
+        with open(os.environ[CPU_LOG_ENV], "a") as log:
+            log.write(line)

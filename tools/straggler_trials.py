@@ -163,7 +163,7 @@ def _run(
         if toggle:  # the measurement's switch (a private attribute: the tool measures it)
             job.timing.monitor = monitor if (job.step_count // toggle) % 2 else None
         monitored.append(job.timing.monitor is not None)
-        job.step(opt)
+        job.step()
         now = time.perf_counter()
         times.append(now - last)
         last = now

@@ -85,6 +85,7 @@ if TYPE_CHECKING:  # loaded by __getattr__ on first use; imported here for type 
     from phalanx import checkpoint as checkpoint
     from phalanx import cli as cli
     from phalanx import datasets as datasets
+    from phalanx import diagnostics as diagnostics
     from phalanx import doctor as doctor
     from phalanx import horovod as horovod
     from phalanx import mesh as mesh
@@ -126,6 +127,7 @@ _SUBMODULES = (
     "data",
     "data_parallel",
     "datasets",
+    "diagnostics",
     "doctor",
     "hogwild",
     "horovod",

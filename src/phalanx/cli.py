@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 
@@ -11,40 +10,65 @@ from phalanx._optional import MissingExtraError
 
 __all__ = ["main"]
 
-SUITES = (
-    "comm",
-    "ddp",
-    "checkpoint",
-    "zero",
-    "zero_hybrid",
-    "pipeline",
-    "tensor_parallel",
-    "param_server",
-    "low_bandwidth",
-    "hosts_backend",
-)
-
 USAGE = """usage: phalanx <command> [args]
 
 commands:
   run      launch a training script on N processes / machines (torchrun's flags)
-  bench    benchmarks: `phalanx bench SUITE [--quick] [--out DIR]`, SUITE one of comm, ddp,
-           checkpoint, zero, zero_hybrid, pipeline, tensor_parallel, param_server,
-           low_bandwidth, hosts_backend (ours vs torch or the methods against each other, same run;
-           results in DIR, default a new runs/bench-SUITE-<timestamp>/)
+  bench    benchmarks: `phalanx bench SUITE [--quick] [--out DIR] [--json PATH]`, ours against
+           torch or the methods against each other in the same run (`phalanx bench --help`
+           lists the suites and the flags every one takes)
   plan     model-state memory per device for DDP and ZeRO-1/2/3 (the ZeRO paper's formulas)
-  doctor   check torch, backends, GPUs, network interfaces and ports
+  doctor   check torch, backends, GPUs, network interfaces and ports, and say which backend
+           `phalanx run` gives the workers and why
   diagnose DIR: merge the ranks' flight records (PHALANX_DUMP_DIR, or torch's Flight Recorder
            dumps: their directory or files) and print the first collective where they diverge
+  timeline RUN [-o trace.json]: one Chrome / Perfetto trace of every rank of a job recorded with
+           `phalanx run --timeline RUN` or Job(timeline_dir=RUN), clock-aligned, with each
+           step's critical path (which rank and phase the step waited on)
   checkpoint convert SRC DST (--to | --from) {dcp,hf}: phalanx checkpoints to / from torch
            DCP and Hugging Face safetensors weights
 """
 
 
+def _bench_help() -> str:
+    """``phalanx bench --help``: the suites, one line each, and the flags every suite takes."""
+    from phalanx.bench import SUITES
+    from phalanx.bench.common import COMMON_FLAGS
+
+    width = max(len(name) for name in [*SUITES, *(flag for flag, _ in COMMON_FLAGS)]) + 2
+    lines = [
+        "usage: phalanx bench SUITE [--quick] [--out DIR] [--json PATH] [SUITE's flags]",
+        "",
+        "phalanx against the torch-native equivalent (or methods against each other), "
+        "interleaved in",
+        "one run; prints a table, writes DIR/SUITE.json and ends with one line RESULT {json}.",
+        "",
+        "suites:",
+        *(f"  {name:<{width}}{what}" for name, what in SUITES.items()),
+        "",
+        "flags every suite takes:",
+        *(f"  {flag:<{width}}{what}" for flag, what in COMMON_FLAGS),
+        f"  {'-h, --help':<{width}}after SUITE: that suite's own flags too",
+        "",
+        "--out benchmarks/results regenerates the figures the docs cite.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def _bench(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="phalanx bench", add_help=True)
-    parser.add_argument("suite", choices=SUITES, help="which benchmark to run")
-    suite = parser.parse_args(argv[:1]).suite
+    from phalanx.bench import SUITES
+
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_bench_help(), end="", file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    suite = argv[0]
+    if suite not in SUITES:
+        print(
+            f"phalanx bench: unknown suite {suite!r}; one of {', '.join(SUITES)} "
+            "(phalanx bench --help)",
+            file=sys.stderr,
+        )
+        return 2
     module = importlib.import_module(f"phalanx.bench.{suite}")
     try:
         return int(module.main(argv[1:]))
@@ -78,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         from phalanx.comm import diagnose_cli as diagnose
 
         return diagnose.main(rest)
+    if command == "timeline":
+        from phalanx.diagnostics import timeline_cli
+
+        return timeline_cli.main(rest)
     if command == "checkpoint":
         from phalanx.checkpoint import convert_cli
 

@@ -2,9 +2,11 @@
 
 Checks torch's version and build, the c10d backends, whether the shared-memory backend can run
 here (the platform, a ``memfd`` peers can open through ``/proc``, ``/dev/shm`` and its free
-space), which backend a job would get, GPUs, network interfaces and which one gloo would use,
-host-name resolution (a host name resolving to 127.0.1.1 makes gloo bind loopback, so other
-machines cannot connect), and whether the master port is free.
+space), which backend ``phalanx run`` gives the workers and why (the launcher's own decision,
+for the job of ``--nproc-per-node`` / ``--nnodes`` / ``--backend`` when given), GPUs, network
+interfaces and which one gloo would use, host-name resolution (a host name resolving to
+127.0.1.1 makes gloo bind loopback, so other machines cannot connect), and whether the master
+port is free.
 """
 
 from __future__ import annotations
@@ -19,10 +21,13 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from phalanx.comm.backends import auto_backend, shm_unusable
+from phalanx.comm.backends import BACKENDS, shm_unusable
 from phalanx.comm.netif import GLOO_IFNAME, gloo_interface, interface_for, ipv4_interfaces
 from phalanx.comm.shm.segment_file import SHM_DIR
 from phalanx.comm.store import bind_listener
+from phalanx.launch.backend_note import describe, workers_backend
+from phalanx.launch.config import ArgsError
+from phalanx.launch.nproc import local_world_size, probe_devices
 
 __all__ = ["Check", "main", "run_checks"]
 
@@ -109,30 +114,48 @@ def _shm_check() -> Check:
     return Check("shm", status, f"usable with files in {SHM_DIR} ({memfd}); {space}{hint}")
 
 
-def _default_backend_check() -> Check:
-    """Which backend a job that leaves it to phalanx would get on this machine."""
-    chosen = os.environ.get("PHALANX_BACKEND", "")
-    if chosen and chosen.lower() != "auto":
-        return Check("default", "ok", f"{chosen.lower()} (PHALANX_BACKEND={chosen} is set)")
-    gpu = torch.cuda.is_available()
-    here, why = auto_backend(gpu, one_machine=True)
-    if gpu:
-        return Check("default", "ok", f"{here} ({why})")
-    # across machines, shm (hierarchical) needs phalanx run's word that each runs 2 or more
-    across = auto_backend(gpu, one_machine=False, fewest_local=2)[0]
-    because = "" if here == "shm" else f" ({why})"
-    machines = f"{across} across machines"
-    if across == "shm":
+def _run_backend_check(
+    backend: str | None = None, nproc: int | None = None, nnodes: int | None = None
+) -> Check:
+    """What backend ``phalanx run`` gives workers that leave it to phalanx, and why.
+
+    The launcher's own decision (:func:`~phalanx.launch.backend_note.workers_backend`) in its
+    start-up line's words, for the job of ``--nproc-per-node`` / ``--nnodes`` when either is
+    given, else for one machine and for several (each like this one)."""
+    if nproc is not None or nnodes is not None:
+        nproc, nnodes = nproc or 1, nnodes or 1
+        chosen = workers_backend(backend, nproc * nnodes, nproc, fewest_local=nproc)
+        flags = f"--nproc-per-node {nproc} --nnodes {nnodes}"
+        return _run_check(f"phalanx run {flags}: {_said(backend, *chosen)}", chosen[0])
+    one = workers_backend(backend, 2, 2)
+    if one[2] or one[0] == "nccl":  # named by the user, or GPU ranks: the same everywhere
+        return _run_check(_said(backend, *one), one[0])
+    across = workers_backend(backend, 4, 2, fewest_local=2)  # 2 machines, 2 ranks each
+    single = workers_backend(backend, 2, 1, fewest_local=1)  # 2 machines, 1 rank each
+    if across[0] == single[0] == one[0]:
+        machines = f"{one[0]} across machines too"
+    else:
         machines = (
-            "shm across machines that each run 2 or more (hierarchical, under phalanx run), "
-            "else gloo"
+            f"across machines: {across[0]} when each runs 2 or more ({across[1]}), else {single[0]}"
         )
-    return Check(
-        "default",
-        "ok",
-        f"backend {here} when every rank runs on this machine{because}, {machines}; "
-        "--backend / PHALANX_BACKEND choose another",
-    )
+    return _run_check(f"{_said(backend, *one)}; {machines}", one[0])
+
+
+def _run_check(detail: str, name: str) -> Check:
+    """The answer, failed where ``phalanx run`` would refuse it: shm named (``--backend shm``,
+    ``PHALANX_BACKEND=shm``) where shm cannot run."""
+    cannot = shm_unusable() if name == "shm" else None
+    if cannot is None:
+        return Check("run", "ok", detail)
+    return Check("run", "fail", f"{detail}; refused: shm cannot run on {cannot}")
+
+
+def _said(backend: str | None, name: str, why: str, chosen: bool) -> str:
+    """:func:`~phalanx.launch.backend_note.describe`, saying who chose the backend."""
+    if chosen:
+        source = f"--backend {backend}" if backend else f"PHALANX_BACKEND is {name}"
+        why = f"{source}: {why}" if why else source
+    return describe(name, why, chosen)
 
 
 def _gpu_check() -> Check:
@@ -182,29 +205,74 @@ def _port_check(addr: str, port: int) -> Check:
     return Check("port", "ok", f"{addr}:{port} is free")
 
 
-def run_checks(master_addr: str = "127.0.0.1", master_port: int = 29500) -> list[Check]:
-    """Run every check; pure reporting, nothing is changed."""
+def run_checks(
+    master_addr: str = "127.0.0.1",
+    master_port: int = 29500,
+    backend: str | None = None,
+    nproc: int | None = None,
+    nnodes: int | None = None,
+) -> list[Check]:
+    """Run every check; pure reporting, nothing is changed. ``backend``, ``nproc`` and
+    ``nnodes`` are ``phalanx run``'s ``--backend``, ``--nproc-per-node`` and ``--nnodes``."""
     return [
         _torch_check(),
         *_backend_checks(),
         _shm_check(),
-        _default_backend_check(),
+        _run_backend_check(backend, nproc, nnodes),
         _gpu_check(),
         *_network_checks(master_addr),
         _port_check(master_addr, master_port),
     ]
 
 
-def main(argv: list[str]) -> int:
-    """``phalanx doctor [--master-addr A] [--master-port P] [--json]``; exit 1 on a failure."""
-    parser = argparse.ArgumentParser(prog="phalanx doctor")
-    parser.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"))
-    parser.add_argument("--master-port", type=int, default=29500)
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="phalanx doctor",
+        description="What this machine offers a distributed job, and which backend `phalanx "
+        "run` gives its workers and why. Exit 1 when a check fails.",
+    )
+    parser.add_argument(
+        "--master-addr",
+        default=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        help="node 0's address, as phalanx run's (default: MASTER_ADDR, else 127.0.0.1)",
+    )
+    parser.add_argument(
+        "--master-port", type=int, default=29500, help="checked free there (default 29500)"
+    )
+    parser.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        type=str.lower,
+        help="as phalanx run's: what the workers get with it (default: auto)",
+    )
+    parser.add_argument(
+        "--nproc-per-node",
+        metavar="N|cpu|gpu|auto",
+        help="as phalanx run's: the backend of that job (default: one machine and several)",
+    )
+    parser.add_argument("--nnodes", type=int, help="as phalanx run's, a number of machines")
     parser.add_argument("--json", action="store_true", help="print the checks as JSON")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    """``phalanx doctor [--master-addr A] [--master-port P] [--backend B] [--nproc-per-node N]
+    [--nnodes M] [--json]``; exit 1 on a failure."""
+    parser = _parser()
     args = parser.parse_args(argv)
     if not 1 <= args.master_port <= 65535:
         parser.error(f"--master-port must be in 1..65535, got {args.master_port}")
-    checks = run_checks(args.master_addr, args.master_port)
+    if args.nnodes is not None and args.nnodes < 1:
+        parser.error(f"--nnodes must be >= 1, got {args.nnodes}")
+    nproc = None
+    if args.nproc_per_node is not None:
+        try:
+            nproc = local_world_size(args.nproc_per_node, probe_devices)
+        except ArgsError as exc:
+            parser.error(str(exc))
+        if nproc < 1:
+            parser.error(f"--nproc-per-node must be >= 1, got {nproc}")
+    checks = run_checks(args.master_addr, args.master_port, args.backend, nproc, args.nnodes)
     if args.json:
         print(json.dumps([asdict(c) for c in checks]))
     else:

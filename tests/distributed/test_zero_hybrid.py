@@ -76,7 +76,7 @@ def _train(strategy: phalanx.Zero, directory: str | None) -> dict[str, Any]:
         avg = loss.detach().clone()
         phalanx.all_reduce(avg, phalanx.ReduceOp.AVG)
         out["losses"].append(float(avg))
-        job.step(opt)
+        job.step()
         if job.step_count == SAVE_AT and directory and not out["resumed_at"]:
             job.save()
             out["saved"] = _full(model)

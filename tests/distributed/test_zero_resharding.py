@@ -47,7 +47,7 @@ def _job(strategy: str, directory: str) -> list[float]:
         avg = loss.detach().clone()
         phalanx.all_reduce(avg, phalanx.ReduceOp.AVG)
         losses.append(float(avg))
-        job.step(opt)
+        job.step()
         if job.step_count == SAVE_AT:
             job.save()
     job.close()

@@ -1,4 +1,4 @@
-"""How training scripts end: the README's Quick start as written, no ``close()``, a SIGTERM.
+"""How training scripts end: the README's Quick start file, no ``close()``, a SIGTERM.
 
 Each runs under the real launcher (``phalanx run``), in a process group of its own that the
 deadline kills. None of them may lose the last checkpoint.
@@ -22,13 +22,8 @@ LOOP_EXIT = str(SCRIPTS / "loop_exit.py")
 STEPS_PER_EPOCH = 8  # loop_exit.py: 256 samples, 2 ranks x 16 per batch
 
 
-def quick_start() -> str:
-    """The first Python block after the README's ``## Quick start`` heading, as written."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Quick start") :]
-    found = re.search(r"```python\n(.*?)```", section, re.S)
-    assert found is not None, "the README's Quick start has no python block"
-    return found.group(1)
+QUICK_START = ROOT / "examples" / "quickstart.py"
+"""The README's Quick start, which the README includes verbatim (tests/docs/test_readme.py)."""
 
 
 def _launch(cwd: Path, *cmd: str) -> subprocess.Popen[str]:
@@ -69,13 +64,13 @@ def _digest(output: str) -> str:
 def test_the_readme_quick_start_commits_its_last_checkpoint_and_a_rerun_trains_nothing(
     tmp_path: Path,
 ) -> None:
-    (tmp_path / "train.py").write_text(quick_start())
-    code, output = _run(tmp_path, "train.py")
+    """The newcomer's first two runs: the first trains, the second resumes with nothing left."""
+    code, output = _run(tmp_path, str(QUICK_START))  # its checkpoints go to ./ckpt
     assert code == 0, output
     # 1024 samples, 2 ranks x 64 a batch, 4 micro-steps a step: 2 steps an epoch, 10 epochs.
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-000020", output
     metrics = (tmp_path / "ckpt" / "metrics.jsonl").read_text()
-    code, again = _run(tmp_path, "train.py")
+    code, again = _run(tmp_path, str(QUICK_START))
     assert code == 0, again
     assert "resumed from" in again and "(step 20, epoch 10)" in again, again
     assert (tmp_path / "ckpt" / "metrics.jsonl").read_text() == metrics  # nothing trained

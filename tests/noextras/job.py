@@ -23,13 +23,13 @@ def main() -> None:
     )
     with phalanx.Job(strategy="zero1", checkpoint_dir=ckpt, seed=1) as job:
         net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
-        model, optimizer = job.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+        model, _ = job.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
         loader = job.loader(data, batch_size=8, shuffle=True)
         for _ in job.epochs(epochs):
             for x, y in job.progress(loader):
                 loss = nn.functional.cross_entropy(model(x), y)
                 job.backward(loss)
-                job.step(optimizer)
+                job.step()
             job.log(loss=loss.item())
             job.save()
 

@@ -57,7 +57,8 @@ def test_the_start_up_line_says_what_was_chosen() -> None:
     assert backend_note(None, 2, 2) == one_machine
     assert backend_note("auto", 2, 2) == one_machine  # not ", backend auto"
     assert backend_note(None, 4, 2) == ", default backend gloo (CPU ranks on several machines)"
-    assert backend_note(None, 1, 1) == ", default backend gloo"
+    single = ", default backend gloo (a single rank: nothing to share)"
+    assert backend_note(None, 1, 1) == backend_note(None, 1, 1, fewest_local=1) == single
 
 
 def test_the_launchers_own_phalanx_backend_counts_as_chosen(

@@ -9,6 +9,7 @@ import pytest
 
 from phalanx import cli, doctor
 from phalanx.comm import backends
+from phalanx.launch.backend_note import backend_note
 
 
 def test_help_and_unknown_command(capsys: pytest.CaptureFixture[str]) -> None:
@@ -29,17 +30,67 @@ def test_doctor_reports_every_check_as_json(capsys: pytest.CaptureFixture[str]) 
     finally:
         held.close()
     checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)}
-    names = {"torch", "backends", "shm", "default", "gpus", "interfaces", "route", "hostname"}
+    names = {"torch", "backends", "shm", "run", "gpus", "interfaces", "route", "hostname"}
     assert names | {"port"} <= set(checks)
     assert checks["route"]["status"] == "ok" and "via lo" in checks["route"]["detail"]
     assert checks["port"]["status"] == "fail" and str(port) in checks["port"]["detail"]
     assert code == 1
 
 
-def test_doctor_rejects_bad_port() -> None:
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--master-port", "70000"],
+        ["--nnodes", "0"],
+        ["--nproc-per-node", "x"],
+        ["--backend", "tcp"],
+    ],
+)
+def test_doctor_rejects_bad_flags(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        doctor.main(["--master-port", "70000"])
+        doctor.main(argv)
     assert exc.value.code == 2
+
+
+@pytest.mark.parametrize("backend", [None, "auto", "gloo", "shm"])
+@pytest.mark.parametrize(("nproc", "nnodes"), [(2, 1), (1, 1), (2, 2), (1, 2), (3, 4)])
+def test_doctor_says_what_the_launchers_start_up_line_will_say(
+    monkeypatch: pytest.MonkeyPatch, backend: str | None, nproc: int, nnodes: int
+) -> None:
+    """Issue 36, item 4: `phalanx doctor` tells what `phalanx run` will pick and why, in the
+    start-up line's words, from the launcher's own decision (`workers_backend`)."""
+    monkeypatch.delenv("PHALANX_BACKEND", raising=False)
+    monkeypatch.setattr(doctor.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(backends, "shm_unusable", lambda: None)
+    check = doctor._run_backend_check(backend, nproc, nnodes)
+    prefix = f"phalanx run --nproc-per-node {nproc} --nnodes {nnodes}: "
+    assert check.name == "run" and check.detail.startswith(prefix)
+    said = check.detail.removeprefix(prefix)
+    # what the launcher prints for that job: every node runs nproc, so the fewest is nproc
+    line = backend_note(backend, nproc * nnodes, nproc, fewest_local=nproc).removeprefix(", ")
+    if backend in (None, "auto"):
+        assert said == line
+    else:  # named: the start-up line's words, and who named it
+        named = f"backend {backend} (--backend {backend}"
+        assert said.startswith(named) and line.startswith(f"backend {backend}")
+    auto = {(2, 1): "shm", (1, 1): "gloo", (2, 2): "shm", (1, 2): "gloo", (3, 4): "shm"}
+    picked = said.split(" (")[0].split()[-1]
+    assert picked == (auto[nproc, nnodes] if backend in (None, "auto") else backend)
+
+
+def test_doctor_on_a_gpu_machine_and_through_the_command(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("PHALANX_BACKEND", raising=False)
+    monkeypatch.setattr(doctor.torch.cuda, "is_available", lambda: True)
+    assert doctor._run_backend_check().detail == "default backend nccl (GPU ranks)"
+    monkeypatch.setattr(doctor.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(backends, "shm_unusable", lambda: None)
+    assert cli.main(["doctor", "--json", "--nproc-per-node", "2", "--backend", "GLOO"]) in (0, 1)
+    (run,) = [c for c in json.loads(capsys.readouterr().out) if c["name"] == "run"]
+    assert (
+        run["detail"] == "phalanx run --nproc-per-node 2 --nnodes 1: backend gloo (--backend gloo)"
+    )
 
 
 def test_doctor_says_whether_shm_can_run_and_what_a_job_gets(
@@ -55,10 +106,10 @@ def test_doctor_says_whether_shm_can_run_and_what_a_job_gets(
     shm = doctor._shm_check()
     assert shm.status == "ok" and shm.detail.startswith("usable: segments are memfds")
     assert "/dev/shm writable, 65536 MiB free" in shm.detail
-    assert doctor._default_backend_check().detail == (
-        "backend shm when every rank runs on this machine, shm across machines that each run "
-        "2 or more (hierarchical, under phalanx run), else gloo; --backend / PHALANX_BACKEND "
-        "choose another"
+    assert doctor._run_backend_check().detail == (
+        "default backend shm (CPU ranks on one machine; --backend gloo opts out); across "
+        "machines: shm when each runs 2 or more (hierarchical: shared memory inside each "
+        "machine, gloo between them; measured faster than gloo across machines), else gloo"
     )
     monkeypatch.setattr(doctor, "_memfd", lambda: "memfd_create failed: Operation not permitted")
     monkeypatch.setattr(doctor, "_dev_shm", lambda: (None, 32 * 2**20))
@@ -74,7 +125,7 @@ def test_doctor_says_whether_shm_can_run_and_what_a_job_gets(
         "pass --backend gloo (PHALANX_BACKEND=gloo)",
     )
     monkeypatch.setenv("PHALANX_BACKEND", "gloo")
-    assert doctor._default_backend_check().detail == "gloo (PHALANX_BACKEND=gloo is set)"
+    assert doctor._run_backend_check().detail == "backend gloo (PHALANX_BACKEND is gloo)"
 
 
 def test_doctor_where_shm_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -87,9 +138,15 @@ def test_doctor_where_shm_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
         "warn",
         "cannot run on Darwin on arm64: CPU ranks use gloo",
     )
-    assert doctor._default_backend_check().detail.startswith(
-        "backend gloo when every rank runs on this machine (CPU ranks on one machine, but shm "
-        "cannot run on Darwin on arm64)"
+    assert doctor._run_backend_check().detail == (
+        "default backend gloo (CPU ranks on one machine, but shm cannot run on Darwin on "
+        "arm64); gloo across machines too"
+    )
+    refused = doctor._run_backend_check("shm", 2)  # phalanx run refuses it before starting
+    assert (refused.status, refused.detail) == (
+        "fail",
+        "phalanx run --nproc-per-node 2 --nnodes 1: backend shm (--backend shm: shared memory: "
+        "every rank on this machine); refused: shm cannot run on Darwin on arm64",
     )
 
 

@@ -264,7 +264,7 @@ def test_fp16_runs_on_cpu_with_every_zero_stage_but_not_a_pipeline() -> None:
 
 
 def test_configure_scaler_sets_torch_options_and_refuses_bad_ones() -> None:
-    with phalanx.Job("single", precision="fp16") as job:
+    with phalanx.Job("single", precision="fp16-mixed") as job:
         job.precision.configure_scaler(init_scale=8.0, growth_interval=3)
         assert job.precision.scaler is not None
         assert job.precision.scaler.get_scale() == 8.0

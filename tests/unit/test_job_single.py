@@ -22,7 +22,7 @@ def _no_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_bf16_autocasts_the_forward_and_keeps_fp32_master_weights(tmp_path: Path) -> None:
-    with phalanx.Job(strategy="single", precision="bf16", checkpoint_dir=tmp_path) as job:
+    with phalanx.Job(strategy="single", precision="bf16-mixed", checkpoint_dir=tmp_path) as job:
         model, _ = job.setup(nn.Linear(4, 3), None)
         job.optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         out = model(torch.randn(2, 4))

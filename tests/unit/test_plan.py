@@ -11,7 +11,9 @@ from phalanx.plan import bytes_per_param, estimate
 
 
 def test_paper_worked_example_7_5b_params_on_64_gpus() -> None:
-    totals = {r.strategy: round(r.total / 1e9, 1) for r in estimate(7.5e9, 64, "adam", "mixed")}
+    totals = {
+        r.strategy: round(r.total / 1e9, 1) for r in estimate(7.5e9, 64, "adam", "fp16-master")
+    }
     assert totals == {"ddp": 120.0, "zero1": 31.4, "zero2": 16.6, "zero3": 1.9}
 
 
@@ -29,10 +31,10 @@ def test_communication_volume_ddp_zero12_2psi_zero3_3psi() -> None:
 @pytest.mark.parametrize(
     ("optimizer", "precision", "expected"),
     [
-        ("adam", "mixed", (2, 2, 12)),
+        ("adam", "fp16-master", (2, 2, 12)),
         ("adam", "fp32", (4, 4, 8)),
         ("sgd", "fp32", (4, 4, 0)),
-        ("sgd-momentum", "mixed", (2, 2, 8)),
+        ("sgd-momentum", "fp16-master", (2, 2, 8)),
     ],
 )
 def test_bytes_per_param(optimizer: str, precision: str, expected: tuple[int, int, int]) -> None:

@@ -89,7 +89,8 @@ def test_parse_size() -> None:
 
 
 def test_recommend_prefers_least_communication_that_fits() -> None:
-    rows = estimate(1e9, 8, "adam", "mixed")  # totals: ddp 16, zero1 5.5, zero2 3.75, zero3 2 GB
+    # totals: ddp 16, zero1 5.5, zero2 3.75, zero3 2 GB
+    rows = estimate(1e9, 8, "adam", "fp16-master")
     act = 1e9
     assert recommend(rows, act, 20e9).strategy == "ddp"
     assert recommend(rows, act, 10e9).strategy == "zero1"

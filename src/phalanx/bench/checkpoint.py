@@ -27,7 +27,7 @@ from typing import Any
 
 from phalanx.bench.checkpoint_ops import make_model
 from phalanx.bench.checkpoint_rounds import Times, rank_job
-from phalanx.bench.common import Output, add_output_flags
+from phalanx.bench.common import Output, add_common_flags
 
 __all__ = ["main", "summarize"]
 
@@ -92,7 +92,7 @@ def _numbers(parser: argparse.ArgumentParser, flag: str, text: str, kind: type) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``phalanx bench checkpoint [--mb 100,1000] [--ranks 1,2] [--rounds 3] [--cold] ...``."""
+    """``phalanx bench checkpoint [--quick] [--mb 100,1000] [--ranks 1,2] [--rounds 3] ...``."""
     from phalanx.testing import run_distributed
 
     parser = argparse.ArgumentParser(prog="phalanx bench checkpoint", description=__doc__)
@@ -101,8 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds (median)")
     parser.add_argument("--cold", action="store_true", help="also load with the cache evicted")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
-    add_output_flags(parser, "checkpoint")
+    add_common_flags(parser, "checkpoint", quick="as --mb 10 --ranks 1,2 --rounds 1")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.mb, args.ranks, args.rounds = "10", "1,2", 1
     sizes = _numbers(parser, "mb", args.mb, float)
     world_sizes = _numbers(parser, "ranks", args.ranks, int)
     if args.rounds < 1:

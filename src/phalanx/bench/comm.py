@@ -32,7 +32,7 @@ from typing import Any, NoReturn
 
 from phalanx.bench.comm_shm import MEMCPY, ShmBench, shm_impls
 from phalanx.bench.comm_table import GiB, KiB, MiB, Row, format_bytes, format_table
-from phalanx.bench.common import Output, add_output_flags
+from phalanx.bench.common import Output, add_common_flags
 
 __all__ = [
     "BenchConfig",
@@ -127,10 +127,9 @@ def _build_parser() -> _Parser:
     add("--max-bytes", default=None, help="largest message (default 64MiB, 1MiB with --quick)")
     add("--iters", type=int, default=None, help="timed iterations (default 20, 5 with --quick)")
     add("--warmup", type=int, default=None, help="untimed iterations (default 3, 1 with --quick)")
-    add("--quick", action="store_true", help="a few sizes up to 1MiB, few iterations (CI)")
     add("--dtype", default="float32", help=", ".join(DTYPES))
     add("--shm", action="store_true", help="gloo vs shm (copy-in) vs shm-buffers vs memcpy")
-    add_output_flags(p, "comm")
+    add_common_flags(p, "comm", quick="a few sizes up to 1MiB, few iterations (CI)")
     return p
 
 

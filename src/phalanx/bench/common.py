@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Output", "add_output_flags", "default_out", "timed"]
+__all__ = ["COMMON_FLAGS", "Output", "add_common_flags", "add_output_flags", "default_out", "timed"]
 
 
 def timed(fn: Callable[[], None]) -> float:
@@ -52,6 +52,21 @@ def default_out(suite: str, root: str | Path = "runs", now: float | None = None)
             continue
         return path
     raise AssertionError("unreachable")
+
+
+COMMON_FLAGS = (
+    ("--quick", "a short run with small sizes: a smoke test, not figures to cite"),
+    ("--out DIR", "where results go (default: a new runs/bench-SUITE-<timestamp>/)"),
+    ("--json PATH", "also write the result (DIR/SUITE.json) here"),
+)
+"""The flags every suite of ``phalanx bench`` takes, with what they do (its ``--help``)."""
+
+
+def add_common_flags(parser: argparse.ArgumentParser, suite: str, quick: str) -> None:
+    """The flags of :data:`COMMON_FLAGS`: ``--quick`` (``quick`` says what it runs in this
+    suite), ``--out DIR`` and ``--json PATH`` (:func:`add_output_flags`)."""
+    parser.add_argument("--quick", action="store_true", help=quick)
+    add_output_flags(parser, suite)
 
 
 def add_output_flags(parser: argparse.ArgumentParser, suite: str) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from phalanx.bench.common import Output, add_output_flags, timed
+from phalanx.bench.common import Output, add_common_flags, timed
 
 __all__ = ["main"]
 
@@ -209,13 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     from phalanx.testing import run_distributed
 
     parser = argparse.ArgumentParser(prog="phalanx bench ddp", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="few iterations, MLP at 25 MB")
     parser.add_argument("--iters", type=int, default=40, help="timed steps per implementation")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first")
     parser.add_argument("--models", default="mlp,cnn", help="comma list of: mlp, cnn")
     parser.add_argument("--no-hooks", action="store_true", help="skip the compression bytes")
     parser.add_argument("--shm", action="store_true", help=f"add {SHM}: phalanx DDP on shm")
-    add_output_flags(parser, "ddp")
+    add_common_flags(parser, "ddp", quick="few iterations, MLP at 25 MB")
     args = parser.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     bad = [m for m in models if m not in MODELS]

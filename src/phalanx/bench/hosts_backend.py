@@ -29,7 +29,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from phalanx.bench.common import Output, add_output_flags
+from phalanx.bench.common import Output, add_common_flags
 from phalanx.bench.hosts import Hosts, launch_on_hosts, namespace_hosts, unavailable
 from phalanx.bench.hosts_backend_worker import BACKENDS
 
@@ -134,14 +134,18 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=2, help="jobs per rate (rates alternate)")
     parser.add_argument("--hidden", type=int, default=1024, help="the MLP's hidden width")
     parser.add_argument("--batch", type=int, default=64, help="samples per rank per step")
-    add_output_flags(parser, "hosts_backend")
+    add_common_flags(
+        parser, "hosts_backend", quick="as --mbit 1000 --steps 5 --warmup 1 --repeats 1"
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``phalanx bench hosts_backend [--mbit 100,1000] [--nproc 2] [--steps 30] ...``."""
+    """``phalanx bench hosts_backend [--quick] [--mbit 100,1000] [--nproc 2] [--steps 30] ...``."""
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.quick:
+        args.mbit, args.steps, args.warmup, args.repeats = "1000", 5, 1, 1
     try:
         rates = parse_rates(args.mbit)
     except ValueError as exc:

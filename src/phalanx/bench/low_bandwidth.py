@@ -32,7 +32,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from phalanx.bench.common import Output, add_output_flags
+from phalanx.bench.common import Output, add_common_flags
 from phalanx.bench.hosts import Hosts, launch_on_hosts, namespace_hosts, unavailable
 from phalanx.bench.low_bandwidth_worker import METHODS
 
@@ -102,7 +102,7 @@ def _plot(methods: dict[str, dict[str, Any]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``phalanx bench low_bandwidth [--mbit 100] [--steps 400] [--methods ...] [--out DIR]``."""
+    """``phalanx bench low_bandwidth [--quick] [--mbit 100] [--steps 400] [--methods ...]``."""
     parser = argparse.ArgumentParser(prog="phalanx bench low_bandwidth", description=__doc__)
     parser.add_argument("--mbit", type=float, default=100.0, help="link rate each way, Mbit/s")
     parser.add_argument("--steps", type=int, default=400, help="batches per worker")
@@ -112,8 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--outer-momentum", type=float, default=0.3, help="DiLoCo's momentum")
     parser.add_argument("--methods", default=",".join(DEFAULT), help=f"comma list of {METHODS}")
     parser.add_argument("--no-plot", action="store_true", help="skip the plot")
-    add_output_flags(parser, "low_bandwidth")
+    add_common_flags(parser, "low_bandwidth", quick="as --steps 100 --sync-every 50")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.sync_every = 100, 50
     methods = [m for m in args.methods.split(",") if m]
     if not methods or any(m not in METHODS for m in methods):
         parser.error(f"--methods must name some of {', '.join(METHODS)}, got {args.methods!r}")

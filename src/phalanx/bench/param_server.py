@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from phalanx._optional import require
-from phalanx.bench.common import Output, add_output_flags
+from phalanx.bench.common import Output, add_common_flags
 
 __all__ = ["main"]
 
@@ -264,12 +264,11 @@ def main(argv: list[str] | None = None) -> int:
     from phalanx.testing import run_distributed
 
     parser = argparse.ArgumentParser(prog="phalanx bench param_server")
-    parser.add_argument("--quick", action="store_true", help="a small budget (smoke test)")
     parser.add_argument("--updates", type=int, default=1200, help="gradients per run")
     parser.add_argument("--step-ms", type=float, default=5.0, help="padded worker step time")
     parser.add_argument("--target", type=float, default=0.95)
     parser.add_argument("--no-plot", action="store_true", help="no PNG (no matplotlib needed)")
-    add_output_flags(parser, "param_server")
+    add_common_flags(parser, "param_server", quick="a small budget (smoke test)")
     args = parser.parse_args(argv)
     require("bench", "phalanx bench param_server", ["sklearn"])
     if not args.no_plot:

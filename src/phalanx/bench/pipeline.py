@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from phalanx.bench.common import Output, add_output_flags, timed
+from phalanx.bench.common import Output, add_common_flags, timed
 
 __all__ = ["SleepLayer", "main"]
 
@@ -255,7 +255,6 @@ def main(argv: list[str] | None = None) -> int:
     from phalanx.testing import run_distributed
 
     parser = argparse.ArgumentParser(prog="phalanx bench pipeline", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="p=2, m=4, a few iterations")
     parser.add_argument("--iters", type=int, default=15, help="timed steps per implementation")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--t-f", type=float, default=0.020, help="forward seconds per stage")
@@ -264,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--microbatches", default="4,8,16", help="comma list of m")
     parser.add_argument("--schedules", default=",".join(SCHEDULES), help="comma list")
     parser.add_argument("--no-torch", action="store_true", help="skip torch's schedules")
-    add_output_flags(parser, "pipeline")
+    add_common_flags(parser, "pipeline", quick="p=2, m=4, a few iterations")
     args = parser.parse_args(argv)
     ranks = [int(v) for v in args.ranks.split(",") if v]
     cfg: dict[str, Any] = {

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from phalanx.bench.common import Output, add_output_flags, timed
+from phalanx.bench.common import Output, add_common_flags, timed
 
 __all__ = ["main"]
 
@@ -207,14 +207,13 @@ def main(argv: list[str] | None = None) -> int:
     from phalanx.testing import run_distributed
 
     parser = argparse.ArgumentParser(prog="phalanx bench tensor_parallel", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="a few iterations, width 512")
     parser.add_argument("--iters", type=int, default=30, help="timed steps per implementation")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first")
     parser.add_argument("--hidden", default="512,1024", help="comma list of widths")
     parser.add_argument("--batch", type=int, default=8, help="sequences per step")
     parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"from {WORKLOADS}")
-    add_output_flags(parser, "tensor_parallel")
+    add_common_flags(parser, "tensor_parallel", quick="a few iterations, width 512")
     args = parser.parse_args(argv)
     workloads = [w for w in args.workloads.split(",") if w]
     bad = [w for w in workloads if w not in WORKLOADS]

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from phalanx.bench.common import Output, add_output_flags, timed
+from phalanx.bench.common import Output, add_common_flags, timed
 
 __all__ = ["char_batch", "char_gpt", "main", "state_bytes", "train_step"]
 
@@ -217,7 +217,6 @@ def main(argv: list[str] | None = None) -> int:
     from phalanx.testing import run_distributed
 
     parser = argparse.ArgumentParser(prog="phalanx bench zero", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="a few iterations")
     parser.add_argument("--iters", type=int, default=30, help="timed steps per implementation")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first")
     parser.add_argument("--batch", type=int, default=16, help="windows per rank per step")
@@ -225,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--shm", action="store_true", help=f"also {', '.join(SHM_IMPLS)} (ZeRO on backend shm)"
     )
-    add_output_flags(parser, "zero")
+    add_common_flags(parser, "zero", quick="a few iterations")
     args = parser.parse_args(argv)
     impls = [i for i in args.impls.split(",") if i]
     bad = [i for i in impls if i not in IMPLS + SHM_IMPLS]

@@ -33,7 +33,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from phalanx.bench.common import Output, add_output_flags
+from phalanx.bench.common import Output, add_common_flags
 from phalanx.bench.hosts import Hosts, launch_on_hosts, namespace_hosts, unavailable
 from phalanx.bench.zero_hybrid_worker import DEFAULT, IMPLS
 
@@ -104,8 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         choices=("auto", "gloo", "shm"),
         help="the default group's backend (zero3, ddp, torch-*): auto is phalanx run's choice",
     )
-    parser.add_argument("--quick", action="store_true", help="a few iterations")
-    add_output_flags(parser, "zero_hybrid")
+    add_common_flags(parser, "zero_hybrid", quick="a few iterations")
     args = parser.parse_args(argv)
     impls = [i for i in args.impls.split(",") if i]
     if not impls or any(i not in IMPLS for i in impls):

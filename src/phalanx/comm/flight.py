@@ -3,12 +3,16 @@
 Every collective issued through :mod:`phalanx.comm.collectives` leaves a :class:`Record`
 (group, sequence number, op, shape, reduce op and root, call site, start and end time) in a
 fixed-size ring, so a hang or a crash can say what each rank was doing without any cost beyond
-appending a tuple. Point-to-point operations (:mod:`phalanx.comm.p2p`) leave records too, on their
-own channel (group ``p2p``, with the ``peer``): they are shown in reports but never lined up
-across ranks. :func:`first_divergence` (pure) lines up several ranks' records by group and
+appending a tuple. Point-to-point operations (:mod:`phalanx.comm.p2p`) leave records too, on
+their own channel (group ``p2p``, with the ``peer``): they are shown in reports but never lined
+up across ranks. :func:`first_divergence` (pure) lines up several ranks' records by group and
 sequence number and finds the first collective the ranks paired wrongly (:mod:`.pairing`): a
 different signature at the same position, or a rank one call ahead of another (an all-reduce
 inside ``if rank == 0:``). A position some ranks have not reached yet is not a divergence.
+
+A tool that keeps every record (``phalanx.diagnostics``' timeline) adds a *sink*
+(:meth:`FlightRecorder.add_sink`): each new record is handed to it as well, and its ``end`` is
+filled in later, in place, when the operation completes.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -73,6 +77,16 @@ class FlightRecorder:
         self._ring: deque[Record] = deque(maxlen=capacity)
         self._open: dict[tuple[str, int], Record] = {}
         self._lock = threading.Lock()
+        self._sinks: tuple[Callable[[Record], None], ...] = ()
+
+    def add_sink(self, sink: Callable[[Record], None]) -> None:
+        """Hand every record started from now on to ``sink`` too (called on the thread that
+        starts it: keep it to an append)."""
+        self._sinks = (*self._sinks, sink)
+
+    def remove_sink(self, sink: Callable[[Record], None]) -> None:
+        """Stop handing records to ``sink`` (absent: nothing happens)."""
+        self._sinks = tuple(s for s in self._sinks if s != sink)  # bound methods: equal, not same
 
     def start(
         self,
@@ -94,6 +108,8 @@ class FlightRecorder:
             self._open[(group, seq)] = rec
             if len(self._open) > 4 * CAPACITY:  # async works nobody waits on: forget them
                 self._open.pop(next(iter(self._open)))
+        for sink in self._sinks:
+            sink(rec)
         return rec
 
     def finish(self, group: str, seq: int) -> None:

@@ -18,6 +18,9 @@ The environment flags are read by ``init_process_group`` before rendezvous (:mod
 Point-to-point operations are recorded on their own channel (group :data:`P2P`, a counter of
 their own, see :mod:`phalanx.comm.work`): they never move the collectives' sequence numbers,
 and the mismatch check does not see them.
+
+:func:`add_record_sink` hands every record, collective or point-to-point, to a tool that keeps
+them all (the ring keeps the last 256): ``phalanx.diagnostics``' timeline registers here.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import atexit
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
@@ -40,7 +44,7 @@ from phalanx.comm.call_ring import read_calls
 from phalanx.comm.call_sites import call_site
 from phalanx.comm.errors import CollectiveError, CollectiveMismatchError
 from phalanx.comm.flags import TrackingFlags
-from phalanx.comm.flight import FlightRecorder
+from phalanx.comm.flight import FlightRecorder, Record
 from phalanx.comm.mismatch_check import Checker, neighbours
 from phalanx.comm.rank_files import Peer, RankFiles, open_rank_files, peers
 from phalanx.comm.signed import SignedStore
@@ -49,6 +53,7 @@ from phalanx.comm.validation import Validator
 
 __all__ = [
     "P2P",
+    "add_record_sink",
     "call_site",
     "comm_stats",
     "enter",
@@ -57,6 +62,7 @@ __all__ = [
     "leave",
     "mismatch_found",
     "recorder",
+    "remove_record_sink",
     "reset_comm_stats",
     "set_mismatch_check",
     "shape_text",
@@ -308,6 +314,20 @@ def leave(group: dist.ProcessGroup | None, seq: int) -> None:
         _RECORDER.finish(name, seq)
         if t.files is not None:
             t.files.ring.done(name, seq, time.time())
+
+
+def add_record_sink(sink: Callable[[Record], None]) -> None:
+    """Hand every flight record this process starts from now on to ``sink`` as well.
+
+    Records exist while tracking is on (``phalanx.init_process_group``); the sink is called on
+    the thread that starts the operation, and the record's ``end`` is set later, in place.
+    """
+    _RECORDER.add_sink(sink)
+
+
+def remove_record_sink(sink: Callable[[Record], None]) -> None:
+    """Undo :func:`add_record_sink`."""
+    _RECORDER.remove_sink(sink)
 
 
 def recorder() -> FlightRecorder | None:

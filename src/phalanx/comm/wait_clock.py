@@ -16,22 +16,28 @@ Wait sites are nested (DDP's bucket future wraps a tracked work's ``wait()``): o
 ``blocked()`` of a thread decides and counts, so nesting never counts a wait twice. Waits that
 phalanx does not see itself (torch's own DDP reducer, FSDP2) are added by their timing hooks with
 :func:`add`, on behalf of the training thread (see ``phalanx.train.comm_timing``).
+
+A tool that wants each wait, not only the total (``phalanx.diagnostics``' timeline draws them),
+adds a watcher (:func:`add_watcher`): every counted wait is handed to it in seconds, on the
+thread that counted it, right when the wait ends.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from types import TracebackType
 
 import torch
 
-__all__ = ["add", "blocked", "claim", "waited"]
+__all__ = ["add", "add_watcher", "blocked", "claim", "remove_watcher", "waited"]
 
 _lock = threading.Lock()
 _total = [0.0]
 _depth = threading.local()
 _owner = [threading.main_thread().ident]
+_watchers: list[tuple[Callable[[float], None], ...]] = [()]
 
 
 def claim() -> None:
@@ -79,6 +85,18 @@ def add(seconds: float) -> None:
     """Count ``seconds`` of the training thread's communication wait measured elsewhere."""
     with _lock:
         _total[0] += seconds
+    for watch in _watchers[0]:
+        watch(seconds)
+
+
+def add_watcher(watch: Callable[[float], None]) -> None:
+    """Hand every counted wait (its seconds, as it ends) to ``watch`` as well; keep it cheap."""
+    _watchers[0] = (*_watchers[0], watch)
+
+
+def remove_watcher(watch: Callable[[float], None]) -> None:
+    """Undo :func:`add_watcher` (absent: nothing happens)."""
+    _watchers[0] = tuple(w for w in _watchers[0] if w != watch)  # a bound method: equal, not same
 
 
 def waited() -> float:

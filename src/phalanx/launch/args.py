@@ -218,6 +218,7 @@ def parse_args(
         signals_to_handle=checks.signals(ns.signals_to_handle),
         signals_text=ns.signals_to_handle,
         backend=ns.backend,
+        timeline_dir=_timeline(ns.timeline),
         role=ns.role,
         local_addr=ns.local_addr or None,
         numa_binding=ns.numa_binding,
@@ -232,6 +233,14 @@ def parse_args(
         script=ns.script,
         script_args=tuple(ns.script_args),
     )
+
+
+def _timeline(value: str | None) -> str | None:
+    if value is None:
+        return None
+    if not value.strip():
+        raise ArgsError("--timeline '' is empty; pass the folder the ranks record into")
+    return os.path.abspath(value)  # the workers may run in another directory
 
 
 def notes(cfg: LaunchConfig) -> list[str]:

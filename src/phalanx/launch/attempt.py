@@ -15,6 +15,7 @@ from phalanx.comm.backends import MIN_LOCAL_ENV
 from phalanx.comm.netif import gloo_interface as pinned_interface
 from phalanx.launch.config import LaunchConfig
 from phalanx.launch.logs import AttemptLogs, RunLogs
+from phalanx.launch.nproc import probe_devices
 from phalanx.launch.output import console_env
 from phalanx.launch.prefix import line_prefix
 from phalanx.launch.rendezvous import Rendezvous
@@ -46,6 +47,8 @@ def _job(
         signals=cfg.signals_text,
         virtual_local_rank=cfg.virtual_local_rank,
         recovery=cfg.recovery,
+        timeline_dir=cfg.timeline_dir,
+        cpu=probe_devices("accelerator") is None,
     )
 
 

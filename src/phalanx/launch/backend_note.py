@@ -17,7 +17,7 @@ from collections.abc import Mapping
 
 from phalanx.comm.backends import auto_backend
 
-__all__ = ["BackendNotes", "backend_note", "workers_backend"]
+__all__ = ["BackendNotes", "backend_note", "describe", "workers_backend"]
 
 
 def workers_backend(
@@ -38,7 +38,9 @@ def workers_backend(
 
     one_machine = world_size > 1 and world_size == nproc
     name, why = auto_backend(torch.cuda.is_available(), one_machine, fewest_local)
-    if name == "gloo" and world_size > nproc and not why:
+    if name == "gloo" and world_size == 1:
+        why = "a single rank: nothing to share"
+    elif name == "gloo" and world_size > nproc and not why:
         why = "CPU ranks on several machines"
     return name, why, False
 
@@ -52,19 +54,22 @@ def _placement(name: str, world_size: int, nproc: int) -> str:
     return "shared memory: every rank on this machine"
 
 
-def _note(name: str, why: str, chosen: bool, before: str | None = None) -> str:
+def describe(name: str, why: str, chosen: bool, before: str | None = None) -> str:
+    """``"default backend X (why)"``, or ``"backend X (why)"`` when chosen: what the start-up
+    line and ``phalanx doctor`` say of :func:`workers_backend`'s answer. ``before``: the
+    previous generation's backend, when the default changed since."""
     if chosen:
-        return f", backend {name}" + (f" ({why})" if why else "")
+        return f"backend {name}" + (f" ({why})" if why else "")
     if before is not None:
         why = f"changed from {before}: {why}; --backend {before} keeps {before}"
     elif name == "shm":
         why += "; --backend gloo opts out"
-    return f", default backend {name}" + (f" ({why})" if why else "")
+    return f"default backend {name}" + (f" ({why})" if why else "")
 
 
 def backend_note(backend: str | None, world_size: int, nproc: int, fewest_local: int = 0) -> str:
     """``", default backend X (why)"`` (or ``", backend X"`` when chosen) for the start-up line."""
-    return _note(*workers_backend(backend, world_size, nproc, fewest_local=fewest_local))
+    return ", " + describe(*workers_backend(backend, world_size, nproc, fewest_local=fewest_local))
 
 
 class BackendNotes:
@@ -90,4 +95,4 @@ class BackendNotes:
         )
         before, self.last = self.last, name
         changed = None if chosen or before in (None, name) else before
-        return _note(name, why, chosen, changed)
+        return ", " + describe(name, why, chosen, changed)

@@ -133,6 +133,8 @@ class LaunchConfig:
     """``--signals-to-handle`` as given (TORCHELASTIC_SIGNALS_TO_HANDLE of the workers)."""
     backend: str | None = None
     """Value of PHALANX_BACKEND for the workers (None: not set)."""
+    timeline_dir: str | None = None
+    """``--timeline``, made absolute: PHALANX_TIMELINE_DIR of the workers (None: not set)."""
     role: str = "default"
     """ROLE_NAME of the workers (``--role``)."""
     local_addr: str | None = None

@@ -35,6 +35,7 @@ METAVARS = {
     "local_addr": "HOST",
     "backend": "|".join(BACKENDS),
     "log_dir": "DIR",
+    "timeline": "DIR",
     "redirects": "0-3|R:V,...",
     "tee": "0-3|R:V,...",
     "local_ranks_filter": "R,...",
@@ -172,6 +173,14 @@ def build_parser(environ: Mapping[str, str]) -> _Parser:
     )
     _add_rendezvous(_Options(p.add_argument_group("rendezvous"), environ))
     _add_logs(_Options(p.add_argument_group("logs"), environ))
+    _Options(p.add_argument_group("diagnostics"), environ).value(
+        "--timeline",
+        default=None,
+        pet=False,
+        help="phalanx: every phalanx.Job of the workers records its timeline (phases, waits, "
+        "collectives, clock offsets) into DIR, as PHALANX_TIMELINE_DIR; then `phalanx "
+        "timeline DIR` merges them into one trace with each step's critical path",
+    )
     s = _Options(p.add_argument_group("script"), environ)
     s.flag("-m", "--module", help="run the script as a Python module (python -m)")
     s.flag("--no-python", "--no_python", help="run the script as an executable, not with python")

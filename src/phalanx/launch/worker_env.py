@@ -7,7 +7,8 @@ variable with a real torchrun in the tests; the log planner adds ``TORCHELASTIC_
 Under ``--recovery live`` each worker also gets its slot's variables (:mod:`.live_keys`); they
 are never inherited from the launcher's own environment. PYTHONPATH starts with the folder of the
 workers' start-up hook (:mod:`.worker_site`), which installs the exit guard and then puts the
-user's PYTHONPATH back before the script runs.
+user's PYTHONPATH back before the script runs; on CPU workers the hook also makes Accelerate see
+the job's ranks (:func:`~phalanx.launch.worker_site.accelerate_env`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 from phalanx.comm.auth import SECRET_ENV
 from phalanx.launch.config import DEFAULT_SIGNALS
 from phalanx.launch.live_keys import LIVE_ENV, live_env
-from phalanx.launch.worker_site import site_env
+from phalanx.launch.worker_site import accelerate_env, site_env
 
 __all__ = ["JobContext", "Placement", "worker_env"]
 
@@ -69,6 +70,11 @@ class JobContext:
     """``--virtual-local-rank``: LOCAL_RANK=0 and only the worker's own GPU visible."""
     recovery: str = "restart"
     """``--recovery``: ``live`` adds PHALANX_RECOVERY, PHALANX_MEMBER_ID, PHALANX_INCARNATION=0."""
+    timeline_dir: str | None = None
+    """``--timeline``, passed as PHALANX_TIMELINE_DIR when given."""
+    cpu: bool = False
+    """The workers compute on the CPU (this node has no accelerator): Accelerate needs
+    ACCELERATE_USE_CPU=1 there (:func:`~phalanx.launch.worker_site.accelerate_env`)."""
 
 
 def _local_rank_env(base: Mapping[str, str], local_rank: int, virtual: bool) -> dict[str, str]:
@@ -113,10 +119,13 @@ def worker_env(base: Mapping[str, str], place: Placement, job: JobContext) -> di
     )
     env.update(_local_rank_env(base, place.local_rank, job.virtual_local_rank))
     env.update(site_env(base))
+    env.update(accelerate_env(base, job.cpu, place.world_size))
     if job.recovery == "live":
         env.update(live_env(place.node_rank, place.local_rank))
     if job.backend is not None:
         env["PHALANX_BACKEND"] = job.backend
+    if job.timeline_dir is not None:
+        env["PHALANX_TIMELINE_DIR"] = job.timeline_dir
     if job.secret is not None:
         env[SECRET_ENV] = job.secret
     if "OMP_NUM_THREADS" not in base and place.local_world_size > 1:

@@ -73,8 +73,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--precision",
         type=_precision,
-        help="fp32, bf16-mixed, fp16-mixed, bf16-true or fp16-master (phalanx.precisions; old: "
-        "bf16, fp16, mixed); default: fp16-master, with a script the model's dtype",
+        help="fp32, bf16-mixed, fp16-mixed, bf16-true or fp16-master (phalanx.precisions); "
+        "default: fp16-master, with a script the model's dtype",
     )
     parser.add_argument(
         "--device-memory", type=_size, metavar="SIZE", help="per device, e.g. 16GB, 16GiB, 512MB"

@@ -9,11 +9,11 @@ parameter (K = 12 for mixed-precision Adam: fp32 master weights, momentum and va
     ZeRO-2  2Ψ + (2 + K)Ψ/N        2Ψ
     ZeRO-3  (2 + 2 + K)Ψ / N       all-gather twice + reduce-scatter: 3Ψ
 
-for fp16 parameters and gradients (2 bytes each): precision "fp16-master" (old spelling
-"mixed"). The other precisions of :mod:`phalanx.precisions` change the bytes per parameter:
-fp32 and the autocast ones a ``phalanx.Job`` trains in ("bf16-mixed", "fp16-mixed") hold fp32
-parameters and gradients (4 bytes each) and K counts only the optimizer's own state (8 for
-Adam); "bf16-true" holds everything in bf16 (2, 2 and K/2).
+for fp16 parameters and gradients (2 bytes each): precision "fp16-master". The other precisions
+of :mod:`phalanx.precisions` change the bytes per parameter: fp32 and the autocast ones a
+``phalanx.Job`` trains in ("bf16-mixed", "fp16-mixed") hold fp32 parameters and gradients (4
+bytes each) and K counts only the optimizer's own state (8 for Adam); "bf16-true" holds
+everything in bf16 (2, 2 and K/2).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@
         for x, y in job.progress(loader):         # tqdm on rank 0
             job.backward(loss_fn(model(x), y))    # syncs only on the last micro-step
             job.clip_grad_norm_(1.0)              # unscaled, over every rank's shard
-            job.step(optimizer)
+            job.step()                            # the optimizer given to setup()
         job.log(loss=...)                         # averaged over ranks
         job.save()
 
@@ -34,7 +34,7 @@ from phalanx.comm.group import World
 from phalanx.data.elastic_sampler import ElasticSampler
 from phalanx.data.eval import EvalLoader
 from phalanx.data.sampler import DistributedSampler
-from phalanx.train import job_start
+from phalanx.train import job_start, observers
 from phalanx.train.gather import Number, gather
 from phalanx.train.job_args import check_clip, check_epochs, check_job_args, check_slow_down
 from phalanx.train.job_checkpoint import Checkpoints
@@ -52,6 +52,7 @@ from phalanx.train.loop_helpers import (
 )
 from phalanx.train.lr_schedule import check_schedule
 from phalanx.train.metrics import MetricsLogger
+from phalanx.train.observers import JobView
 from phalanx.train.precision import Precision
 from phalanx.train.preemption import EXIT_STATUS, Preemption
 from phalanx.train.profiling import profile
@@ -77,8 +78,7 @@ class Job(JobReports):
             ...) or a preset name ("ddp", "zero2", "pipeline", ...; ``strategy_names()``).
         precision: "fp32", "bf16-mixed" (autocast), "fp16-mixed" (autocast and a gradient
             scaler: ``job.precision.configure_scaler``) or "bf16-true" (the model, its
-            gradients and optimizer state in bf16), CPU and GPU alike; "bf16" and "fp16" are
-            the mixed ones (``phalanx.precisions``).
+            gradients and optimizer state in bf16), CPU and GPU alike (``phalanx.precisions``).
         grad_accum: Micro-steps per optimizer step; gradients sync only on the last one.
         seed: None (the default) touches no random generator; an int seeds torch, numpy and
             random on every rank and is the loaders' shuffle seed (see :data:`DATA_SEED` for
@@ -88,6 +88,10 @@ class Job(JobReports):
         metrics_file: JSONL file for :meth:`log` (default ``checkpoint_dir/metrics.jsonl``).
         tensorboard_dir: Also write metrics to TensorBoard (``pip install 'phalanx[tensorboard]'``).
         profile_dir: Write a torch.profiler trace per rank here (Perfetto / chrome://tracing).
+        timeline_dir: Record every rank's phases, waits, collectives and point-to-point
+            operations, with clock offsets to rank 0, into this folder (``phalanx timeline DIR``
+            merges them into one trace with each step's critical path; ``phalanx run
+            --timeline DIR`` sets it for every job of a script: :mod:`phalanx.diagnostics`).
         backend: c10d backend when the job initialises the process group.
         straggler_check_every: Every this many steps the ranks gather their per-step compute
             per phase (one small asynchronous all-gather; 0 disables); a rank standing out in
@@ -121,6 +125,7 @@ class Job(JobReports):
         metrics_file: str | os.PathLike[str] | None = None,
         tensorboard_dir: str | None = None,
         profile_dir: str | os.PathLike[str] | None = None,
+        timeline_dir: str | os.PathLike[str] | None = None,
         backend: str | None = None,
         straggler_check_every: int = 5,
         straggler_rule: StragglerRule | None = None,
@@ -162,8 +167,17 @@ class Job(JobReports):
         self.runner: Runner = joined.wrap(runner, self.state, self.checkpoints)
         """The strategy at work: the protocol this job calls (see ``strategies/base.py``)."""
         self.loss_fn: LossFn | None = None
+        live = joined.live is not None
+        timeline = None if timeline_dir is None else os.fspath(timeline_dir)
+        view = JobView(world, self.strategy.lockstep and not live, live, timeline)
+        try:  # e.g. PHALANX_TIMELINE_SYNC_EVERY refused: no process group left behind either
+            watchers = observers.start(view)
+        except ValueError:
+            if self.owns_group:
+                pg.destroy_process_group()
+            raise
         self.timing = JobPhases(
-            world, straggler_check_every, straggler_rule, self.runner.role.peer_sets()
+            world, straggler_check_every, straggler_rule, self.runner.role.peer_sets(), watchers
         )
         """Phase marks and the straggler monitor (see :mod:`phalanx.train.job_phases`)."""
         self.grad_accum = grad_accum
@@ -328,6 +342,13 @@ class Job(JobReports):
         if self.runner.role.serving():
             return
         epoch = self.resume()  # the epoch, where the job has its state already
+        if epoch >= n and self.step_count and self.world.is_main:  # a finished run, started again
+            log.info(
+                "nothing left to train: the checkpoint is at epoch %d and epochs(%d) ends there; "
+                "raise the count to train on, or pass another checkpoint_dir to start afresh",
+                epoch,
+                n,
+            )
         self.state.epochs_driven = True
         while epoch < n:
             if self.preemption.stopping:  # SIGTERM after the previous epoch's last step
@@ -453,7 +474,11 @@ class Job(JobReports):
 
     def step(self, optimizer: torch.optim.Optimizer | None = None) -> bool:
         """Step the optimizer (and with ``schedule="step"`` the scheduler) at the end of an
-        accumulation window.
+        accumulation window: ``job.step()``.
+
+        Args:
+            optimizer: Leave it out: the job steps the optimizer given to :meth:`setup` (or set
+                as ``job.optimizer``). Pass one only when the job was given none.
 
         Returns:
             True when the optimizer stepped.
@@ -507,7 +532,9 @@ class Job(JobReports):
         default it returns once the state is staged and writes in the background (the next
         ``save`` and ``close()`` wait); ``async_=False`` commits before returning
         (``train/job_checkpoint.py``)."""
-        return self.checkpoints.save(async_, **extra)
+        path = self.checkpoints.save(async_, **extra)
+        self.timing.saved(self.step_count)
+        return path
 
     def resume(self) -> int:
         """Load the newest committed checkpoint (if any); return the epoch to start from

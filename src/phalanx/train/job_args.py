@@ -71,6 +71,7 @@ check_job_args = checked(
     metrics_file=_path,
     tensorboard_dir=_path,
     profile_dir=_path,
+    timeline_dir=_path,
     backend=optional(rule(check_choice, choices=BACKENDS, fold_case=True)),
     straggler_check_every=rule(check_int, min=0),
     straggler_rule=optional(_straggler_rule),

@@ -4,7 +4,8 @@ The job marks where its loop is: ``progress()`` resuming the loader opens "data"
 the batch opens "forward", ``backward()`` opens "backward" and then "optimizer", ``step()``
 closes the step. A pipeline marks forward and backward per action of its schedule. From these
 marks (:mod:`.phases`) come ``summary()``'s shares and, every ``straggler_check_every`` steps,
-the straggler monitor's report (:mod:`.straggler_monitor`).
+the straggler monitor's report (:mod:`.straggler_monitor`). Observers (:mod:`.observers`: the
+timeline recorder) are told each mark, each step and each save.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Iterable
 from phalanx.comm import wait_clock
 from phalanx.comm.group import World
 from phalanx.train.metrics import MetricsLogger
+from phalanx.train.observers import JobObserver
 from phalanx.train.phases import PHASES, PhaseClock
 from phalanx.train.straggler_monitor import StragglerMonitor
 from phalanx.train.straggler_rule import StragglerFinding, StragglerRule
@@ -34,6 +36,7 @@ class JobPhases:
         check_every: Steps between the monitor's gathers (0: no monitor).
         rule: The detector's margins and persistence.
         peers: Ranks doing the same work (None: all; an empty list: compare none).
+        observers: Told every mark, step, save and the close (:mod:`.observers`).
     """
 
     def __init__(
@@ -42,11 +45,15 @@ class JobPhases:
         check_every: int,
         rule: StragglerRule | None,
         peers: Iterable[list[int]] | None,
+        observers: Iterable[JobObserver] = (),
     ) -> None:
         wait_clock.claim()  # the job's thread trains: its waits are the communication wait
         self.world = world
         self.clock = PhaseClock()
         """This rank's time per phase (see :mod:`phalanx.train.phases`)."""
+        self.observers = self.clock.observers
+        """The job's observers (the clock tells them its marks; this object the rest)."""
+        self.observers.extend(observers)
         self.monitor: StragglerMonitor | None = None
         self._batch_given = False
         sets = None if peers is None else list(peers)
@@ -77,6 +84,8 @@ class JobPhases:
     def end_step(self, step: int, metrics: MetricsLogger) -> None:
         """The optimizer stepped: close the step, feed the monitor, open the next "data"."""
         self.clock.enter(None)
+        for observer in self.observers:
+            observer.stepped(step)
         values = self.clock.take()
         self._batch_given = False
         if self.monitor is not None:
@@ -111,6 +120,13 @@ class JobPhases:
         share = self.shares()["communication_share"]
         return {"comm_share": share, "comm_wait_seconds": sum(self.clock.total_wait)}
 
+    def saved(self, step: int) -> None:
+        """A checkpoint of ``step`` was saved (on every rank of a lockstep job)."""
+        for observer in self.observers:
+            observer.saved(step)
+
     def close(self) -> None:
         if self.monitor is not None:
             self.monitor.close()
+        for observer in self.observers:
+            observer.close()

@@ -8,6 +8,8 @@ all-gather at ``step()``, in a pipeline's receive) is counted as that phase's wa
 of its compute. A phase's compute is therefore what the rank itself did, which is what tells a
 slow rank from one that only waits for it.
 
+Observers (:mod:`.observers`, e.g. the timeline recorder) are told every mark and relabel.
+
 Marks cost two clock reads. On an accelerator the clock measures host time: kernels queued
 asynchronously count where the host waits for them, not where they were launched.
 """
@@ -18,6 +20,7 @@ import time
 from collections.abc import Callable
 
 from phalanx.comm import wait_clock
+from phalanx.train.observers import JobObserver
 
 __all__ = ["COMPUTE_PHASES", "PHASES", "PhaseClock"]
 
@@ -43,6 +46,8 @@ class PhaseClock:
         now: Callable[[], float] = time.perf_counter,
     ) -> None:
         self._waited, self._now = waited, now
+        self.observers: list[JobObserver] = []
+        """Told every mark (``phase``) and relabel, after the clock counted it."""
         self.phase: str | None = None
         """The open phase (None: not timing, e.g. between jobs or inside the monitor)."""
         self._start = self._wait_start = 0.0
@@ -70,6 +75,8 @@ class PhaseClock:
             self.total_compute[i] += elapsed - wait
             self.total_wait[i] += wait
         self.phase, self._start, self._wait_start = phase, now, waited
+        for observer in self.observers:
+            observer.phase(phase)
 
     def relabel(self, phase: str) -> None:
         """Count the open stretch of time as ``phase`` (a boundary the loop never marked)."""
@@ -77,6 +84,8 @@ class PhaseClock:
             raise ValueError(f"phase must be one of {COMPUTE_PHASES}, got {phase!r}")
         if self.phase is not None:
             self.phase = phase
+            for observer in self.observers:
+                observer.relabel(phase)
 
     def take(self) -> list[float]:
         """Seconds since the last call: compute per phase, then the total wait; resets them."""

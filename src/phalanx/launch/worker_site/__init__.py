@@ -19,6 +19,12 @@ Not covered: an interpreter started with ``-S``, ``-E`` or ``-I`` (no ``sitecust
 PYTHONPATH), and the processes a worker starts itself (they get the user's PYTHONPATH back, as
 under torchrun; a script that runs gloo in ``torch.multiprocessing.spawn`` children guards them
 with ``import phalanx``). ``PHALANX_EXIT_GUARD=0`` turns it off.
+
+Accelerate's CPU trap: on CPU, Accelerate (and the Hugging Face Trainer, which runs on it)
+ignores WORLD_SIZE unless ACCELERATE_USE_CPU=1, under torchrun too, so each rank trains alone
+with no error. For CPU workers of a job of 2 or more ranks, where the user did not set
+ACCELERATE_USE_CPU, the hook sets it when the script looks for ``accelerate``, and rank 0 says so
+in one line (:func:`accelerate_env`); a script that never imports Accelerate sees no change.
 """
 
 from __future__ import annotations
@@ -27,9 +33,9 @@ import os
 from collections.abc import Mapping
 
 from phalanx.comm import exit_guard
-from phalanx.launch.worker_site.sitecustomize import USER_PYTHONPATH_ENV
+from phalanx.launch.worker_site.sitecustomize import ACCELERATE_ENV, USER_PYTHONPATH_ENV
 
-__all__ = ["HOOK_DIR", "USER_PYTHONPATH_ENV", "site_env"]
+__all__ = ["ACCELERATE_ENV", "HOOK_DIR", "USER_PYTHONPATH_ENV", "accelerate_env", "site_env"]
 
 HOOK_DIR = os.path.dirname(os.path.abspath(__file__))
 """The folder a worker's PYTHONPATH starts with: it holds the hook, ``sitecustomize.py``."""
@@ -45,3 +51,15 @@ def site_env(base: Mapping[str, str]) -> dict[str, str]:
     if user is not None:
         env[USER_PYTHONPATH_ENV] = user
     return env
+
+
+def accelerate_env(base: Mapping[str, str], cpu: bool, world_size: int) -> dict[str, str]:
+    """What makes Accelerate see the job's ranks on CPU workers: the hook's cue
+    (``PHALANX_ACCELERATE_USE_CPU=1``: ACCELERATE_USE_CPU=1 once the script looks for
+    ``accelerate``), or ACCELERATE_USE_CPU=1 itself where the hook is off. Empty for GPU
+    workers, a single rank, or when the user set ACCELERATE_USE_CPU."""
+    if not cpu or world_size < 2 or "ACCELERATE_USE_CPU" in base:
+        return {}
+    if not exit_guard.enabled(base):  # no hook to wait for the import
+        return {"ACCELERATE_USE_CPU": "1"}
+    return {ACCELERATE_ENV: "1"}

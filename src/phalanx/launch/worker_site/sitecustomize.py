@@ -1,4 +1,5 @@
-"""Start-up hook of ``phalanx run``'s workers: install phalanx's exit guard, then step aside.
+"""Start-up hook of ``phalanx run``'s workers: install phalanx's exit guard, watch for
+Accelerate on CPU, then step aside.
 
 ``site`` imports this file as ``sitecustomize`` at interpreter start because ``phalanx run`` put
 its folder first on the worker's PYTHONPATH (:mod:`phalanx.launch.worker_site` says why). It
@@ -13,6 +14,40 @@ USER_PYTHONPATH_ENV = "PHALANX_USER_PYTHONPATH"
 """The user's own PYTHONPATH, set by the launcher when there was one (unset: there was none)."""
 GUARD_NAME = "_phalanx_exit_guard"
 """``sys.modules`` name of the guard loaded here (``phalanx.comm.exit_guard.HOOKED_NAME``)."""
+ACCELERATE_ENV = "PHALANX_ACCELERATE_USE_CPU"
+"""Set by the launcher (to 1) for CPU workers of a job of 2 or more ranks when the user did not
+set ACCELERATE_USE_CPU: the hook then sets it when the script looks for ``accelerate``."""
+ACCELERATE_NOTE = (
+    "phalanx run: ACCELERATE_USE_CPU=1 for the workers, which run on the CPU: without it "
+    "Accelerate ignores WORLD_SIZE there and each rank trains alone; set ACCELERATE_USE_CPU "
+    "yourself to decide\n"
+)
+"""What rank 0 says, once, when it sets ACCELERATE_USE_CPU."""
+
+
+class AccelerateOnCpu:
+    """A ``sys.meta_path`` entry that finds nothing: the first time the script imports or looks
+    for ``accelerate`` (directly, or through ``transformers``' Trainer), it sets
+    ACCELERATE_USE_CPU=1, which Accelerate reads when its state is made, after the import."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> None:
+        # It stays on sys.meta_path, done: importlib iterates over that list while it asks.
+        if name != "accelerate" or self.done:
+            return None
+        self.done = True
+        if "ACCELERATE_USE_CPU" not in os.environ:
+            os.environ["ACCELERATE_USE_CPU"] = "1"
+            if os.environ.get("RANK") == "0":
+                sys.stderr.write(ACCELERATE_NOTE)
+        return None
+
+
+def _watch_accelerate() -> None:
+    if os.environ.pop(ACCELERATE_ENV, None) == "1":
+        sys.meta_path.insert(0, AccelerateOnCpu())
 
 
 def _step_aside(here: str) -> None:
@@ -62,6 +97,7 @@ def _main() -> None:
         _install_guard(here)
     except Exception as exc:  # the script must run all the same; say once what is missing
         sys.stderr.write(f"phalanx run: the exit guard is not installed in this worker: {exc!r}\n")
+    _watch_accelerate()
     _chain()
 
 

@@ -48,8 +48,10 @@ class Mesh(ParallelConfig, Strategy):
     The options are :class:`~phalanx.mesh.ParallelConfig`'s, checked there:
 
     Args:
-        dp, pp, tp: Data, pipeline and tensor-parallel degrees; one of them may be None, the
-            ranks the others leave (by default dp).
+        dp: Data-parallel degree. One of ``dp``, ``pp``, ``tp`` may be None: the ranks the
+            others leave (by default dp).
+        pp: Pipeline-parallel degree.
+        tp: Tensor-parallel degree.
         micro_batches: Micro-batches per step of a pipeline (must divide the batch).
         schedule: Pipeline schedule: "gpipe", "1f1b" or "interleaved".
         chunks: Model chunks per pipeline rank (interleaved schedule).

@@ -1,0 +1,1 @@
+"""Tests of the README and the documentation site: every code block runs (``snippets.py``)."""
