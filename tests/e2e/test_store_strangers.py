@@ -249,8 +249,9 @@ def _decoys_unchanged(directory: Path) -> list[str]:
     return wrong
 
 
-@pytest.mark.parametrize("backend", ["shm", "gloo"])
-@pytest.mark.parametrize("ranks", [2, 3])
+# Each backend once, shm with the odd world (its segment records and unlink counter at 3 ranks),
+# gloo at 2 (its keys are the store's own); the 2x2 product cost ~27 CPU-s more for no new path.
+@pytest.mark.parametrize(("ranks", "backend"), [(3, "shm"), (2, "gloo")])
 def test_a_stranger_racing_the_shm_keys_redirects_nothing(
     tmp_path: Path, backend: str, ranks: int
 ) -> None:
