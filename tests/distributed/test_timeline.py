@@ -14,7 +14,6 @@ rank's forward phases.
 
 from __future__ import annotations
 
-import random
 import time
 from pathlib import Path
 from typing import Any, cast
@@ -24,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 import phalanx
+from phalanx.bench.timeline import SlowBackward, slow_plan
 from phalanx.diagnostics import critical_path, load_run
 from phalanx.diagnostics.chrome_trace import build_trace, rank_pid
 from phalanx.diagnostics.job_timeline import current
@@ -32,30 +32,7 @@ from phalanx.diagnostics.trace_check import check_trace, ops_by_key
 from phalanx.testing import run_distributed, scaled
 
 WORLD, STEPS, WARMUP, BATCH, BARRIERS = 4, 26, 2, 4, 15
-PHASES = ("data", "forward", "backward", "optimizer")
 SKEW_S = {0: 0.0, 1: 0.731, 2: -2.25, 3: 41.5}
-
-
-def _plan(seed: int) -> dict[int, tuple[int, str, float]]:
-    rng = random.Random(seed)
-    plan = {}
-    for step in range(WARMUP + 1, STEPS + 1):
-        plan[step] = (rng.randrange(WORLD), rng.choice(PHASES), rng.uniform(0.03, 0.06))
-    return plan
-
-
-class _SlowBackward(torch.autograd.Function):
-    """Identity whose backward sleeps first: backward starts late, before any gradient."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, seconds: float) -> torch.Tensor:
-        ctx.seconds = seconds
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        time.sleep(ctx.seconds)
-        return grad, None
 
 
 def _train(directory: str, plan: dict[int, tuple[int, str, float]]) -> dict[str, Any]:
@@ -86,7 +63,7 @@ def _job(directory: str, plan: dict[int, tuple[int, str, float]], rank: int) -> 
             time.sleep(slow(step, "forward"))
             out = model(x)
             if slow(step, "backward"):
-                out = _SlowBackward.apply(out, slow(step, "backward"))
+                out = SlowBackward.apply(out, slow(step, "backward"))
             loss = out.square().mean()
             job.backward(loss)
             time.sleep(slow(step, "optimizer"))
@@ -110,7 +87,7 @@ def _job(directory: str, plan: dict[int, tuple[int, str, float]], rank: int) -> 
 
 
 def test_the_critical_path_names_the_slowed_rank_and_phase(tmp_path: Path) -> None:
-    plan = _plan(seed=7)
+    plan = slow_plan(STEPS, seed=7, first=WARMUP + 1)
     results = run_distributed(_train, str(tmp_path), plan, world_size=WORLD, timeout=120)
     run = load_run(tmp_path)
     path = critical_path(run.ranks)

@@ -136,7 +136,9 @@ def _overhead(cfg: dict[str, Any], out: str) -> dict[str, list[float]]:
     return times
 
 
-class _SlowBackward(torch.autograd.Function):
+class SlowBackward(torch.autograd.Function):
+    """Identity whose backward sleeps first: backward starts late, before any gradient."""
+
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, seconds: float) -> torch.Tensor:
         ctx.seconds = seconds
@@ -148,11 +150,13 @@ class _SlowBackward(torch.autograd.Function):
         return grad, None
 
 
-def _plan(steps: int, seed: int = 1) -> dict[int, tuple[int, str, float]]:
+def slow_plan(steps: int, seed: int = 1, first: int = 3) -> dict[int, tuple[int, str, float]]:
+    """Step -> (rank, phase, seconds): one random rank and phase slowed by 30-60 ms in each
+    step from ``first`` to ``steps`` (the issue's acceptance scenario, also the test's)."""
     rng = random.Random(seed)
     return {
         s: (rng.randrange(WORLD), rng.choice(PHASES), rng.uniform(0.03, 0.06))
-        for s in range(3, steps + 1)
+        for s in range(first, steps + 1)
     }
 
 
@@ -162,7 +166,7 @@ def _slowed_job(cfg: dict[str, Any], out: str) -> list[tuple[float, float]]:
 
     import phalanx
 
-    rank, plan, steps = phalanx.world().rank, _plan(cfg["steps"]), cfg["steps"]
+    rank, plan, steps = phalanx.world().rank, slow_plan(cfg["steps"]), cfg["steps"]
 
     def slow(step: int, phase: str) -> float:
         who = plan.get(step)
@@ -180,7 +184,7 @@ def _slowed_job(cfg: dict[str, Any], out: str) -> list[tuple[float, float]]:
             time.sleep(slow(step, "forward"))
             y = model(x)
             if slow(step, "backward"):
-                y = _SlowBackward.apply(y, slow(step, "backward"))
+                y = SlowBackward.apply(y, slow(step, "backward"))
             loss = y.square().mean()
             job.backward(loss)
             time.sleep(slow(step, "optimizer"))
@@ -255,7 +259,7 @@ def _critical(directory: Path, steps: int, output: Output) -> dict[str, Any]:
     except ImportError as exc:
         print(f"(no plot: {exc})")
     named = {s.step: (s.rank, s.phase) for s in path.steps}
-    plan = _plan(steps)
+    plan = slow_plan(steps)
     hits = sum(named.get(s) == (r, p) for s, (r, p, _) in plan.items())
     return {"hit_rate": hits / len(plan), "slowed_steps": len(plan)}
 
