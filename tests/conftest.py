@@ -14,6 +14,22 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+FIRST = ("multihost", "e2e", "compat", "docs", "distributed")
+"""Test folders in the order their files start, the rest after (in collection order). pytest-xdist
+(``--dist loadfile``) hands out files in collection order; alphabetically the multi-host tier's
+long, mostly waiting files came last and ran past the others' end. Long files first, the many
+short unit tests last to fill the workers' gaps."""
+
+
+def pytest_collection_modifyitems(items: list[object]) -> None:
+    def folder(item: object) -> int:
+        parts = getattr(item, "nodeid", "").split("/")
+        name = parts[1] if len(parts) > 2 and parts[0] == "tests" else ""
+        return FIRST.index(name) if name in FIRST else len(FIRST)
+
+    items.sort(key=folder)  # stable: each file's tests stay together and in order
+
+
 CPU_LOG_ENV = "PHALANX_TEST_CPU_LOG"
 """A file: each test appends its CPU seconds (its process and the children it waited for) and
 its wall seconds, to find what makes ``make test`` slow on two cores (``tools/test_cpu.py``
