@@ -13,6 +13,7 @@ from collections import deque
 import pytest
 
 from phalanx.launch.output import (
+    PIPE_COALESCE_S,
     Console,
     ConsoleSink,
     TailSink,
@@ -118,6 +119,26 @@ def test_a_line_written_in_pieces_arrives_whole() -> None:
         assert time.monotonic() - started < 1.0
     finally:
         timer.join()
+        os.close(read)
+        os.close(write)
+
+
+def test_away_from_a_terminal_a_piece_waits_longer_for_the_rest_of_its_line() -> None:
+    """A worker descheduled for 100 ms mid-print still gives one whole line to a log or a pipe,
+    where no one watches a bar; on a terminal the piece shows after 20 ms."""
+    read, write = os.pipe()
+    try:
+        for coalesce, expected in ((PIPE_COALESCE_S, [b"rank 0 line 0 end\n"]), (0.02, None)):
+            os.write(write, b"rank 0")
+            timer = threading.Timer(0.1, lambda: os.write(write, b" line 0 end\n"))
+            timer.start()
+            first = read_chunk(read, coalesce)
+            timer.join()
+            if expected is None:  # the terminal's short wait: the piece came alone
+                assert first == b"rank 0" and read_chunk(read) == b" line 0 end\n"
+            else:
+                assert [first] == expected
+    finally:
         os.close(read)
         os.close(write)
 

@@ -46,6 +46,11 @@ COALESCE_S = 0.02
 """How long a chunk that ends inside a line waits for the rest of it: ``print(a, b)`` writes a
 line in pieces, and two ranks' pieces must not split each other's lines. A progress bar or a
 prompt, which end no line, is shown after at most this long."""
+PIPE_COALESCE_S = 0.25
+"""The same wait when neither of the launcher's stdout and stderr is a terminal (a log, a CI
+job): no one watches a bar or a prompt there, and a printing worker descheduled for longer than
+20 ms on a loaded machine split its line around another rank's (seen once in four full test
+runs beside other work)."""
 CONSOLE_ENV = "PHALANX_CONSOLE"
 """Set to ``tty`` in the workers' environment when the launcher's stderr is a terminal: their
 stderr is a pipe to the launcher, but what they write ends on a terminal, so progress bars may
@@ -262,10 +267,11 @@ class TailSink(Lines):
         super().__init__(tail.append)
 
 
-def read_chunk(fd: int) -> bytes:
-    """What ``fd`` has now; when it ends inside a line, with what follows within COALESCE_S."""
+def read_chunk(fd: int, coalesce: float = COALESCE_S) -> bytes:
+    """What ``fd`` has now; when it ends inside a line, with what follows within ``coalesce``
+    seconds."""
     data = os.read(fd, CHUNK)
-    deadline = time.monotonic() + COALESCE_S
+    deadline = time.monotonic() + coalesce
     while data and not data.endswith(b"\n"):
         left = deadline - time.monotonic()
         if left <= 0 or not select.select([fd], [], [], left)[0]:
@@ -280,16 +286,20 @@ def read_chunk(fd: int) -> bytes:
 def pump(src: IO[bytes], sinks: Sequence[Sink], idle: Callable[[], None] | None = None) -> None:
     """Copy ``src`` to every sink chunk by chunk, as the bytes arrive, until end of file.
 
-    With ``idle``, it is called after every ``IDLE_S`` without output.
+    With ``idle``, it is called after every ``IDLE_S`` without output. A chunk ending inside a
+    line waits ``COALESCE_S`` for the rest when the launcher's console is a terminal, else
+    ``PIPE_COALESCE_S``.
     """
     fd = src.fileno()
+    on_terminal = _is_tty(sys.stdout) or _is_tty(sys.stderr)
+    coalesce = COALESCE_S if on_terminal else PIPE_COALESCE_S
     try:
         while True:
             try:
                 if idle is not None and not select.select([fd], [], [], IDLE_S)[0]:
                     idle()
                     continue
-                data = read_chunk(fd)
+                data = read_chunk(fd, coalesce)
             except OSError:
                 break
             if not data:
