@@ -19,11 +19,10 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import phalanx
-from phalanx.bench.timeline import SlowBackward, slow_plan
+from phalanx.bench.timeline import slow_plan, staggered_barriers, train_slowed
 from phalanx.diagnostics import critical_path, load_run
 from phalanx.diagnostics.chrome_trace import build_trace, rank_pid
 from phalanx.diagnostics.job_timeline import current
@@ -40,48 +39,16 @@ def _train(directory: str, plan: dict[int, tuple[int, str, float]]) -> dict[str,
     real = time.time
     time.time = lambda: real() + SKEW_S[rank]  # this rank's clock is off by seconds
     try:
-        return _job(directory, plan, rank)
+        return _job(directory, plan)
     finally:
         time.time = real
 
 
-def _job(directory: str, plan: dict[int, tuple[int, str, float]], rank: int) -> dict[str, Any]:
-    def slow(step: int, phase: str) -> float:
-        who = plan.get(step)
-        return who[2] if who is not None and who[:2] == (rank, phase) else 0.0
-
-    torch.manual_seed(0)
-    job = phalanx.Job("ddp", timeline_dir=directory)
-    model, _ = job.setup(nn.Linear(8, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    data = torch.utils.data.TensorDataset(torch.randn(WORLD * BATCH * (STEPS + 1), 8))
-    loader = job.loader(data, batch_size=BATCH)
-    for _ in job.epochs(1):
-        for batch in job.progress(loader):
-            (x,) = cast(list[torch.Tensor], batch)
-            step = job.step_count + 1
-            time.sleep(slow(step, "forward"))
-            out = model(x)
-            if slow(step, "backward"):
-                out = SlowBackward.apply(out, slow(step, "backward"))
-            loss = out.square().mean()
-            job.backward(loss)
-            time.sleep(slow(step, "optimizer"))
-            job.step(opt)
-            job.log(loss=loss.item())  # every step: a collective closes the step
-            time.sleep(slow(step + 1, "data"))  # the next step's data phase is open
-            if job.step_count == STEPS:
-                break
-    job.close()
+def _job(directory: str, plan: dict[int, tuple[int, str, float]]) -> dict[str, Any]:
+    train_slowed(directory, plan, STEPS, BATCH)
     recorder = current()
     assert recorder is not None
-    barriers = []
-    for i in range(BARRIERS):
-        if i % WORLD == rank:
-            time.sleep(0.005)  # this barrier waits for this rank
-        entered = time.time()
-        dist.barrier()
-        barriers.append((entered, time.time()))
+    barriers = staggered_barriers(BARRIERS)
     samples = [(s.offset, s.error) for s in recorder.samples]
     return {"samples": samples, "barriers": barriers}
 

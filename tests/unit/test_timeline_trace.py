@@ -101,8 +101,8 @@ def test_a_rank_file_round_trips_and_survives_a_cut_line(tmp_path: Path) -> None
     w = RankLogWriter(path, {"rank": 3, "world_size": 4, "host": "h", "pid": 9, "started": 1.0})
     w.write("sync", at=2.0, offset=0.5, rtt=0.001)
     op = ["0", 1, "all_reduce", "[2] float32", "SUM", "t.py:1 in f", 2.0, 2.5, None, False]
-    w.write("events", marks=[[1.0, "data"], [1.5, "~forward"], [2.0, None]], steps=[[2.0, 1]],
-            waits=[[2.5, 0.25]], ops=[op])  # fmt: skip
+    marks = [[1.0, "data"], [1.5, "~forward"], [2.0, None]]
+    w.write("events", marks=marks, steps=[[2.0, 1]], waits=[[2.5, 0.25]], ops=[op])
     w.close()
     with open(path, "a") as f:
         f.write('{"kind": "events", "marks": [[3.0, ')  # a rank killed mid-write

@@ -160,26 +160,28 @@ def slow_plan(steps: int, seed: int = 1, first: int = 3) -> dict[int, tuple[int,
     }
 
 
-def _slowed_job(cfg: dict[str, Any], out: str) -> list[tuple[float, float]]:
-    """The job with one slow rank and phase per step; then the barriers of the clock check."""
-    import torch.distributed as dist
-
+def train_slowed(
+    timeline_dir: str, plan: dict[int, tuple[int, str, float]], steps: int, batch: int = 4
+) -> None:
+    """Train a tiny DDP model for ``steps`` steps of ``batch`` samples a rank, recording a
+    timeline into ``timeline_dir``; in each step of ``plan`` (:func:`slow_plan`) its rank
+    sleeps in its phase. A metric is logged every step, so a collective closes each step."""
     import phalanx
 
-    rank, plan, steps = phalanx.world().rank, slow_plan(cfg["steps"]), cfg["steps"]
+    rank = phalanx.world().rank
 
     def slow(step: int, phase: str) -> float:
         who = plan.get(step)
         return who[2] if who is not None and who[:2] == (rank, phase) else 0.0
 
-    job = phalanx.Job("ddp", timeline_dir=f"{out}/timeline")
+    job = phalanx.Job("ddp", timeline_dir=timeline_dir)
     torch.manual_seed(0)
     model, _ = job.setup(nn.Linear(8, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    data = torch.utils.data.TensorDataset(torch.randn(WORLD * 4 * (steps + 1), 8))
+    data = torch.utils.data.TensorDataset(torch.randn(WORLD * batch * (steps + 1), 8))
     for _ in job.epochs(1):
-        for batch in job.progress(job.loader(data, batch_size=4)):
-            (x,) = cast(list[torch.Tensor], batch)
+        for item in job.progress(job.loader(data, batch_size=batch)):
+            (x,) = cast(list[torch.Tensor], item)
             step = job.step_count + 1
             time.sleep(slow(step, "forward"))
             y = model(x)
@@ -190,25 +192,34 @@ def _slowed_job(cfg: dict[str, Any], out: str) -> list[tuple[float, float]]:
             time.sleep(slow(step, "optimizer"))
             job.step(opt)
             job.log(loss=loss.item())
-            time.sleep(slow(step + 1, "data"))
+            time.sleep(slow(step + 1, "data"))  # the next step's data phase is open
             if job.step_count == steps:
                 break
     job.close()
-    barriers = []
-    for i in range(15):
-        if i % WORLD == rank:
+
+
+def staggered_barriers(count: int) -> list[tuple[float, float]]:
+    """``count`` barriers, each entered 5 ms late by one rank in turn: (entered, left) by this
+    rank's clock, to check the clock alignment against (nobody leaves before the last enters)."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    spans = []
+    for i in range(count):
+        if i % world == rank:
             time.sleep(0.005)
         entered = time.time()
         dist.barrier()
-        barriers.append((entered, time.time()))
-    return barriers
+        spans.append((entered, time.time()))
+    return spans
 
 
 def _rank_job(cfg: dict[str, Any], output: Output) -> dict[str, Any]:
     torch.set_num_threads(1)
     out = str(output.directory)
     overhead = _overhead(cfg, out)
-    barriers = _slowed_job(cfg, out)
+    train_slowed(f"{out}/timeline", slow_plan(cfg["steps"]), cfg["steps"])
+    barriers = staggered_barriers(15)
     return {"overhead": overhead, "barriers": barriers}
 
 

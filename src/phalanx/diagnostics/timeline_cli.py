@@ -81,10 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run", metavar="RUN", help="the timeline folder the job recorded into")
     parser.add_argument("-o", "--output", metavar="TRACE", help="default: RUN/trace.json")
     parser.add_argument("--profiles", metavar="DIR", help="torch profiler traces to fold in")
-    parser.add_argument(
-        "--plot", nargs="?", const="", metavar="PNG", help="draw the per-step critical path "
-        "(default RUN/critical_path.png)",
-    )  # fmt: skip
+    plot_help = "draw the per-step critical path (default RUN/critical_path.png)"
+    parser.add_argument("--plot", nargs="?", const="", metavar="PNG", help=plot_help)
     parser.add_argument("--check", action="store_true", help="check the trace's structure")
     parser.add_argument("--json", metavar="PATH", help="also write the per-step table as JSON")
     args = parser.parse_args(argv)
