@@ -16,9 +16,9 @@ range: pairs adjacent in time cancel the drift of a shared machine's load. The s
 time of both ranks' processes (all threads) per block, which neighbours disturb less than wall
 time. The progress thread's
 background work (publishing its windows, comparing with a neighbour every 0.5 s) is measured on
-its own CPU clock, per second of wall time, in each setting. In one process it also times
-``tracking.enter`` + ``leave`` (the per-collective hot path) both ways. Last line:
-``RESULT {json}``.
+its own CPU clock, per second of wall time, in each setting. In one process it also times the
+wire's ``watch.enter`` + ``leave`` (the per-collective hot path, through the installed
+``tracking``) both ways. Last line: ``RESULT {json}``.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def _all_reduce_step() -> Any:
 
 def _thread_cpu() -> float:
     """CPU seconds of this rank's progress thread so far."""
-    from phalanx.comm import tracking
+    from phalanx.diagnostics import tracking
 
     thread = tracking._T.thread  # type: ignore[union-attr]
     assert thread is not None and thread.ident is not None
@@ -89,7 +89,7 @@ def _job_cpu(seconds: float) -> float:
 
 def _case(step: Any, pairs: int, per_block: int) -> dict[str, list[float]]:
     """``pairs`` on/off pairs of blocks (ABBA order) of ``per_block`` timed steps each."""
-    from phalanx.comm import tracking
+    from phalanx.diagnostics import tracking
 
     times: dict[str, list[float]] = {"on": [], "off": [], "ratio": [], "cpu_ratio": []}
     cpu = {"on": [0.0, 0.0], "off": [0.0, 0.0]}
@@ -130,9 +130,10 @@ def _hot_path(n: int) -> dict[str, float]:
     from pathlib import Path
 
     import phalanx
-    from phalanx.comm import tracking
-    from phalanx.comm.mismatch_check import Checker
-    from phalanx.comm.rank_files import RankFiles
+    from phalanx.comm import watch
+    from phalanx.diagnostics import tracking
+    from phalanx.diagnostics.mismatch_check import Checker
+    from phalanx.diagnostics.rank_files import RankFiles
 
     with tempfile.TemporaryDirectory() as d:
         phalanx.init_process_group("gloo", f"file://{d}/store", rank=0, world_size=1)
@@ -145,7 +146,7 @@ def _hot_path(n: int) -> dict[str, float]:
             tracking.set_mismatch_check(on)
             start = time.perf_counter()
             for _ in range(n):
-                tracking.leave(None, tracking.enter("all_reduce", None, t, reduce_op="SUM"))
+                watch.leave(None, watch.enter("all_reduce", None, t, reduce_op="SUM"))
             out["on" if on else "off"] = 1e6 * (time.perf_counter() - start) / n
         tracker.files.close()
         phalanx.destroy_process_group()

@@ -1,9 +1,11 @@
 """phalanx: distributed training for PyTorch — 2 processes or 200 machines as easy as one.
 
-Importing phalanx computes no tensors (safe before forking worker processes) and loads only torch
-and the collectives. Every subpackage is an attribute (``phalanx.checkpoint.save(...)`` after
-``import phalanx``) and every name in ``__all__`` works as ``phalanx.Job`` or ``from phalanx import
-Job``; both load their module on first use.
+Importing phalanx computes no tensors (safe before forking worker processes) and loads only torch,
+the collectives and the diagnostics that watch them (``phalanx.diagnostics`` installs its tracking
+on the wire's hook here, as every ``phalanx.*`` import runs this file first). Every subpackage is
+an attribute (``phalanx.checkpoint.save(...)`` after ``import phalanx``) and every name in
+``__all__`` works as ``phalanx.Job`` or ``from phalanx import Job``; both load their module on
+first use.
 
 What ``__all__`` exports, and why each name is there (``tests/unit/test_package.py`` checks this
 list against ``__all__``); everything else stays importable from its subpackage:
@@ -79,6 +81,11 @@ from phalanx.comm import (
     send,
     world,
 )
+from phalanx.comm import watch as _watch
+from phalanx.diagnostics import tracking as _tracking
+
+_watch.install(_tracking)  # the wire records nothing itself: tracking watches every operation
+del _watch, _tracking
 
 if TYPE_CHECKING:  # loaded by __getattr__ on first use; imported here for type checkers only
     from phalanx import bench as bench

@@ -25,8 +25,8 @@ Every value is bounded as it is built, before anything hashes, walks or ``repr``
 Refusals are :class:`Refused` (:class:`Malformed` for bytes that are no pickle) naming the byte,
 their messages showing types and sizes (:func:`brief`), never the ``repr`` of a container.
 
-Two readers use it: ``comm/plain_pickle.py`` (torch's Flight Recorder dumps: plain data, as is)
-and ``checkpoint/dcp_pickle.py`` (DCP's ``.metadata``: a subclass adds handlers to
+Two readers use it: ``diagnostics/plain_pickle.py`` (torch's Flight Recorder dumps: plain data,
+as is) and ``checkpoint/dcp_pickle.py`` (DCP's ``.metadata``: a subclass adds handlers to
 :attr:`PlainMachine.ops` for the globals, records and calls it allows, and tightens the bounds).
 """
 

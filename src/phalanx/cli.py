@@ -25,6 +25,9 @@ commands:
   timeline RUN [-o trace.json]: one Chrome / Perfetto trace of every rank of a job recorded with
            `phalanx run --timeline RUN` or Job(timeline_dir=RUN), clock-aligned, with each
            step's critical path (which rank and phase the step waited on)
+  verify   --mode resume|strategy|world SCRIPT: run a training script twice (resumed, under
+           another strategy, at another world size) and name the first step and tensor whose
+           difference exceeds the measured rounding noise
   checkpoint convert SRC DST (--to | --from) {dcp,hf}: phalanx checkpoints to / from torch
            DCP and Hugging Face safetensors weights
 """
@@ -99,13 +102,21 @@ def main(argv: list[str] | None = None) -> int:
 
         return doctor.main(rest)
     if command == "diagnose":
-        from phalanx.comm import diagnose_cli as diagnose
+        if "--ledger" in rest:  # the sample ledger's audit lives with the data it reads
+            from phalanx.data import ledger_cli
 
-        return diagnose.main(rest)
+            return ledger_cli.main(rest)
+        from phalanx.diagnostics import diagnose_cli
+
+        return diagnose_cli.main(rest)
     if command == "timeline":
         from phalanx.diagnostics import timeline_cli
 
         return timeline_cli.main(rest)
+    if command == "verify":
+        from phalanx.diagnostics.verify import cli as verify_cli
+
+        return verify_cli.main(rest)
     if command == "checkpoint":
         from phalanx.checkpoint import convert_cli
 

@@ -12,8 +12,8 @@ import torch.distributed as dist
 from torch import nn
 
 import phalanx
-from phalanx.comm import tracking
 from phalanx.data_parallel.hooks import bf16_compress_hook, fp16_compress_hook
+from phalanx.diagnostics import tracking
 from phalanx.testing import run_distributed
 
 

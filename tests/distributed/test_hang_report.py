@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 import phalanx
-from phalanx.comm import diagnose_cli as diagnose
-from phalanx.comm import tracking
+from phalanx.diagnostics import diagnose_cli as diagnose
+from phalanx.diagnostics import tracking
 from phalanx.testing import run_distributed
 
 THRESHOLD = 2.0

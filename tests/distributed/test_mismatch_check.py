@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import phalanx
-from phalanx.comm import tracking
+from phalanx.diagnostics import tracking
 from phalanx.testing import run_distributed, scaled
 
 Outcome = tuple[str, str, float, float | None]

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import phalanx
-from phalanx.comm import tracking
+from phalanx.diagnostics import tracking
 from phalanx.testing import run_distributed
 from tests.distributed import no_hang_cases as cases
 

@@ -11,8 +11,10 @@ import torch
 import torch.distributed as dist
 
 import phalanx
-from phalanx.comm import p2p, tracking
-from phalanx.comm.flight import FlightRecorder, first_divergence
+from phalanx.comm import p2p
+from phalanx.diagnostics import tracking
+from phalanx.diagnostics.flight import FlightRecorder
+from phalanx.diagnostics.pairing import first_divergence
 from phalanx.parameter_server import wire
 from phalanx.parameter_server.protocol import Kind, encode_header
 from phalanx.testing import run_distributed

@@ -14,8 +14,8 @@ from torch import nn
 
 import phalanx
 from phalanx import checkpoint
-from phalanx.comm import tracking
 from phalanx.comm.group import signed_store
+from phalanx.diagnostics import tracking
 from phalanx.testing import run_distributed
 
 ENV = {"PHALANX_JOB_SECRET": "c" * 64, "PHALANX_HANG_TIMEOUT": "1.5"}

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import phalanx
-from phalanx.comm.tracking import comm_stats, reset_comm_stats
+from phalanx.comm import comm_stats, reset_comm_stats
 from phalanx.sharding.pieces import Piece, PieceReader, dtype_name
 from phalanx.sharding.zero3 import FullyShardedDataParallel
 from phalanx.testing import run_distributed

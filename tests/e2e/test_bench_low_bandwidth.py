@@ -19,6 +19,7 @@ from phalanx.bench.low_bandwidth_worker import METHODS, strategy_for
 
 
 @pytest.mark.netns
+@pytest.mark.extended
 def test_one_method_over_the_link(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     if (why := unavailable()) is not None:
         pytest.skip(why)

@@ -18,6 +18,7 @@ def _digests() -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in COMMITTED.iterdir()}
 
 
+@pytest.mark.extended
 def test_quick_param_server_bench(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -34,7 +34,11 @@ def test_char_gpt_val_loss_falls_under_phalanx_run() -> None:
     assert "[rank 0] sample:" in proc.stdout
 
 
-@pytest.mark.parametrize("split", [["--pp", "2"], ["--tp", "2"]], ids=["dp2xpp2", "dp2xtp2"])
+@pytest.mark.parametrize(
+    "split",
+    [pytest.param(["--pp", "2"], marks=pytest.mark.extended), ["--tp", "2"]],
+    ids=["dp2xpp2", "dp2xtp2"],
+)
 def test_char_gpt_trains_split_over_four_ranks(split: list[str]) -> None:
     script = str(ROOT / "examples" / "char_gpt.py")
     cmd = [

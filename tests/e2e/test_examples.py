@@ -122,7 +122,10 @@ def test_digits_demo_reaches_97_percent_and_resumes(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "args",
-    [("--strategy", "ssp", "--staleness", "2", "--straggler", "1:2"), ("--strategy", "ps-async")],
+    [
+        ("--strategy", "ssp", "--staleness", "2", "--straggler", "1:2"),
+        pytest.param(("--strategy", "ps-async"), marks=pytest.mark.extended),
+    ],
 )
 def test_digits_demo_on_a_parameter_server(args: tuple[str, ...], tmp_path: Path) -> None:
     out = _launch("digits.py", *args, "--epochs", "4", nproc=3, cwd=tmp_path)

@@ -69,7 +69,7 @@ def _digest_and_first_step(out: str) -> tuple[str, float]:
     return _digest(out), float(first.split("FIRST_STEP ")[1].split()[0])
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("nproc", [2, pytest.param(4, marks=pytest.mark.extended)])
 def test_max_restarts_resumes_by_itself_bit_identical(
     tmp_path: Path, nproc: int, request: pytest.FixtureRequest
 ) -> None:

@@ -65,7 +65,11 @@ def test_a_rank_lost_before_the_job_formed_is_replaced_in_the_first_generation(
 
 
 @pytest.mark.parametrize(
-    ("strategy", "kills", "exchange_delay_s"), [("zero2/2", "2@25", 0.3), ("zero3", "1@45", 0.0)]
+    ("strategy", "kills", "exchange_delay_s"),
+    [
+        pytest.param("zero2/2", "2@25", 0.3, marks=pytest.mark.extended),
+        ("zero3", "1@45", 0.0),
+    ],
 )
 def test_zero_restores_a_lost_members_shards_from_peers_without_reading_the_checkpoint(
     tmp_path: Path, reference: dict[str, Any], strategy: str, kills: str, exchange_delay_s: float

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from phalanx.comm import diagnose_cli as diagnose
+from phalanx.diagnostics import diagnose_cli as diagnose
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = ROOT / "examples" / "torch_fr_mismatch.py"

@@ -65,6 +65,7 @@ def test_auto_is_hierarchical_shm_when_every_host_runs_two(four_hosts: Hosts) ->
     assert single in outs[2][1] and single in outs[3][1]
 
 
+@pytest.mark.extended
 def test_the_benchmark_runs_and_ends_with_its_result(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

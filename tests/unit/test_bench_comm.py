@@ -180,6 +180,7 @@ def test_format_bytes_and_table() -> None:
     assert len({len(line) for line in lines}) == 1, "columns are aligned"
 
 
+@pytest.mark.extended
 def test_quick_run_end_to_end(tmp_path: Path) -> None:
     out = f"{tmp_path}/bench.json"
     proc = subprocess.run(

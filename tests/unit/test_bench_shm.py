@@ -74,6 +74,7 @@ def test_summarize_takes_every_implementation_measured() -> None:
     assert shm_row["exposed_comm_ms"] == pytest.approx(20.0)
 
 
+@pytest.mark.extended
 def test_ddp_shm_row_end_to_end(tmp_path: Path) -> None:
     _run(tmp_path, "phalanx.bench.ddp", "--quick", "--no-hooks", "--iters", "2", "--warmup", "1")
     result = json.loads((tmp_path / "ddp.json").read_text())

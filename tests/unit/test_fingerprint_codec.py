@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch.distributed import ReduceOp
 
-from phalanx.comm import codec, fingerprint
+from phalanx.comm import codec
+from phalanx.diagnostics import fingerprint
 
 
 def _fp(

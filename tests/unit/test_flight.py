@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from phalanx.comm import diagnose_cli as diagnose
-from phalanx.comm.flight import FlightRecorder, Record, first_divergence, load_dump
+from phalanx.diagnostics import diagnose_cli as diagnose
+from phalanx.diagnostics.flight import FlightRecorder, Record, load_dump
+from phalanx.diagnostics.pairing import first_divergence
 
 
 def _rec(seq: int, site: str = "t.py:1 in f", op: str = "all_reduce", g: str = "0") -> Record:
@@ -91,7 +92,7 @@ def test_p2p_records_show_their_peer_and_idle_ones_are_not_in_flight() -> None:
 
 
 def test_stopping_tracking_forgets_what_was_in_flight() -> None:
-    from phalanx.comm import tracking
+    from phalanx.diagnostics import tracking
 
     tracking._RECORDER.start("0", 7, "all_reduce", "[2]", "x.py:1")
     tracking.stop()  # destroy_process_group: a later group must not inherit this wait

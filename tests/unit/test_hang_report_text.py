@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from phalanx.comm import hang_report
-from phalanx.comm.flight import Record
-from phalanx.comm.hang_report import Answer, Incident, Silent, build_report
+from phalanx.diagnostics import hang_report
+from phalanx.diagnostics.flight import Record
+from phalanx.diagnostics.hang_report import Answer, Incident, Silent, build_report
 
 
 def _rec(seq: int, site: str = "t.py:5 in step", start: float = 100.0, done: bool = True) -> Record:

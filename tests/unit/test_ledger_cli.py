@@ -7,9 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from phalanx.comm.diagnose_cli import main
+from phalanx.cli import main as phalanx_cli
 from phalanx.data.elastic_sampler import ElasticSampler
 from phalanx.data.ledger import SampleLedger
+
+
+def main(argv: list[str]) -> int:
+    """``phalanx diagnose ARGV``, as the command line runs it."""
+    return phalanx_cli(["diagnose", *argv])
 
 
 def _ledger(repeat: bool) -> SampleLedger:

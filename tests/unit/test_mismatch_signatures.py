@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from phalanx.comm.flight import FlightRecorder
-from phalanx.comm.mismatch_check import Checker, compare, neighbours
-from phalanx.comm.snapshot import parse_progress
+from phalanx.diagnostics.flight import FlightRecorder
+from phalanx.diagnostics.mismatch_check import Checker, compare, neighbours
+from phalanx.diagnostics.snapshot import parse_progress
 
 Call = tuple[str, str, str, str]  # op, shape, args, site
 

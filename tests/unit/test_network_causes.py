@@ -1,5 +1,5 @@
 """A failed collective whose peers run on another machine (issue 35, point 7): the survivors'
-error names the network link to that machine beside the other causes (``comm/blame.py``)."""
+error names the network link to that machine beside the other causes (``diagnostics/blame.py``)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import socket
 
 import pytest
 
-from phalanx.comm import rank_files
-from phalanx.comm.blame import explain
-from phalanx.comm.rank_files import Peer, machine_id
+from phalanx.diagnostics import rank_files
+from phalanx.diagnostics.blame import explain
+from phalanx.diagnostics.rank_files import Peer, machine_id
 
 
 def _snapshot(rank: int) -> dict[str, list[object]]:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from phalanx.comm import fingerprint as fpr
-from phalanx.comm.flight import Record
-from phalanx.comm.pairing import first_mismatch, sites_compared
+from phalanx.comm.flags import sites_compared
+from phalanx.diagnostics import fingerprint as fpr
+from phalanx.diagnostics.flight import Record
+from phalanx.diagnostics.pairing import first_mismatch
 
 
 def _c(seq: int, site: str, op: str = "all_reduce", shape: str = "[4] float32", args: str = "SUM"):  # type: ignore[no-untyped-def]

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from phalanx.comm.plain_pickle import UnsafePickleError, loads_plain
+from phalanx.diagnostics.plain_pickle import UnsafePickleError, loads_plain
 from tests.unit.pickle_bytes import child_reports, get, put, shared
 
 

@@ -9,8 +9,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from phalanx.comm import tracking
 from phalanx.comm.signed import SignedStore
+from phalanx.diagnostics import tracking
 
 
 class _Watch:

@@ -8,17 +8,17 @@ import sys
 import time
 from pathlib import Path
 
-from phalanx.comm import call_ring
-from phalanx.comm.call_ring import CallRing, read_calls
-from phalanx.comm.flight import Record
-from phalanx.comm.rank_files import Peer, fatal_signal, thread_stack
+from phalanx.diagnostics import call_ring
+from phalanx.diagnostics.call_ring import CallRing, read_calls
+from phalanx.diagnostics.flight import Record
+from phalanx.diagnostics.rank_files import Peer, fatal_signal, thread_stack
 from phalanx.testing import scaled
 
 CHILD = """
 import ctypes, os, sys, threading, time
 from pathlib import Path
-from phalanx.comm.flight import Record
-from phalanx.comm.rank_files import RankFiles
+from phalanx.diagnostics.flight import Record
+from phalanx.diagnostics.rank_files import RankFiles
 
 def hold_the_gil():
     ctypes.PyDLL(None).sleep(2)
@@ -135,7 +135,7 @@ def test_a_dead_rank_leaves_its_signal_stack_and_calls(tmp_path: Path) -> None:
 FORKING = """
 import ctypes, faulthandler, os, sys, time
 from pathlib import Path
-from phalanx.comm.rank_files import RankFiles
+from phalanx.diagnostics.rank_files import RankFiles
 
 files = RankFiles(Path(sys.argv[1]), 0)
 for _ in range(5):  # the stuck dump is armed: a child must neither hang nor touch our files
@@ -170,7 +170,7 @@ def test_a_forked_child_neither_hangs_nor_removes_the_files(tmp_path: Path) -> N
 BUSY = """
 import sys, time
 from pathlib import Path
-from phalanx.comm.rank_files import RankFiles
+from phalanx.diagnostics.rank_files import RankFiles
 
 files = RankFiles(Path(sys.argv[1]), 0)
 end = time.monotonic() + 2.5

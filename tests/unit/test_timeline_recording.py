@@ -13,8 +13,8 @@ from torch import nn
 
 import phalanx
 from phalanx.comm import wait_clock
-from phalanx.comm.flight import FlightRecorder, Record
 from phalanx.diagnostics import job_timeline
+from phalanx.diagnostics.flight import FlightRecorder, Record
 from phalanx.diagnostics.rank_log import rank_path, read_rank_log
 from phalanx.diagnostics.recorder import TimelineRecorder
 from phalanx.launch.args import parse_args
@@ -64,6 +64,12 @@ class _Marks:
 
     def relabel(self, name: str) -> None:
         self.seen.append(("relabel", name))
+
+    def loss(self, value: torch.Tensor) -> None:
+        self.seen.append(("loss", float(value)))
+
+    def stepping(self, step: int) -> None:
+        self.seen.append(("stepping", step))
 
     def stepped(self, step: int) -> None:
         self.seen.append(("stepped", step))

@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from phalanx.comm import diagnose_cli as diagnose
-from phalanx.comm.dumps import read_dumps
-from phalanx.comm.flight import FlightRecorder
-from phalanx.comm.plain_pickle import UnsafePickleError
-from phalanx.comm.torch_flight import read_torch_dump
+from phalanx.diagnostics import diagnose_cli as diagnose
+from phalanx.diagnostics.dumps import read_dumps
+from phalanx.diagnostics.flight import FlightRecorder
+from phalanx.diagnostics.plain_pickle import UnsafePickleError
+from phalanx.diagnostics.torch_flight import read_torch_dump
 
 T0 = 1_795_000_000_000_000_000  # ns since the epoch, as torch's c10::getTime() gives
 TORCH_FRAMES = [

@@ -76,7 +76,7 @@ def event_costs() -> dict[str, float]:
     import tempfile
 
     from phalanx.comm import wait_clock
-    from phalanx.comm.flight import FlightRecorder
+    from phalanx.diagnostics.flight import FlightRecorder
     from phalanx.diagnostics.recorder import TimelineRecorder
     from phalanx.train.phases import PhaseClock
 

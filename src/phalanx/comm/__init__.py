@@ -1,4 +1,12 @@
-"""phalanx.comm: process groups, the seeds' communication primitives, explicit algorithms."""
+"""phalanx.comm: the wire: process groups, the seeds' communication primitives, explicit
+algorithms and the backends.
+
+It carries bytes and counts them (``comm_stats``). What records, checks and explains the
+operations (flight records, the mismatch check, hang reports, blame, ``phalanx diagnose``) is
+``phalanx.diagnostics``, which installs itself on the wire's one hook, ``watch.py``: nothing here
+imports the diagnostics, the data, the checkpoints, the training loop or the launcher
+(``tests/unit/test_layers.py``).
+"""
 
 from __future__ import annotations
 
@@ -36,7 +44,7 @@ from phalanx.comm.objects import (
     scatter_object_list,
 )
 from phalanx.comm.p2p import batch_isend_irecv, irecv, isend, recv, send
-from phalanx.comm.tracking import comm_stats, reset_comm_stats
+from phalanx.comm.watch import comm_stats, reset_comm_stats
 
 exit_guard.install()
 shm.register()

@@ -16,8 +16,15 @@ from types import CodeType, FrameType
 
 __all__ = ["TRANSPORTS", "UNKNOWN", "call_site", "describe", "site_of_caller"]
 
-TRANSPORTS = ("phalanx/comm/", "torch/", "phalanx/pipeline/p2p.py", "phalanx/parameter_server/wire")
-"""Frames a call site skips: the code that only moves tensors for its caller."""
+TRANSPORTS = (
+    "phalanx/comm/",
+    "torch/",
+    "phalanx/pipeline/p2p.py",
+    "phalanx/parameter_server/wire",
+    "phalanx/diagnostics/tracking.py",
+)
+"""Frames a call site skips: the code that only moves tensors for its caller, and the wire's
+watcher that asks (``phalanx.diagnostics.tracking``, called from inside the wire)."""
 
 UNKNOWN = 0
 """No Python caller outside the transports (torch's DDP reducer calls from C++)."""

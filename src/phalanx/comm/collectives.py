@@ -1,6 +1,6 @@
 """The seeds' communication primitives with torch's signatures, tracked and optionally validated.
 
-Each function forwards to ``torch.distributed`` after :func:`tracking.enter` has recorded it, and
+Each function forwards to ``torch.distributed`` after :func:`watch.enter` has recorded it, and
 turns a backend failure into an error naming the operation, its sequence number and the ranks
 that never reached it. Two additions over torch: ``ReduceOp.AVG`` works on gloo too (sum, then
 divide), and ``all_reduce(..., algorithm="ring" | "tree")`` runs phalanx's explicit algorithms.
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from phalanx._check import check_bool, check_choice, check_group, check_instance, check_int
-from phalanx.comm import tracking, wait_clock
+from phalanx.comm import wait_clock, watch
 from phalanx.comm.errors import CollectiveError
 from phalanx.comm.work import CollectiveEntry, TrackedWork
 
@@ -87,7 +87,7 @@ def _run(
     compare_shape: bool = True,
     post: Callable[[], None] | None = None,
 ) -> Any:
-    seq = tracking.enter(
+    seq = watch.enter(
         op, group, tensor, reduce_op=reduce_op, root=root, compare_shape=compare_shape
     )
     try:
@@ -96,9 +96,9 @@ def _run(
     except CollectiveError:
         raise
     except RuntimeError as exc:
-        raise tracking.failure(op, seq, group, exc) from exc
+        raise watch.failure(op, seq, group, exc) from exc
     if work is None:
-        tracking.leave(group, seq)
+        watch.leave(group, seq)
         if post is not None:
             post()
         return None

@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["TrackingFlags", "env_flag", "hang_timeout", "tracking_flags"]
+__all__ = ["TrackingFlags", "env_flag", "hang_timeout", "sites_compared", "tracking_flags"]
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -50,6 +50,12 @@ def env_seconds(name: str, default: float, env: Mapping[str, str] | None = None)
     if not value > 0:  # NaN too
         raise ValueError(f"{name}={raw!r} must be > 0 seconds")
     return value
+
+
+def sites_compared() -> bool:
+    """``PHALANX_CALL_SITES`` (default 1): 0 turns the skipped-collective rule off (the shm
+    backend's call descriptors and ``phalanx.diagnostics.pairing`` both obey it)."""
+    return env_flag("PHALANX_CALL_SITES", True)
 
 
 def hang_timeout(env: Mapping[str, str] | None = None) -> float:

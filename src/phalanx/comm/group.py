@@ -7,7 +7,7 @@ otherwise, pins gloo's interface where no launcher did (``GLOO_SOCKET_IFNAME``, 
 run`` does), binds the device, and returns a frozen :class:`World`. The store it rendezvouses
 through is created here (not by torch) so that the listener binds only the master address, and
 so that phalanx can keep a handle on it for collective validation and progress tracking
-(``tracking.py``).
+(handed to the wire's watcher, ``watch.py``: ``phalanx.diagnostics.tracking``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx._check import check_bool, check_choice, check_int, check_timeout
-from phalanx.comm import join, tracking
+from phalanx.comm import join, watch
 from phalanx.comm.auth import job_secret
 from phalanx.comm.backends import BACKENDS, MIN_LOCAL_ENV, auto_backend
 from phalanx.comm.env import LaunchEnv, discover_env
@@ -344,7 +344,7 @@ def init_process_group(
         backend=name,
     )
     checked = flags.debug if validate is None else validate
-    tracking.start(_SIGNED, rank, world_size, checked, limit, flags)
+    watch.start(_SIGNED, rank, world_size, checked, limit, flags)
     return _WORLD
 
 
@@ -405,7 +405,7 @@ def destroy_process_group() -> None:
     global _WORLD, _SIGNED
     for hook in list(_BEFORE_DESTROY):
         hook()
-    tracking.stop()
+    watch.stop()
     if dist.is_initialized():
         dist.destroy_process_group()
     _WORLD = None

@@ -2,10 +2,11 @@
 completion recorded for the hang detector however the handle is consumed.
 
 One mechanism for collectives and point-to-point operations alike: a :class:`TrackedWork` wraps
-torch's ``Work`` with an *entry*, the operation's flight record. A collective's record opens when
-it is launched (:func:`tracking.enter`); a point-to-point record (:class:`P2PEntry`) opens when
-this rank starts to wait for it (``wait()``, or the return of a blocking call), because a receive
-posted ahead of need is not a stuck rank until someone waits on it.
+torch's ``Work`` with an *entry*, the operation's flight record, kept by whoever watches the wire
+(:mod:`phalanx.comm.watch`). A collective's record opens when it is launched (:func:`watch.enter`);
+a point-to-point record (:class:`P2PEntry`) opens when this rank starts to wait for it
+(``wait()``, or the return of a blocking call), because a receive posted ahead of need is not a
+stuck rank until someone waits on it.
 
 A collective's record closes when the backend completes the work, whoever consumes it: a
 callback on the work's own future closes it (even for a handle nobody waits on), and so do
@@ -18,7 +19,6 @@ and the wait's end closes it (on gloo a send or receive has no future and comple
 from __future__ import annotations
 
 import contextlib
-import itertools
 import threading
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -26,11 +26,9 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from phalanx.comm import tracking, wait_clock
+from phalanx.comm import wait_clock, watch
 
 __all__ = ["CollectiveEntry", "Entry", "P2PEntry", "TrackedWork", "run_blocking"]
-
-_P2P_SEQ = itertools.count(1)  # atomic: a parameter server records from one thread per worker
 
 
 class Entry(Protocol):
@@ -52,7 +50,7 @@ class Entry(Protocol):
 
 
 class CollectiveEntry:
-    """A collective's record, opened by :func:`tracking.enter` at launch."""
+    """A collective's record, opened by :func:`watch.enter` at launch."""
 
     closes_from_future = True
     idle = False
@@ -65,11 +63,11 @@ class CollectiveEntry:
 
     def end(self) -> None:
         """Close the record."""
-        tracking.leave(self.group, self.seq)
+        watch.leave(self.group, self.seq)
 
     def error(self, exc: RuntimeError) -> Exception:
         """An error naming the ranks that never reached the collective (its record stays open)."""
-        return tracking.failure(self.op, self.seq, self.group, exc)
+        return watch.failure(self.op, self.seq, self.group, exc)
 
 
 class P2PEntry:
@@ -95,11 +93,8 @@ class P2PEntry:
         fail: Callable[[RuntimeError], Exception],
     ) -> None:
         self.op, self.peer, self.idle, self._fail = op, peer, idle, fail
-        on = tracking.recorder() is not None  # tracking off (no phalanx group): nothing to pay
-        self.shape = tracking.shape_text(tensor) if on else "-"
-        self.site = tracking.call_site() if on else "?"  # where it was posted, not waited for
-        self.seq: int | None = None
-        self._closed = False
+        self._record = watch.p2p(op, peer, tensor, idle)  # None: nothing recorded, nothing to pay
+        self._opened = self._closed = False
         self._lock = threading.Lock()  # a future's callback may close it on another thread
 
     def begin(self) -> None:
@@ -108,21 +103,17 @@ class P2PEntry:
             self._open()
 
     def _open(self) -> None:
-        recorder = tracking.recorder()
-        if self.seq is not None or self._closed or recorder is None:
+        if self._record is None or self._opened or self._closed:
             return
-        self.seq = next(_P2P_SEQ)
-        recorder.start(
-            tracking.P2P, self.seq, self.op, self.shape, self.site, peer=self.peer, idle=self.idle
-        )
+        self._opened = True
+        self._record.open()
 
     def end(self) -> None:
         """Close the record (opening it first if nobody waited: completed when first polled)."""
         with self._lock:
             self._open()
-            recorder = tracking.recorder()
-            if self.seq is not None and not self._closed and recorder is not None:
-                recorder.finish(tracking.P2P, self.seq)
+            if self._record is not None and self._opened and not self._closed:
+                self._record.close()
             self._closed = True
 
     def error(self, exc: RuntimeError) -> Exception:

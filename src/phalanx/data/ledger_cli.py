@@ -9,6 +9,7 @@ exactly once, 1 otherwise, 2 when PATH holds no ledger.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any
 
 from phalanx.data.ledger import SampleLedger
 
-__all__ = ["audit", "read_ledger"]
+__all__ = ["audit", "main", "read_ledger"]
 
 
 def read_ledger(path: Path) -> SampleLedger:
@@ -59,3 +60,17 @@ def audit(path: Path) -> int:
     if not ledger.epochs:
         print("the ledger records no committed step")
     return 1 if faulty else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``phalanx diagnose --ledger PATH...``: audit each ledger; returns the worst exit code."""
+    parser = argparse.ArgumentParser(prog="phalanx diagnose", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--ledger",
+        action="store_true",
+        required=True,
+        help="audit the sample ledger in PATH (a live job's checkpoint directory, or a JSON file)",
+    )
+    parser.add_argument("paths", nargs="+", metavar="PATH", help="a ledger or checkpoint directory")
+    args = parser.parse_args(argv)
+    return max(audit(Path(p)) for p in args.paths)

@@ -25,6 +25,10 @@ import os
 from collections.abc import Mapping
 
 from phalanx.diagnostics.recorder import TimelineRecorder
+
+# The one module of phalanx.diagnostics that imports the training loop: it is the timeline's
+# plug into Job, registered with the job's observer registry, which imports it by name when the
+# first Job is made (tests/unit/test_layers.py allows this import, and only here).
 from phalanx.train import observers
 from phalanx.train.observers import JobView
 

@@ -5,8 +5,8 @@ event happens:
 
 - the phase marks of the job's loop (it is a job observer, :mod:`phalanx.train.observers`):
   ``(time, phase)``, and ``(time, step)`` when a step ends;
-- every flight record (:func:`phalanx.comm.tracking.add_record_sink`): the
-  :class:`~phalanx.comm.flight.Record` object itself, whose ``end`` the operation fills in
+- every flight record (:func:`phalanx.diagnostics.tracking.add_record_sink`): the
+  :class:`~phalanx.diagnostics.flight.Record` object itself, whose ``end`` the operation fills in
   when it completes;
 - every wait of the training thread (:func:`phalanx.comm.wait_clock.add_watcher`):
   ``(end, seconds)``.
@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 
-from phalanx.comm import tracking, wait_clock
-from phalanx.comm.flight import Record
-from phalanx.diagnostics import clock_sync
+from phalanx.comm import wait_clock
+from phalanx.diagnostics import clock_sync, tracking
 from phalanx.diagnostics.clock_math import ClockSample
+from phalanx.diagnostics.flight import Record
 from phalanx.diagnostics.rank_log import RankLogWriter, rank_path
 
 __all__ = ["FLUSH_EVERY", "TimelineRecorder"]
@@ -135,6 +135,12 @@ class TimelineRecorder:
         """The stretch the last mark opened counts as ``name``."""
         if self.recording:
             self._marks.append((time.time(), "~" + name))
+
+    def loss(self, value: torch.Tensor) -> None:
+        """A loss went backward: the timeline has it as the "backward" mark already."""
+
+    def stepping(self, step: int) -> None:
+        """The optimizer is about to step: the "optimizer" mark has it already."""
 
     def stepped(self, step: int) -> None:
         """Step ``step`` (the step count reached) is done."""

@@ -38,7 +38,7 @@ from phalanx.train import job_start, observers
 from phalanx.train.gather import Number, gather
 from phalanx.train.job_args import check_clip, check_epochs, check_job_args, check_slow_down
 from phalanx.train.job_checkpoint import Checkpoints
-from phalanx.train.job_data import DATA_SEED, LoaderArgs, eval_loader
+from phalanx.train.job_data import DATA_SEED, LoaderArgs, batch_for, eval_loader
 from phalanx.train.job_phases import JobPhases
 from phalanx.train.job_reports import JobReports
 from phalanx.train.live import LiveTraining
@@ -61,6 +61,7 @@ from phalanx.train.slowdown import Slowdown
 from phalanx.train.straggler_rule import StragglerRule
 from phalanx.train.strategies import JobOptions, Runner, Strategy, resolve
 from phalanx.train.strategies.base import LossFn, Scheduler, Stateful
+from phalanx.train.strategies.registry import overridden
 from phalanx.train.train_state import TrainState
 
 __all__ = ["DATA_SEED", "Job"]
@@ -133,7 +134,7 @@ class Job(JobReports):
         save_on_sigterm: bool = True,
     ) -> None:
         # A preset's own errors and live recovery's rules come before any process group.
-        joined = job_start.start(recovery, resolve(strategy), grad_accum, backend)
+        joined = job_start.start(recovery, overridden(resolve(strategy)), grad_accum, backend)
         self.owns_group = joined.owns_group
         self.joined = joined
         """How the job joined its group (``train/job_start.py``)."""
@@ -169,7 +170,7 @@ class Job(JobReports):
         self.loss_fn: LossFn | None = None
         live = joined.live is not None
         timeline = None if timeline_dir is None else os.fspath(timeline_dir)
-        view = JobView(world, self.strategy.lockstep and not live, live, timeline)
+        view = JobView(world, self.strategy.lockstep and not live, live, timeline, self)
         try:  # e.g. PHALANX_TIMELINE_SYNC_EVERY refused: no process group left behind either
             watchers = observers.start(view)
         except ValueError:
@@ -298,6 +299,8 @@ class Job(JobReports):
 
         The job has one training loader: a new one (made inside the epoch loop, say) takes
         over the previous one's place, so its epoch and position are the job's."""
+        if not eval:
+            batch_size = batch_for(batch_size, self.runner.data_shard()[0])
         args = LoaderArgs(
             dataset, batch_size, shuffle, drop_last, even_batches, self.data_seed, kwargs
         )
@@ -446,6 +449,7 @@ class Job(JobReports):
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss / grad_accum``; gradients sync only on the last micro-step."""
         self.timing.mark_backward()
+        self.timing.loss(loss)
         self.runner.backward(loss, self.precision, self.grad_accum)
         self.timing.enter("optimizer")
 
@@ -495,6 +499,7 @@ class Job(JobReports):
         self.timing.enter("optimizer")
         if self.slowdown is not None:
             self.slowdown.end(self.step_count)
+        self.timing.stepping(self.step_count + 1)
         # Parameter servers step the optimizer (and scheduler) on the servers: False.
         stepped = self.runner.step(opt, self.precision)
         if stepped is None:

@@ -16,7 +16,8 @@ do not apply.
 
 from __future__ import annotations
 
-from collections.abc import Sized
+import os
+from collections.abc import Mapping, Sized
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +28,44 @@ from phalanx.data.sampler import DistributedSampler
 from phalanx.train.resume_point import ResumableLoader, ResumePoint
 from phalanx.train.train_state import TrainState
 
-__all__ = ["DATA_SEED", "LoaderArgs", "eval_loader", "training_loader"]
+__all__ = [
+    "BATCH_REPLICAS_VAR",
+    "DATA_SEED",
+    "LoaderArgs",
+    "batch_for",
+    "eval_loader",
+    "training_loader",
+]
+
+BATCH_REPLICAS_VAR = "PHALANX_BATCH_REPLICAS"
+"""Set to ``R``: the ``batch_size`` given to ``job.loader`` is per replica at ``R`` data-parallel
+replicas, and at another number each replica's batch is scaled to keep the global batch
+(``batch_size * R``). ``phalanx verify --mode world`` sets it, so that an unchanged script
+trains on the same global batches at both world sizes."""
+
+
+def batch_for(batch_size: int, replicas: int, env: Mapping[str, str] | None = None) -> int:
+    """The per-replica batch of a training loader over ``replicas`` replicas: ``batch_size``,
+    or scaled to keep the global batch of :data:`BATCH_REPLICAS_VAR`'s replicas.
+
+    Raises:
+        ValueError: the variable is not a positive integer, or the global batch does not
+            split evenly over ``replicas``.
+    """
+    raw = (os.environ if env is None else env).get(BATCH_REPLICAS_VAR, "").strip()
+    if not raw:
+        return batch_size
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{BATCH_REPLICAS_VAR}={raw!r} must be a positive integer")
+    total = batch_size * int(raw)
+    if total % replicas:
+        raise ValueError(
+            f"job.loader(batch_size={batch_size}) with {BATCH_REPLICAS_VAR}={raw}: the global "
+            f"batch of {total} does not split evenly over {replicas} replicas; pick world sizes "
+            f"that divide it"
+        )
+    return total // replicas
+
 
 DATA_SEED = 0
 """The loaders' shuffle seed of a ``Job(seed=None)`` (torch's ``DistributedSampler`` default):

@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
+import torch
+
 from phalanx.comm import wait_clock
 from phalanx.comm.group import World
 from phalanx.train.metrics import MetricsLogger
@@ -80,6 +82,16 @@ class JobPhases:
         if self.clock.phase == "data" and not self._batch_given:
             self.clock.relabel("forward")  # no progress(): loading and forward are one stretch
         self.clock.enter("backward")
+
+    def loss(self, value: torch.Tensor) -> None:
+        """``backward(value)`` was called: tell the observers."""
+        for observer in self.observers:
+            observer.loss(value)
+
+    def stepping(self, step: int) -> None:
+        """The optimizer is about to make step ``step``: tell the observers."""
+        for observer in self.observers:
+            observer.stepping(step)
 
     def end_step(self, step: int, metrics: MetricsLogger) -> None:
         """The optimizer stepped: close the step, feed the monitor, open the next "data"."""

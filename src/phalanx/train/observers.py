@@ -8,6 +8,8 @@ observer where its loop is, on the training thread:
 
 - ``phase(name)`` at every phase mark of its clock (:mod:`.phases`; None: not timing),
 - ``relabel(name)`` where the clock counts the open stretch as another phase,
+- ``loss(value)`` at each ``backward`` (the loss given, before any division by ``grad_accum``),
+- ``stepping(step)`` just before the optimizer steps (the step's gradients are final),
 - ``stepped(step)`` after each optimizer step (``step``: the job's step count after it),
 - ``saved(step)`` after each ``save()``,
 - ``close()`` when the job closes.
@@ -23,14 +25,20 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+import torch
 
 from phalanx.comm.group import World
 
+if TYPE_CHECKING:
+    from phalanx.train.job import Job
+
 __all__ = ["PROVIDERS", "JobObserver", "JobView", "register", "start", "unregister"]
 
-PROVIDERS = ("phalanx.diagnostics.job_timeline",)
-"""Modules that register phalanx's own observers when imported (the timeline recorder)."""
+PROVIDERS = ("phalanx.diagnostics.job_timeline", "phalanx.diagnostics.verify.probe")
+"""Modules that register phalanx's own observers when imported (the timeline recorder, the
+probe of ``phalanx verify``)."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,9 @@ class JobView:
     must not communicate at all, not even when it is made."""
     timeline_dir: str | None
     """``Job(timeline_dir=...)`` (None: not given; ``PHALANX_TIMELINE_DIR`` may still ask)."""
+    job: Job | None = None
+    """The job itself, for a tool that reads its state (``phalanx verify``'s probe reads the
+    model, optimizer and gradients through ``job.runner``); None where a test makes a view."""
 
 
 class JobObserver(Protocol):
@@ -55,6 +66,10 @@ class JobObserver(Protocol):
     def phase(self, name: str | None) -> None: ...
 
     def relabel(self, name: str) -> None: ...
+
+    def loss(self, value: torch.Tensor) -> None: ...
+
+    def stepping(self, step: int) -> None: ...
 
     def stepped(self, step: int) -> None: ...
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.comm.call_sites import UNKNOWN, site_of_caller
-from phalanx.comm.pairing import sites_compared
+from phalanx.comm.flags import sites_compared
 from phalanx.comm.shm import collectives, zero_copy
 from phalanx.comm.shm.base import ShmGroup
 from phalanx.comm.shm.buffers import Regions

@@ -14,9 +14,9 @@ the rank's previous call (``comm/call_sites.py``). Positions pair calls: one ran
 all_reduce meets the others' next one, and when the signatures agree no comparison of the call
 itself can tell. The next call can: when a rank's call now is the very call (line and
 signature) another rank made last time, while their previous lines differed, the previous call
-was paired wrongly (:func:`find_shift`, the rule of ``comm/pairing.py``), and every rank raises
-before this call reads any data. ``PHALANX_CALL_SITES=0`` turns the rule off (rank-dependent code
-that shifts legitimately).
+was paired wrongly (:func:`find_shift`, the rule of ``phalanx/diagnostics/pairing.py``), and
+every rank raises before this call reads any data. ``PHALANX_CALL_SITES=0`` turns the rule off
+(rank-dependent code that shifts legitimately).
 """
 
 from __future__ import annotations

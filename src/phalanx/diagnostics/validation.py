@@ -17,11 +17,11 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from phalanx.comm import fingerprint as fpr
 from phalanx.comm.errors import CollectiveMismatchError, CollectiveTimeoutError
-from phalanx.comm.pairing import first_mismatch
 from phalanx.comm.signed import SignedStore
-from phalanx.comm.snapshot import parse_progress
+from phalanx.diagnostics import fingerprint as fpr
+from phalanx.diagnostics.pairing import first_mismatch
+from phalanx.diagnostics.snapshot import parse_progress
 
 __all__ = ["Validator"]
 

@@ -5,10 +5,8 @@ Every collective issued through :mod:`phalanx.comm.collectives` leaves a :class:
 fixed-size ring, so a hang or a crash can say what each rank was doing without any cost beyond
 appending a tuple. Point-to-point operations (:mod:`phalanx.comm.p2p`) leave records too, on
 their own channel (group ``p2p``, with the ``peer``): they are shown in reports but never lined
-up across ranks. :func:`first_divergence` (pure) lines up several ranks' records by group and
-sequence number and finds the first collective the ranks paired wrongly (:mod:`.pairing`): a
-different signature at the same position, or a rank one call ahead of another (an all-reduce
-inside ``if rank == 0:``). A position some ranks have not reached yet is not a divergence.
+up across ranks. Where several ranks' records diverge is :mod:`.pairing`'s business
+(:func:`~phalanx.diagnostics.pairing.first_divergence`).
 
 A tool that keeps every record (``phalanx.diagnostics``' timeline) adds a *sink*
 (:meth:`FlightRecorder.add_sink`): each new record is handed to it as well, and its ``end`` is
@@ -22,14 +20,12 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from phalanx.comm.pairing import Divergence, first_mismatch, sites_compared
-
-__all__ = ["Divergence", "FlightRecorder", "Record", "first_divergence", "load_dump"]
+__all__ = ["FlightRecorder", "Record", "load_dump"]
 
 CAPACITY = 256
 
@@ -160,24 +156,3 @@ def load_dump(path: str | os.PathLike[str]) -> tuple[int, list[Record]]:
     """Read one rank's :meth:`FlightRecorder.dump`."""
     doc = json.loads(Path(path).read_text())
     return int(doc["rank"]), [Record(**r) for r in doc["records"]]
-
-
-def first_divergence(records: Mapping[int, Sequence[Record]]) -> Divergence | None:
-    """The first collective the ranks paired wrongly (see :mod:`.pairing`); else None.
-
-    Only positions every rank still holds are compared (a ring forgets its oldest records,
-    and a rank at an earlier step has not reached the later ones). Among groups, the
-    divergence that started earliest in time is returned. Point-to-point records are left
-    out: a send and its receive differ by design.
-    """
-    sites = sites_compared()
-    records = {rank: [r for r in recs if r.peer is None] for rank, recs in records.items()}
-    found: list[tuple[float, Divergence]] = []
-    for group in sorted({r.group for recs in records.values() for r in recs}):
-        calls = {
-            rank: {r.seq: r for r in recs if r.group == group} for rank, recs in records.items()
-        }
-        div = first_mismatch(calls, group, sites)
-        if div is not None:
-            found.append((min(r.start for r in div.issued.values()), div))
-    return min(found, key=lambda f: f[0])[1] if found else None

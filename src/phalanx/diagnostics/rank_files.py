@@ -41,10 +41,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from phalanx.comm.call_ring import CallRing, read_calls
-from phalanx.comm.flight import Record
 from phalanx.comm.netif import local_ip_for
 from phalanx.comm.signed import SignedStore
+from phalanx.diagnostics.call_ring import CallRing, read_calls
+from phalanx.diagnostics.flight import Record
 
 __all__ = ["Peer", "RankFiles", "fatal_signal", "open_rank_files", "peers", "thread_stack"]
 

@@ -1,4 +1,4 @@
-"""torch's Flight Recorder dumps, read as phalanx :class:`~phalanx.comm.flight.Record` s.
+"""torch's Flight Recorder dumps, read as phalanx :class:`~phalanx.diagnostics.flight.Record` s.
 
 torch 2.13 keeps its own ring of collectives when ``TORCH_FR_BUFFER_SIZE`` (or the older
 ``TORCH_NCCL_TRACE_BUFFER_SIZE``) is > 0, for gloo and NCCL alike. Each entry has the process
@@ -38,8 +38,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from phalanx.comm.flight import Record
-from phalanx.comm.plain_pickle import loads_plain
+from phalanx.diagnostics.flight import Record
+from phalanx.diagnostics.plain_pickle import loads_plain
 
 __all__ = [
     "TorchDump",

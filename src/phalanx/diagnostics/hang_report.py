@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from phalanx.comm.flight import Record, first_divergence
+from phalanx.diagnostics.flight import Record
+from phalanx.diagnostics.pairing import first_divergence
 
 __all__ = ["Answer", "Incident", "Silent", "build_report"]
 

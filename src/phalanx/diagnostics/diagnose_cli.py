@@ -8,8 +8,9 @@ different steps are behind, not diverged) and the first collective the ranks pai
 (:mod:`.pairing`). Exit code 0 when the records agree, 1 when they diverge, 2 without dumps or
 for an unreadable one.
 
-``phalanx diagnose --ledger PATH`` audits a live job's sample ledger instead
-(:mod:`phalanx.data.ledger_cli`).
+``phalanx diagnose --ledger PATH`` audits a live job's sample ledger instead: ``phalanx.cli``
+hands it to :mod:`phalanx.data.ledger_cli`, which lives with the data it reads (the diagnostics
+import neither the data nor the checkpoints).
 """
 
 from __future__ import annotations
@@ -17,33 +18,28 @@ from __future__ import annotations
 import argparse
 import sys
 
-from phalanx.comm.dumps import read_dumps
-from phalanx.comm.flight import Record, first_divergence
+from phalanx.diagnostics.dumps import read_dumps
+from phalanx.diagnostics.flight import Record
+from phalanx.diagnostics.pairing import first_divergence
 
 __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
     """Print each rank's last collective and the first diverging one; returns the exit code."""
-    parser = argparse.ArgumentParser(prog="phalanx diagnose", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="phalanx diagnose",
+        description=__doc__.splitlines()[0],
+        epilog="phalanx diagnose --ledger PATH...: audit the sample ledger in PATH (a live job's "
+        "checkpoint directory, or a JSON file) instead",
+    )
     parser.add_argument(
         "paths",
         nargs="+",
         metavar="DIR",
         help="the PHALANX_DUMP_DIR the ranks wrote to, or torch's dump files or their directory",
     )
-    parser.add_argument(
-        "--ledger",
-        action="store_true",
-        help="audit the sample ledger in DIR (a live job's checkpoint directory, or a JSON file)",
-    )
     args = parser.parse_args(argv)
-    if args.ledger:
-        from pathlib import Path
-
-        from phalanx.data.ledger_cli import audit
-
-        return max(audit(Path(p)) for p in args.paths)
     try:
         records, notes = read_dumps(args.paths)
     except (OSError, ValueError) as exc:

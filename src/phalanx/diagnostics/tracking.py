@@ -1,31 +1,36 @@
 """Per-rank collective bookkeeping: sequence numbers, progress, the mismatch check, blame.
 
-Every collective issued through ``phalanx.comm.collectives`` calls :func:`enter`, which bumps a
-per-group sequence number, leaves a flight record (:mod:`.flight`), folds the call's signature
-into a rolling CRC (:mod:`.mismatch_check`) and writes it into this rank's call ring
-(:mod:`.call_ring`), a few microseconds in all. A daemon thread publishes this rank's progress
-(with its recent calls) to the rendezvous store twice a second, compares it with its
-neighbours', re-arms the stuck-thread dump (:mod:`.rank_files`) and watches for hangs
-(:mod:`.watchdog`). When a collective fails or times out :func:`failure` names the ranks behind,
-the rank that died with its signal and call, and the calls that differ (:mod:`.blame`).
+The wire (:mod:`phalanx.comm.watch`) tells this module of every operation: ``import phalanx``
+installs it there as the watcher. Every collective issued through ``phalanx.comm.collectives``
+reaches :func:`enter`, which bumps a per-group sequence number, leaves a flight record
+(:mod:`.flight`), folds the call's signature into a rolling CRC (:mod:`.mismatch_check`) and
+writes it into this rank's call ring (:mod:`.call_ring`), a few microseconds in all. A daemon
+thread publishes this rank's progress (with its recent calls) to the rendezvous store twice a
+second, compares it with its neighbours', re-arms the stuck-thread dump (:mod:`.rank_files`) and
+watches for hangs (:mod:`.watchdog`). When a collective fails or times out :func:`failure` names
+the ranks behind, the rank that died with its signal and call, and the calls that differ
+(:mod:`.blame`).
 
 With validation on (``validate=True`` / ``PHALANX_DEBUG=1``) each rank also compares a
 fingerprint of every collective with everyone's before running it (:mod:`.validation`).
 ``PHALANX_MISMATCH_CHECK=0`` turns the always-on check (CRCs, comparison) off; the call ring
 is written whenever the rank files exist: it is the failure report's evidence (about 1 µs).
-The environment flags are read by ``init_process_group`` before rendezvous (:mod:`.flags`).
+The environment flags are read by ``init_process_group`` before rendezvous
+(:mod:`phalanx.comm.flags`).
 
 Point-to-point operations are recorded on their own channel (group :data:`P2P`, a counter of
-their own, see :mod:`phalanx.comm.work`): they never move the collectives' sequence numbers,
-and the mismatch check does not see them.
+their own, see :func:`p2p` and :mod:`phalanx.comm.work`): they never move the collectives'
+sequence numbers, and the mismatch check does not see them.
 
 :func:`add_record_sink` hands every record, collective or point-to-point, to a tool that keeps
-them all (the ring keeps the last 256): ``phalanx.diagnostics``' timeline registers here.
+them all (the ring keeps the last 256): the timeline's recorder (:mod:`.recorder`) registers
+here.
 """
 
 from __future__ import annotations
 
 import atexit
+import itertools
 import logging
 import threading
 import time
@@ -38,32 +43,31 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx.comm import blame, watchdog
-from phalanx.comm import fingerprint as fpr
-from phalanx.comm.call_ring import read_calls
 from phalanx.comm.call_sites import call_site
 from phalanx.comm.errors import CollectiveError, CollectiveMismatchError
 from phalanx.comm.flags import TrackingFlags
-from phalanx.comm.flight import FlightRecorder, Record
-from phalanx.comm.mismatch_check import Checker, neighbours
-from phalanx.comm.rank_files import Peer, RankFiles, open_rank_files, peers
 from phalanx.comm.signed import SignedStore
-from phalanx.comm.snapshot import parse_progress
-from phalanx.comm.validation import Validator
+from phalanx.diagnostics import blame, watchdog
+from phalanx.diagnostics import fingerprint as fpr
+from phalanx.diagnostics.call_ring import read_calls
+from phalanx.diagnostics.flight import FlightRecorder, Record
+from phalanx.diagnostics.mismatch_check import Checker, neighbours
+from phalanx.diagnostics.rank_files import Peer, RankFiles, open_rank_files, peers
+from phalanx.diagnostics.snapshot import parse_progress
+from phalanx.diagnostics.validation import Validator
 
 __all__ = [
     "P2P",
     "add_record_sink",
     "call_site",
-    "comm_stats",
     "enter",
     "failure",
     "hang_reports",
     "leave",
     "mismatch_found",
+    "p2p",
     "recorder",
     "remove_record_sink",
-    "reset_comm_stats",
     "set_mismatch_check",
     "shape_text",
     "start",
@@ -112,23 +116,7 @@ _T: _Tracker | None = None
 _RECORDER = FlightRecorder()
 _ATEXIT = False
 _RANKS: dict[str, list[int]] = {}
-_CALLS: dict[str, int] = {}
-_BYTES: dict[str, int] = {}
-
-
-def comm_stats() -> dict[str, tuple[int, int]]:
-    """``{op: (calls, bytes)}`` of the collectives this process issued through phalanx.
-
-    Bytes are those of the tensor each call was given (the input of a reduction, the local
-    shard of an all-gather), counted since the last :func:`reset_comm_stats`.
-    """
-    return {op: (n, _BYTES.get(op, 0)) for op, n in _CALLS.items()}
-
-
-def reset_comm_stats() -> None:
-    """Zero the counters of :func:`comm_stats`."""
-    _CALLS.clear()
-    _BYTES.clear()
+_P2P_SEQ = itertools.count(1)  # atomic: a parameter server records from one thread per worker
 
 
 def hang_reports() -> list[str]:
@@ -203,7 +191,8 @@ def start(
     timeout: timedelta,
     flags: TrackingFlags | None = None,
 ) -> None:
-    """Begin tracking for the default group (called by ``init_process_group``).
+    """Begin tracking for the default group (``init_process_group`` calls it, through
+    :mod:`phalanx.comm.watch`).
 
     ``flags`` are the environment's (:func:`~phalanx.comm.flags.tracking_flags`, read before
     rendezvous); None means the defaults.
@@ -277,9 +266,6 @@ def enter(
     Raises:
         CollectiveMismatchError: the always-on check found that the ranks' calls differ.
     """
-    _CALLS[op] = _CALLS.get(op, 0) + 1
-    if tensor is not None:
-        _BYTES[op] = _BYTES.get(op, 0) + tensor.numel() * tensor.element_size()
     t = _T
     if t is None:
         return -1
@@ -314,6 +300,39 @@ def leave(group: dist.ProcessGroup | None, seq: int) -> None:
         _RECORDER.finish(name, seq)
         if t.files is not None:
             t.files.ring.done(name, seq, time.time())
+
+
+class _P2PRecord:
+    """A send's or receive's flight record on the :data:`P2P` channel: its shape and call site
+    taken when it is posted, its record opened when this rank starts to wait for it."""
+
+    def __init__(self, op: str, peer: int, tensor: torch.Tensor | None, idle: bool) -> None:
+        self.op, self.peer, self.idle = op, peer, idle
+        self.shape = shape_text(tensor)
+        self.site = call_site()  # where it was posted, not waited for
+        self.seq: int | None = None
+
+    def open(self) -> None:
+        """Start the record (tracking stopped since the post: nothing)."""
+        if _T is None:
+            return
+        self.seq = next(_P2P_SEQ)
+        _RECORDER.start(
+            P2P, self.seq, self.op, self.shape, self.site, peer=self.peer, idle=self.idle
+        )
+
+    def close(self) -> None:
+        """Complete the record."""
+        if self.seq is not None and _T is not None:
+            _RECORDER.finish(P2P, self.seq)
+
+
+def p2p(op: str, peer: int, tensor: torch.Tensor | None, idle: bool) -> _P2PRecord | None:
+    """The record of a send or receive posted now (None while tracking is off: nothing to pay).
+
+    ``idle``: a wait that may legitimately be long, recorded but never reported as a hang.
+    """
+    return None if _T is None else _P2PRecord(op, peer, tensor, idle)
 
 
 def add_record_sink(sink: Callable[[Record], None]) -> None:

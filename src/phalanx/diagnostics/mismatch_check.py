@@ -1,13 +1,13 @@
 """The always-on mismatch check: ranks compare their recent collective calls in the background.
 
-:func:`~phalanx.comm.tracking.enter` folds each call's signature (op, shape and dtype, reduce
+:func:`~phalanx.diagnostics.tracking.enter` folds each call's signature (op, shape and dtype, reduce
 op, root) into a rolling CRC per group (:meth:`Checker.note`, well under a microsecond). The
 progress thread publishes, with its progress snapshot, per group ``[seq, last op, CRC at seq,
 window]``, the window being the last ``WINDOW`` calls ``[seq, crc, op, shape, args, site]``.
 Every tick (0.5 s) each rank reads the snapshots of its neighbours in each group (the ranks
 before and after it) and compares the positions both hold: equal CRCs mean equal signature
 sequences up to there; the windows name the first wrongly paired call
-(:func:`~phalanx.comm.pairing.first_mismatch`).
+(:func:`~phalanx.diagnostics.pairing.first_mismatch`).
 
 A signature mismatch is logged at once, published under ``mismatch`` (the first finding wins;
 every rank reads it each tick, so non-neighbours learn it too) and raised as
@@ -32,9 +32,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from phalanx.comm.flight import FlightRecorder, Record
-from phalanx.comm.pairing import Divergence, first_mismatch
 from phalanx.comm.signed import SignedStore
+from phalanx.diagnostics.flight import FlightRecorder, Record
+from phalanx.diagnostics.pairing import Divergence, first_mismatch
 
 __all__ = [
     "Checker",

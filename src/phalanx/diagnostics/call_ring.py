@@ -2,10 +2,10 @@
 
 When gloo aborts a rank (SIGABRT on a shape mismatch) the survivors must say which collective
 it died in; its progress in the store is up to half a second old. :class:`CallRing` writes each
-call into a fixed slot of a small file as :func:`~phalanx.comm.tracking.enter` records it (a
+call into a fixed slot of a small file as :func:`~phalanx.diagnostics.tracking.enter` records it (a
 slice assignment into an ``mmap``, about a microsecond), and marks it done when it completes;
 :func:`read_calls` turns the file of a live, stuck or dead rank on the same host back into
-:class:`~phalanx.comm.flight.Record` s.
+:class:`~phalanx.diagnostics.flight.Record` s.
 
 Slot layout: one state byte (``E`` entered, ``D`` done, 0 being written), the end time as a
 float64, then ``n \\t group \\t seq \\t op \\t shape \\t args \\t start \\t site`` in UTF-8, NUL
@@ -20,7 +20,7 @@ import os
 import struct
 from pathlib import Path
 
-from phalanx.comm.flight import Record
+from phalanx.diagnostics.flight import Record
 
 __all__ = ["CallRing", "read_calls"]
 

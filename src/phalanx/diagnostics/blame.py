@@ -24,9 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from phalanx.comm.errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
-from phalanx.comm.flight import Record
-from phalanx.comm.pairing import Divergence, first_mismatch
-from phalanx.comm.rank_files import Peer
+from phalanx.diagnostics.flight import Record
+from phalanx.diagnostics.pairing import Divergence, first_mismatch
+from phalanx.diagnostics.rank_files import Peer
 
 __all__ = [
     "Account",
@@ -198,8 +198,9 @@ def _observe(
 
 
 def _user_frames(stack: list[str], keep: int = 8) -> list[str]:
-    """The frames outside torch and phalanx.comm (faulthandler order: most recent first)."""
-    inner = ("/torch/", "phalanx/comm/", "/multiprocessing/")
+    """The frames outside torch, phalanx.comm and phalanx.diagnostics (faulthandler order: most
+    recent first)."""
+    inner = ("/torch/", "phalanx/comm/", "phalanx/diagnostics/", "/multiprocessing/")
     return [ln for ln in stack if not any(x in ln for x in inner)][:keep] or stack[:keep]
 
 

@@ -7,12 +7,11 @@ rule of :mod:`.pairing`, which needs the next call too.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from phalanx.comm.flight import Record
+from phalanx.diagnostics.flight import Record
 
 __all__ = ["args_text", "as_record", "describe", "make", "mismatch", "mismatch_message"]
 
@@ -32,9 +31,7 @@ def args_text(reduce_op: Any, root: int | None) -> str:
 
 
 def as_record(fp: dict[str, Any]) -> Record:
-    """The fingerprint as a flight record (for :func:`~phalanx.comm.pairing.first_mismatch`)."""
-    from phalanx.comm.flight import Record
-
+    """The fingerprint as a flight record (for :func:`.pairing.first_mismatch`)."""
     shape = "-"
     if fp.get("dtype") is not None:
         dims = "[*]" if fp.get("shape") is None else str(fp["shape"])

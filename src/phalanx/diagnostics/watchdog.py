@@ -12,8 +12,8 @@ reads the silent ranks' files on its host (:mod:`.rank_files`: a faulthandler st
 ring, whether the process lives; for another machine none of whose ranks answered, that the
 network link to it may be down), builds the report (:mod:`.hang_report`) and publishes it;
 every rank prints exactly that text to stderr while the job is still alive (so the launcher
-shows it too). A stuck send or receive (:mod:`.p2p` says which waits are watched) names its
-peer. A rank builds the report itself only if the opener's never comes. With
+shows it too). A stuck send or receive (:mod:`phalanx.comm.p2p` says which waits are watched)
+names its peer. A rank builds the report itself only if the opener's never comes. With
 ``PHALANX_DUMP_DIR`` each rank also writes its flight record there for ``phalanx diagnose DIR``.
 """
 
@@ -29,10 +29,10 @@ from dataclasses import asdict
 from typing import Any
 
 from phalanx.comm.flags import hang_timeout
-from phalanx.comm.flight import FlightRecorder, Record
-from phalanx.comm.hang_report import Answer, Incident, Silent, build_report
-from phalanx.comm.rank_files import Peer, peers
 from phalanx.comm.signed import SignedStore, as_record
+from phalanx.diagnostics.flight import FlightRecorder, Record
+from phalanx.diagnostics.hang_report import Answer, Incident, Silent, build_report
+from phalanx.diagnostics.rank_files import Peer, peers
 
 __all__ = ["Watchdog", "dump_on_failure"]
 
@@ -126,7 +126,7 @@ def silent_rank(rank: int, peer: Peer | None) -> Silent:
 class Watchdog:
     """One rank's hang detector and report writer.
 
-    Store keys (signed, see :mod:`.signed`): ``hang/incident/<n>`` the incident,
+    Store keys (signed, see :mod:`phalanx.comm.signed`): ``hang/incident/<n>`` the incident,
     ``hang/answer/<n>/<r>`` each rank's answer, ``hang/report/<n>`` the published text.
     """
 

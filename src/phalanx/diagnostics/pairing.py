@@ -15,25 +15,21 @@ rank reaches by another path. Only the shift to the other rank's *next* call mar
 a skip is named when the next collective shows it (``PHALANX_CALL_SITES=0`` turns the site
 rule off). A position some ranks have not reached yet is never wrong: ranks at different
 steps have not diverged.
+
+:func:`first_divergence` lines up several ranks' flight records (:mod:`.flight`) by group and
+sequence number and applies the rule to each group: what ``phalanx diagnose`` and the hang
+report name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from phalanx.comm.flags import env_flag
+from phalanx.comm.flags import sites_compared
+from phalanx.diagnostics.flight import Record
 
-if TYPE_CHECKING:
-    from phalanx.comm.flight import Record
-
-__all__ = ["Divergence", "first_mismatch", "sites_compared"]
-
-
-def sites_compared() -> bool:
-    """``PHALANX_CALL_SITES`` (default 1): 0 turns the skipped-collective rule off."""
-    return env_flag("PHALANX_CALL_SITES", True)
+__all__ = ["Divergence", "first_divergence", "first_mismatch"]
 
 
 def signature(rec: Record) -> tuple[str, str, str]:
@@ -134,3 +130,24 @@ def first_mismatch(
                 following = {r: n for r, n in nxt.items() if r not in ahead and n is not None}
                 return Divergence(group, seq, at, ahead, following)
     return None
+
+
+def first_divergence(records: Mapping[int, Sequence[Record]]) -> Divergence | None:
+    """The first collective the ranks paired wrongly (:func:`first_mismatch` per group); else None.
+
+    Only positions every rank still holds are compared (a ring forgets its oldest records,
+    and a rank at an earlier step has not reached the later ones). Among groups, the
+    divergence that started earliest in time is returned. Point-to-point records are left
+    out: a send and its receive differ by design.
+    """
+    sites = sites_compared()
+    records = {rank: [r for r in recs if r.peer is None] for rank, recs in records.items()}
+    found: list[tuple[float, Divergence]] = []
+    for group in sorted({r.group for recs in records.values() for r in recs}):
+        calls = {
+            rank: {r.seq: r for r in recs if r.group == group} for rank, recs in records.items()
+        }
+        div = first_mismatch(calls, group, sites)
+        if div is not None:
+            found.append((min(r.start for r in div.issued.values()), div))
+    return min(found, key=lambda f: f[0])[1] if found else None

@@ -15,8 +15,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from phalanx.comm.flight import Record, load_dump
-from phalanx.comm.torch_flight import (
+from phalanx.diagnostics.flight import Record, load_dump
+from phalanx.diagnostics.torch_flight import (
     TorchDump,
     looks_like_torch_dump,
     merge_sites,
