@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 NOEXTRAS := .venv-noextras
 SRC := $(shell find src/phalanx -type f -not -path '*/__pycache__/*')
 
-.PHONY: demo test pytest lint install smoke-noextras docs clean
+.PHONY: demo test test-all pytest lint install smoke-noextras docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -60,14 +60,22 @@ smoke-noextras: $(NOEXTRAS)/.installed
 # one process.
 PYTEST_WORKERS ?= 3
 
+# `make test` leaves out the tests marked `extended` (another size or variant of a path a test it
+# runs walks already, or a benchmark's smoke run: docs/testing.md lists them); `make test-all`
+# runs every test.
+PYTEST_MARK ?= not extended
+
 # lint (ruff, mypy) and the no-extras smoke (its own venv, then a 2-rank job) run beside pytest:
 # each is mostly one process, and pytest leaves a core idle much of the time. Each target's
 # output comes out whole when it ends.
 test: $(STAMP)
 	$(MAKE) --no-print-directory -j3 --output-sync=target lint smoke-noextras pytest
 
+test-all: $(STAMP)
+	$(MAKE) --no-print-directory test PYTEST_MARK=
+
 pytest: $(STAMP)
-	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile
+	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(if $(PYTEST_MARK),-m "$(PYTEST_MARK)")
 
 clean:
 	rm -rf $(VENV) $(NOEXTRAS) build dist site src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
