@@ -66,7 +66,7 @@ class _Marks:
         self.seen.append(("relabel", name))
 
     def loss(self, value: torch.Tensor) -> None:
-        self.seen.append(("loss", float(value)))
+        self.seen.append(("loss", float(value.detach())))
 
     def stepping(self, step: int) -> None:
         self.seen.append(("stepping", step))

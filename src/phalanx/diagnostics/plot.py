@@ -43,16 +43,20 @@ def plot_critical_path(path: CriticalPath, out: str | os.PathLike[str], title: s
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(width, 7), sharex=True)
     by_phase, by_rank = _stacks(path)
     _stack(top, xs, by_phase, lambda k: PHASE_COLOURS.get(k, "#999999"), lambda k: k)
-    for s in steps:
-        total = sum(v for v in s.path.values())
+    totals = [1e3 * sum(s.path.values()) for s in steps]
+    cap = _cap(totals)
+    for s, total in zip(steps, totals):
         label = f"r{s.rank}\n{s.phase[:4]}"
-        top.annotate(label, (s.step, 1e3 * total), ha="center", va="bottom", fontsize=7)
+        if total > cap:  # a set-up step off the scale: its bar is cut, its height written
+            label += f"\n{total:.0f} ms"
+        top.annotate(label, (s.step, min(total, cap)), ha="center", va="bottom", fontsize=7)
     top.set_ylabel("ms on the critical path\n(by phase)")
-    top.set_ylim(0, 1.2 * top.get_ylim()[1])  # room for the labels
+    top.set_ylim(0, 1.3 * min(cap, max(totals, default=1.0)))  # room for the labels
     top.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     cmap = plt.get_cmap("tab10")
     _stack(bottom, xs, by_rank, lambda k: cmap(int(k) % 10), lambda k: f"rank {k}")
     bottom.plot(xs, [1e3 * s.others_waited for s in steps], "k.-", lw=1, label="others waited")
+    bottom.set_ylim(0, 1.15 * min(cap, max(totals, default=1.0)))
     bottom.set_ylabel("ms on the critical path\n(by rank)")
     bottom.set_xlabel("step")
     bottom.xaxis.get_major_locator().set_params(integer=True)
@@ -61,6 +65,15 @@ def plot_critical_path(path: CriticalPath, out: str | os.PathLike[str], title: s
     fig.tight_layout()
     fig.savefig(os.fspath(out), dpi=110)
     plt.close(fig)
+
+
+def _cap(totals: list[float]) -> float:
+    """The height the axes show: all of it, unless a few steps (set-up in step 1, a checkpoint)
+    are over 5 times the median step, which would flatten the rest: then 3 times the median."""
+    if len(totals) < 4:
+        return max(totals, default=1.0)
+    median = sorted(totals)[len(totals) // 2]
+    return 3 * median if max(totals) > 5 * median > 0 else max(totals)
 
 
 def _stacks(path: CriticalPath) -> tuple[dict[str, list[float]], dict[str, list[float]]]:

@@ -32,13 +32,41 @@ import torch
 from phalanx.comm.group import World
 
 if TYPE_CHECKING:
-    from phalanx.train.job import Job
+    from pathlib import Path
 
-__all__ = ["PROVIDERS", "JobObserver", "JobView", "register", "start", "unregister"]
+    from torch import nn
+
+    from phalanx.train.job_checkpoint import Checkpoints
+    from phalanx.train.strategies.base import Runner, Strategy
+
+__all__ = [
+    "PROVIDERS",
+    "JobObserver",
+    "JobView",
+    "ObservedJob",
+    "register",
+    "start",
+    "unregister",
+]
 
 PROVIDERS = ("phalanx.diagnostics.job_timeline", "phalanx.diagnostics.verify.probe")
 """Modules that register phalanx's own observers when imported (the timeline recorder, the
 probe of ``phalanx verify``)."""
+
+
+class ObservedJob(Protocol):
+    """What a tool may read of the job it observes (a ``phalanx.Job``)."""
+
+    @property
+    def world(self) -> World: ...
+
+    strategy: Strategy
+    runner: Runner
+    model: nn.Module | None
+    optimizer: torch.optim.Optimizer | None
+    checkpoints: Checkpoints
+
+    def save(self, *, async_: bool = True, **extra: object) -> Path: ...
 
 
 @dataclass(frozen=True)
@@ -55,7 +83,7 @@ class JobView:
     must not communicate at all, not even when it is made."""
     timeline_dir: str | None
     """``Job(timeline_dir=...)`` (None: not given; ``PHALANX_TIMELINE_DIR`` may still ask)."""
-    job: Job | None = None
+    job: ObservedJob | None = None
     """The job itself, for a tool that reads its state (``phalanx verify``'s probe reads the
     model, optimizer and gradients through ``job.runner``); None where a test makes a view."""
 

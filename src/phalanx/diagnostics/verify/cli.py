@@ -54,6 +54,8 @@ ROUNDING_FLOOR = 1e-6
 pair whose twin happened to round identically still allows what reordering does."""
 
 MODES = ("resume", "strategy", "world")
+CHECKED = ("checked", "saved", "resumed")
+"""The runs a verification checks against the reference (a resume's two halves)."""
 
 
 @dataclass(frozen=True)
@@ -87,11 +89,14 @@ def _plan(args: argparse.Namespace, root: Path) -> tuple[list[Planned], str, flo
     """The runs of ``args.mode`` (reference, twin, checked...), the title and the floor."""
     n, steps = args.nproc_per_node, str(args.steps)
 
+    checked_env = dict(args.checked_env)
+
     def env(name: str, **extra: str) -> dict[str, str]:
         # Each run checkpoints into a folder of its own (never the script's, which would
         # resume one run from another's checkpoint), except the two halves of a resume.
         fresh = {probe.ENV_CHECKPOINTS: str(root / name / "checkpoints")}
-        return {probe.ENV_DIR: str(root / name), probe.ENV_STEPS: steps, **fresh, **extra}
+        own = checked_env if name in CHECKED else {}
+        return {probe.ENV_DIR: str(root / name), probe.ENV_STEPS: steps, **fresh, **own, **extra}
 
     if args.mode == "resume":
         at = args.at if args.at is not None else max(1, args.steps // 2)
@@ -158,7 +163,7 @@ def verify(args: argparse.Namespace, root: Path, say: object = print) -> Verific
         say(f"phalanx verify: {run.name} run ({run.nproc} ranks)")  # type: ignore[operator]
         _launch(run, script, root, args.timeout)
     read = {run.name: Run.read(root / run.name) for run in runs}
-    checked = [read[name] for name in ("checked", "saved", "resumed") if name in read]
+    checked = [read[name] for name in CHECKED if name in read]
     reports, found = compare(read["reference"], read["twin"], checked, floor, args.factor)
     return Verification(args.mode, title, reports, found)
 
@@ -199,10 +204,26 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--keep", help="keep the runs' records in this folder (default: a temp one)")
     p.add_argument("--json", help="also write the result as JSON to this file")
     p.add_argument("--plot", help="draw each step's difference and bound into this PNG")
+    p.add_argument(
+        "--checked-env",
+        action="append",
+        default=[],
+        type=_assignment,
+        metavar="KEY=VALUE",
+        help="an environment variable of the checked run(s) only (repeatable): what to verify "
+        "a setting against the reference without it",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     p.add_argument("script", help="the training script (it makes a phalanx.Job)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     return p
+
+
+def _assignment(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"--checked-env {text!r} is not KEY=VALUE")
+    return key.strip(), value
 
 
 def _check(args: argparse.Namespace) -> None:

@@ -204,11 +204,13 @@ def compare(
 
     ``others`` are the runs a verification checks (one, or the two halves of a resume: each
     covers its own steps). A step that ``reference`` has and no other run has is not compared.
+    Every step is reported, those after the first divergence too (how it grows).
     """
     named = next((run.names for run in (reference, twin, *others) if run.names), [])
     for run in (reference, twin, *others):  # ZeRO or a Mesh rebuilds the optimizer: by place
         run.names = named
     reports: list[StepReport] = []
+    found: Divergence | None = None
     envelope = 0.0
     twin_steps = set(twin.steps())
     for step in reference.steps():
@@ -226,10 +228,9 @@ def compare(
         worst, largest = max(diffs, key=lambda nd: nd[1], default=("", 0.0))
         reports.append(StepReport(step, largest, worst, envelope, bound))
         first = next(((n, d) for n, d in diffs if d > bound), None)
-        if first is not None:
+        if first is not None and found is None:
             name, gap = first
             found = Divergence(
                 step, name, gap, bound, _summary(ref.get(name)), _summary(got.get(name))
             )
-            return reports, found
-    return reports, None
+    return reports, found

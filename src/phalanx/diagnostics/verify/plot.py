@@ -44,15 +44,26 @@ def plot_divergence(result: Verification, out: str | os.PathLike[str]) -> None:
     ax.scatter(steps, diffs, c=colours, zorder=3, label="largest difference")
     d = result.divergence
     if d is not None:
+        right = d.step > (steps[0] + steps[-1]) / 2 if steps else False
         ax.annotate(
-            f"step {d.step}: {d.name}",
+            f"first divergence: step {d.step}, {d.name}",
             (d.step, max(d.difference, TINY)),
-            xytext=(8, -14),
+            xytext=(-8 if right else 8, -14),
             textcoords="offset points",
+            ha="right" if right else "left",
             fontsize=8,
             color="#d62728",
         )
     ax.set_yscale("log")
+    ax.text(
+        0.99,
+        0.01,
+        "0 is drawn at 1e-12",
+        transform=ax.transAxes,
+        ha="right",
+        fontsize=7,
+        color="#777777",
+    )
     ax.set_xlabel("step")
     ax.set_ylabel("relative difference (max |a-b| / max |a|)")
     ax.set_title(f"phalanx verify --mode {result.mode}: {result.title}", fontsize=10)

@@ -35,16 +35,13 @@ import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from phalanx.train import observers
-from phalanx.train.observers import JobView
-
-if TYPE_CHECKING:
-    from phalanx.train.job import Job
+from phalanx.train.observers import JobView, ObservedJob
 
 __all__ = [
     "ENV_CHECKPOINTS",
@@ -102,7 +99,7 @@ class VerifyProbe:
 
     def __init__(
         self,
-        job: Job,
+        job: ObservedJob,
         directory: str,
         steps: int | None = None,
         save_at: int | None = None,

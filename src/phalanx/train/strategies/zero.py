@@ -21,6 +21,7 @@ from torch import nn
 
 from phalanx._check import FLAG, check_choice, check_float, check_int, rule
 from phalanx.comm.group import World
+from phalanx.data_parallel.module_state import broadcast_coalesced
 from phalanx.sharding.hybrid import SHARD_CHOICES, HybridGroups, make_hybrid_groups
 from phalanx.train.grad_scaler import GradShards
 from phalanx.train.strategies.base import JobOptions, Runner, Strategy, SyncOwner, check_fields
@@ -90,6 +91,8 @@ class Zero(Strategy):
 
     def wrap(self, model: nn.Module, world: World, hybrid: HybridGroups | None = None) -> nn.Module:
         if self.stage < 3:
+            if world.world_size > 1:
+                sync_buffers(model, now=self.init_sync)
             return model
         from phalanx.sharding.zero3 import FullyShardedDataParallel
 
@@ -186,3 +189,21 @@ class ZeroRunner(Runner):
         self, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> torch.optim.Optimizer:
         return self.zero.shard_optimizer(model, optimizer, self.world, self.hybrid)
+
+
+def sync_buffers(model: nn.Module, now: bool) -> None:
+    """Keep ``model``'s buffers rank 0's, as DDP does for the same model: broadcast them now
+    (with ``now``: ``init_sync``) and before each forward that records gradients (batch-norm
+    statistics then stay equal, and a checkpoint's buffers are every rank's). Stages 1 and 2
+    leave the model unwrapped (their optimizer broadcasts the parameters), so a forward
+    pre-hook does it; the default group at each call is the whole job's."""
+    if not any(True for _ in model.buffers()):
+        return
+    if now:
+        broadcast_coalesced([b.detach() for b in model.buffers()], 0, None)
+
+    def before_forward(module: nn.Module, args: object) -> None:
+        if torch.is_grad_enabled():
+            broadcast_coalesced([b.detach() for b in module.buffers()], 0, None)
+
+    model.register_forward_pre_hook(before_forward)
