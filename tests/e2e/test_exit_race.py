@@ -58,6 +58,7 @@ def test_a_real_crash_after_training_is_still_the_jobs_failure(
     reason="Python 3.14 parks a thread that wants the GIL during finalization instead of "
     "ending it, so gloo's thread can no longer abort the process",
 )
+@pytest.mark.extended  # a canary for torch's own race, not a check of phalanx
 def test_without_the_guard_the_same_script_dies_of_the_race(tmp_path: Path) -> None:
     """The script really hits torch's race: with the guard off, rank 0 dies with SIGABRT
     after its script ended. (Should a later torch fix the race, this test says so.)"""

@@ -21,7 +21,11 @@ pytestmark = pytest.mark.netns
 SCRIPT = str(SCRIPTS / "train_digest.py")
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+@pytest.mark.parametrize(
+    "strategy",
+    # ZeRO across hosts in make test: test_hybrid_shard.py (hybrid ZeRO-3 against one host)
+    ["ddp", pytest.param("zero3", marks=pytest.mark.extended)],
+)
 def test_two_hosts_train_as_one(three_hosts: Hosts, tmp_path: Path, strategy: str) -> None:
     spread, alone = tmp_path / "spread.json", tmp_path / "alone.json"
     common = ["--nproc-per-node", "2", "--backend", "gloo", "--rdzv-timeout", "60"]
