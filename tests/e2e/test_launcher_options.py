@@ -89,6 +89,23 @@ def test_role_virtual_local_rank_local_addr_and_events() -> None:
     assert {e["metadata"]["role"] for e in events} == {"trainer"}
 
 
+def test_bind_cores_pins_each_worker_to_its_own_cores_with_as_many_threads() -> None:
+    out, err = run_ok([*LAUNCH, "--bind-cores", str(SCRIPTS / "show_cores.py")])
+    seen = [
+        json.loads(line.split("CORES ", 1)[1]) for line in out.splitlines() if "CORES {" in line
+    ]
+    mine = sorted(os.sched_getaffinity(0))
+    first, second = (s["cores"] for s in sorted(seen, key=lambda s: s["rank"]))
+    if len(mine) >= 2:  # each its own: disjoint, every core used
+        assert not set(first) & set(second) and sorted(first + second) == mine
+    else:
+        assert first == second == mine
+    for s in seen:
+        assert s["omp"] == str(len(s["cores"])) and s["torch_threads"] == len(s["cores"]), s
+        assert not s["bind_env_left"]  # the worker site read it and took it away
+    assert "--bind-cores: each worker pinned to its cores, local rank 0 on" in err
+
+
 def test_local_addr_of_another_machine_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--local-addr", "198.51.100.7", "x.py"]) == 1
     assert "--local-addr 198.51.100.7 is not an address of this machine" in capsys.readouterr().err

@@ -144,13 +144,18 @@ def _check_gpus(
     ns: argparse.Namespace, nproc: int, environ: Mapping[str, str], probe: DeviceProbe
 ) -> None:
     """--numa-binding and --virtual-local-rank map local rank i to GPU i: check there is one."""
+    if ns.numa_binding is not None and ns.bind_cores:
+        raise ArgsError(
+            f"--bind-cores and --numa-binding {ns.numa_binding} both bind the workers: pick one "
+            f"(--numa-binding for GPU workers, --bind-cores for CPU workers)"
+        )
     if ns.numa_binding is not None:
         gpus = probe("gpu")
         if not gpus or gpus < nproc:
             raise ArgsError(
                 f"--numa-binding {ns.numa_binding} binds local rank i to the CPUs near GPU i, "
                 f"but this machine has {gpus or 0} CUDA device(s) for {nproc} workers; drop "
-                f"--numa-binding"
+                f"--numa-binding (--bind-cores pins CPU workers to cores of their own)"
             )
         if shutil.which("numactl") is None:
             raise ArgsError(f"--numa-binding {ns.numa_binding} needs the numactl command")
@@ -223,6 +228,7 @@ def parse_args(
         local_addr=ns.local_addr or None,
         numa_binding=ns.numa_binding,
         virtual_local_rank=ns.virtual_local_rank,
+        bind_cores=ns.bind_cores,
         start_method=ns.start_method,
         event_log_handler=ns.event_log_handler,
         logs=_logs(ns, nproc, environ),

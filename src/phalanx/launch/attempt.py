@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from phalanx.comm.backends import MIN_LOCAL_ENV
 from phalanx.comm.netif import gloo_interface as pinned_interface
 from phalanx.launch.config import LaunchConfig
+from phalanx.launch.cores import BIND_ENV, available_cores, core_blocks
 from phalanx.launch.logs import AttemptLogs, RunLogs
 from phalanx.launch.nproc import probe_devices
 from phalanx.launch.output import console_env
@@ -85,6 +86,11 @@ def worker_specs(
     # the fewest (comm.backends.auto_backend), which no single node's variables tell.
     fewest = {MIN_LOCAL_ENV: str(rdzv.fewest_local)}
     envs = [{**worker_env(base, place, job), **fewest} for place in places]
+    if cfg.bind_cores:
+        for env, block in zip(envs, core_blocks(available_cores(), cfg.nproc_per_node)):
+            env[BIND_ENV] = ",".join(map(str, block))
+            if "OMP_NUM_THREADS" not in base:
+                env["OMP_NUM_THREADS"] = str(len(block))
     plan = logs.attempt(rdzv.run_id, rdzv.generation, envs)
     template = cfg.logs.prefix_template
     prefixes = [line_prefix(template, cfg.role, p.rank, p.local_rank) for p in places]

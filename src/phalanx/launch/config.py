@@ -142,6 +142,8 @@ class LaunchConfig:
     numa_binding: str | None = None
     """torchrun's ``--numa-binding`` mode, applied per local rank's GPU."""
     virtual_local_rank: bool = False
+    bind_cores: bool = False
+    """``--bind-cores``: each worker pinned to a block of the node's cores (:mod:`.cores`)."""
     """LOCAL_RANK=0 for every worker, each seeing only its own GPU (CUDA_VISIBLE_DEVICES)."""
     start_method: str = "spawn"
     """torchrun's ``--start-method`` (phalanx starts every worker as a fresh process)."""

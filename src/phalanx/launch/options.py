@@ -158,7 +158,13 @@ def build_parser(environ: Mapping[str, str]) -> _Parser:
         default=None,
         pet=False,
         help="node|socket|exclusive|core-complex: bind each worker to the CPUs near its GPU "
-        "(torch's binding via numactl; needs CUDA)",
+        "(torch's binding via numactl; needs CUDA; CPU workers: --bind-cores)",
+    )
+    w.flag(
+        "--bind-cores",
+        "--bind_cores",
+        help="phalanx: pin each worker to cores of its own (the node's cores split evenly over "
+        "its workers), OMP_NUM_THREADS to match; the CPU counterpart of --numa-binding",
     )
     w.flag(
         "--virtual-local-rank",

@@ -12,6 +12,7 @@ from typing import Any
 from phalanx.comm.auth import SECRET_ENV
 from phalanx.comm.netif import interface_owning
 from phalanx.launch.args import ArgsError, LaunchConfig, notes, parse_args
+from phalanx.launch.cores import available_cores, core_blocks, describe
 from phalanx.launch.logs import load_logs_specs
 from phalanx.launch.output import CONSOLE
 from phalanx.launch.preflight import PreflightError, resolve_host, wait_for_master
@@ -97,7 +98,17 @@ def _check_local(cfg: LaunchConfig) -> None:
 def _say_defaults(cfg: LaunchConfig) -> None:
     for note in notes(cfg):
         _log(f"warning: {note}")
-    if cfg.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
+    if cfg.bind_cores:
+        cores = available_cores()
+        blocks = core_blocks(cores, cfg.nproc_per_node)
+        threads = "" if "OMP_NUM_THREADS" in os.environ else ", OMP_NUM_THREADS = its core count"
+        _log(f"--bind-cores: each worker pinned to its cores, {describe(blocks)}{threads}")
+        if len(cores) < cfg.nproc_per_node:
+            _log(
+                f"warning: --bind-cores: {cfg.nproc_per_node} workers on {len(cores)} core(s): "
+                f"workers share cores"
+            )
+    elif cfg.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
         _log(
             f"OMP_NUM_THREADS=1 for each of the {cfg.nproc_per_node} workers, as torchrun sets "
             f"it; set OMP_NUM_THREADS to give each worker more threads"

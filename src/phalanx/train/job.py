@@ -52,6 +52,7 @@ from phalanx.train.loop_helpers import (
 )
 from phalanx.train.lr_schedule import check_schedule
 from phalanx.train.metrics import MetricsLogger
+from phalanx.train.nonfinite import NonFiniteGuard
 from phalanx.train.observers import JobView
 from phalanx.train.precision import Precision
 from phalanx.train.preemption import EXIT_STATUS, Preemption
@@ -111,6 +112,11 @@ class Job(JobReports):
         save_on_sigterm: With a ``checkpoint_dir``, a SIGTERM (a scheduler's preemption) makes
             the ranks agree on a step, save it and exit with status 143
             (:mod:`phalanx.train.preemption`); False keeps SIGTERM's default action.
+        skip_nonfinite: Before each optimizer step, check every rank's gradients for inf and
+            NaN and skip the step on every rank when any holds one, saying so
+            (:mod:`phalanx.train.nonfinite`; bf16 and fp32: fp16's scaler does it already).
+            Off by default: it costs a pass over the gradients and one small all-reduce per
+            step.
     """
 
     @check_job_args
@@ -132,6 +138,7 @@ class Job(JobReports):
         straggler_rule: StragglerRule | None = None,
         recovery: str | None = None,
         save_on_sigterm: bool = True,
+        skip_nonfinite: bool = False,
     ) -> None:
         # A preset's own errors and live recovery's rules come before any process group.
         joined = job_start.start(recovery, overridden(resolve(strategy)), grad_accum, backend)
@@ -191,6 +198,8 @@ class Job(JobReports):
         self.profiler = profile(profile_dir)
         catch = save_on_sigterm and checkpoint_dir is not None and self.strategy.lockstep
         self.preemption = Preemption(world, catch and self.checkpoints.policy.preemptible)
+        self.nonfinite = self._nonfinite_guard(skip_nonfinite, live)
+        """The non-finite step guard (``skip_nonfinite=True``; None: off)."""
         """SIGTERM caught as a preemption (:mod:`phalanx.train.preemption`)."""
         self._closed = False
         self.model: nn.Module | None = None
@@ -485,7 +494,8 @@ class Job(JobReports):
                 as ``job.optimizer``). Pass one only when the job was given none.
 
         Returns:
-            True when the optimizer stepped.
+            True when the optimizer stepped (False within an accumulation window, and for a
+            step that ``skip_nonfinite`` skipped).
         """
         opt = optimizer or self.optimizer
         # Micro-steps done in this window; back to 0 ends it (so does the epoch's last batch).
@@ -501,7 +511,8 @@ class Job(JobReports):
             self.slowdown.end(self.step_count)
         self.timing.stepping(self.step_count + 1)
         # Parameter servers step the optimizer (and scheduler) on the servers: False.
-        stepped = self.runner.step(opt, self.precision)
+        skipped = self._nonfinite_skipped(opt)
+        stepped = False if skipped else self.runner.step(opt, self.precision)
         if stepped is None:
             return False  # a live job's failed step: redone
         if stepped and self.schedule == "step" and self.scheduler is not None:
@@ -511,7 +522,32 @@ class Job(JobReports):
             return False  # a live ZeRO job lost a member here and rolled this step back
         self.timing.end_step(self.step_count, self.metrics)
         self.preemption.reached(self.step_count)  # the stop comes before the next batch
-        return True
+        return not skipped
+
+    def _nonfinite_guard(self, on: bool, live: bool) -> NonFiniteGuard | None:
+        if not on:
+            return None
+        why = None
+        if self.precision.scaler is not None:
+            why = "fp16's loss scaler already skips steps with non-finite gradients"
+        elif live:
+            why = "live recovery changes the ranks the guard agrees over"
+        elif not self.strategy.lockstep:
+            why = f"the ranks of {self.strategy.name!r} do not step together"
+        if why is not None:
+            if self.owns_group:
+                pg.destroy_process_group()
+            raise ValueError(f"Job(skip_nonfinite=True): {why}; leave skip_nonfinite off")
+        return NonFiniteGuard(self.world)
+
+    def _nonfinite_skipped(self, opt: torch.optim.Optimizer | None) -> bool:
+        """With the guard on: True (and the gradients dropped) when a rank's hold inf/NaN."""
+        if self.nonfinite is None or opt is None:
+            return False
+        bad = self.nonfinite.bad_ranks(opt, self.runner.grad_shards(opt))
+        if bad:
+            self.nonfinite.skip(opt, self.step_count + 1, bad)
+        return bool(bad)
 
     def _stop_preempted(self) -> NoReturn:
         """SIGTERM, the agreed step done: commit its checkpoint (unless the loop saved it

@@ -77,6 +77,7 @@ check_job_args = checked(
     straggler_rule=optional(_straggler_rule),
     recovery=optional(rule(check_choice, choices=("live", "live-exact", "restart"))),
     save_on_sigterm=rule(check_bool),
+    skip_nonfinite=rule(check_bool),
 )
 """Decorates ``Job.__init__``: every argument the caller passed, checked by its row."""
 

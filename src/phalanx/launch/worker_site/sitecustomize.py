@@ -23,6 +23,9 @@ ACCELERATE_NOTE = (
     "yourself to decide\n"
 )
 """What rank 0 says, once, when it sets ACCELERATE_USE_CPU."""
+BIND_ENV = "PHALANX_BIND_CORES"
+"""Set by ``phalanx run --bind-cores`` to this worker's cores (``0,1``): it pins itself to them
+(:mod:`phalanx.launch.cores` plans them)."""
 
 
 class AccelerateOnCpu:
@@ -48,6 +51,17 @@ class AccelerateOnCpu:
 def _watch_accelerate() -> None:
     if os.environ.pop(ACCELERATE_ENV, None) == "1":
         sys.meta_path.insert(0, AccelerateOnCpu())
+
+
+def _bind_cores() -> None:
+    """Pin this process (and the threads it will start) to the cores in :data:`BIND_ENV`."""
+    text = os.environ.pop(BIND_ENV, None)
+    if text is None:
+        return
+    try:
+        os.sched_setaffinity(0, {int(c) for c in text.split(",")})
+    except (ValueError, OSError) as exc:
+        sys.stderr.write(f"phalanx run: --bind-cores: could not pin to cores {text}: {exc}\n")
 
 
 def _step_aside(here: str) -> None:
@@ -98,6 +112,7 @@ def _main() -> None:
     except Exception as exc:  # the script must run all the same; say once what is missing
         sys.stderr.write(f"phalanx run: the exit guard is not installed in this worker: {exc!r}\n")
     _watch_accelerate()
+    _bind_cores()
     _chain()
 
 
