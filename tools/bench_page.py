@@ -101,6 +101,25 @@ TOPICS = (
         },
     ),
     Topic(
+        "Seeing the whole job: the timeline",
+        "timeline.md",
+        "Timeline of every rank",
+        {
+            "timeline": "4 gloo ranks, 30-60 ms slept in a random rank's random phase: how often "
+            "the critical path names them, the clock alignment's error against a barrier, and "
+            "the recording's cost, A/B interleaved",
+        },
+    ),
+    Topic(
+        "Verify: planted bugs and clean pairs",
+        "verify.md",
+        "Verify two runs",
+        {
+            "plant_and_catch": "phalanx verify on seven planted bugs (resume, strategy and world "
+            "modes) and on clean pairs of every mode",
+        },
+    ),
+    Topic(
         "Recovery from a killed rank",
         "recovery.md",
         "Restarts and live recovery",

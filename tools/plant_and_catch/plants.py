@@ -15,8 +15,8 @@ written against it) would make:
   what a reducer that counts on ``no_sync`` windows loses;
 - ``buffer_not_broadcast``: DDP's start-up broadcast sends the parameters but not the buffers
   (the ranks built their buffers from different seeds);
-- ``zero_shard_order``: ZeRO writes each optimizer-state piece of its shard in reverse element
-  order (it reads back in the right order);
+- ``zero_shard_order``: the job's checkpoints hold each ZeRO optimizer-state piece in reverse
+  element order (read back in the right order, so a resume starts from scrambled state);
 - ``scheduler_twice``: a resume steps the LR scheduler once more after loading it.
 """
 
@@ -100,19 +100,31 @@ def _buffer_not_broadcast() -> None:
         broadcast(self, *args, **kwargs)
 
     DistributedDataParallel._broadcast_state = planted  # type: ignore[method-assign]
+    DistributedDataParallel.will_sync_module_buffers = lambda self: False  # type: ignore[method-assign]
 
 
 def _zero_shard_order() -> None:
     from phalanx.sharding import zero_pieces
+    from phalanx.train.job_checkpoint import Checkpoints
 
-    sharded = zero_pieces.sharded_state
+    sharded, save = zero_pieces.sharded_state, Checkpoints.save
+    saving = [False]  # the job's own checkpoints only (not phalanx verify's snapshots)
 
     def planted(opt: Any, writes: bool = True) -> Any:
         state = sharded(opt, writes)
-        state.pieces[:] = [(p, t.flip(0)) for p, t in state.pieces]
+        if saving[0]:
+            state.pieces[:] = [(p, t.flip(0)) for p, t in state.pieces]
         return state
 
+    def job_save(self: Checkpoints, *args: Any, **kwargs: Any) -> Any:
+        saving[0] = True
+        try:
+            return save(self, *args, **kwargs)
+        finally:
+            saving[0] = False
+
     zero_pieces.sharded_state = planted  # type: ignore[assignment]
+    Checkpoints.save = job_save  # type: ignore[method-assign]
 
 
 def _scheduler_twice() -> None:

@@ -49,10 +49,12 @@ BUGS = {
     "rng_not_restored": Case("resume", expect=("loss", "grad/"), from_resume=True),
     "grad_scale_world4": Case(WORLD.mode, WORLD.flags, WORLD.script_args, expect=("grad/",)),
     "missed_no_sync": Case(STRATEGY.mode, STRATEGY.flags, STRATEGY.script_args, expect=("grad/",)),
-    "buffer_not_broadcast": Case(
-        "strategy", ("--strategy", "ddp", "--against", "ddp"), expect=("model/projection",)
+    "buffer_not_broadcast": Case(  # rank 1 computes with its own buffer: the loss differs first
+        "strategy", ("--strategy", "ddp", "--against", "ddp"), expect=("loss", "model/projection")
     ),
-    "zero_shard_order": Case("resume", env={"PHALANX_STRATEGY": "zero2"}, expect=("optimizer/",)),
+    "zero_shard_order": Case(
+        "resume", env={"PHALANX_STRATEGY": "zero2"}, expect=("optimizer/",), from_resume=True
+    ),
     "scheduler_twice": Case("resume", expect=("optimizer/group0/lr",), from_resume=True),
 }
 CLEAN = {"resume": RESUME, "strategy": STRATEGY, "world": WORLD}

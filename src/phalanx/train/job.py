@@ -78,6 +78,8 @@ class Job(JobReports):
         strategy: A strategy (``phalanx.DDP()``, ``phalanx.Zero(stage=2)``,
             ``phalanx.Mesh(pp=2, micro_batches=4)``, ``phalanx.PS(mode="ssp", staleness=2)``,
             ...) or a preset name ("ddp", "zero2", "pipeline", ...; ``strategy_names()``).
+            ``PHALANX_STRATEGY`` in the environment (a name or a call such as ``Mesh(tp=2)``)
+            replaces it, saying so: how ``phalanx verify`` runs a script under another.
         precision: "fp32", "bf16-mixed" (autocast), "fp16-mixed" (autocast and a gradient
             scaler: ``job.precision.configure_scaler``) or "bf16-true" (the model, its
             gradients and optimizer state in bf16), CPU and GPU alike (``phalanx.precisions``).
@@ -198,9 +200,9 @@ class Job(JobReports):
         self.profiler = profile(profile_dir)
         catch = save_on_sigterm and checkpoint_dir is not None and self.strategy.lockstep
         self.preemption = Preemption(world, catch and self.checkpoints.policy.preemptible)
+        """SIGTERM caught as a preemption (:mod:`phalanx.train.preemption`)."""
         self.nonfinite = self._nonfinite_guard(skip_nonfinite, live)
         """The non-finite step guard (``skip_nonfinite=True``; None: off)."""
-        """SIGTERM caught as a preemption (:mod:`phalanx.train.preemption`)."""
         self._closed = False
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None

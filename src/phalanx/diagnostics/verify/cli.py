@@ -88,7 +88,6 @@ class Verification:
 def _plan(args: argparse.Namespace, root: Path) -> tuple[list[Planned], str, float]:
     """The runs of ``args.mode`` (reference, twin, checked...), the title and the floor."""
     n, steps = args.nproc_per_node, str(args.steps)
-
     checked_env = dict(args.checked_env)
 
     def env(name: str, **extra: str) -> dict[str, str]:
@@ -116,8 +115,9 @@ def _plan(args: argparse.Namespace, root: Path) -> tuple[list[Planned], str, flo
             raise ValueError("--mode strategy needs --strategy NAME (e.g. zero3, 'Mesh(tp=2)')")
         checked = {OVERRIDE_VAR: args.strategy}
         reference = {OVERRIDE_VAR: args.against} if args.against else {}
-        for given in filter(None, (args.strategy, args.against)):
-            parse_strategy(given, "--strategy")
+        for flag, given in (("--strategy", args.strategy), ("--against", args.against)):
+            if given is not None:
+                parse_strategy(given, flag)
         runs = [
             Planned("reference", n, env("reference", **reference)),
             Planned("twin", n, env("twin", **reference, **perturbed)),

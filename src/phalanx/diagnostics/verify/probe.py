@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +94,7 @@ class VerifyProbe:
         directory: ``PHALANX_VERIFY_DIR``: where the run's snapshots and losses go.
         steps: Stop after this many optimizer steps (None: when the script ends).
         save_at: Commit the job's checkpoint of this step and stop there (None: never).
-        perturb: Seed of the one-ulp gradient perturbation (None: none).
+        perturb: Seed of the loss-gradient nudge of a noise twin (None: none).
     """
 
     def __init__(
@@ -152,14 +152,6 @@ class VerifyProbe:
         pass
 
     # ---- what it records ---------------------------------------------------------------------
-    def _optimizer(self) -> torch.optim.Optimizer:
-        _, optimizer = self.job.runner.checkpointed(saving=True)
-        if optimizer is None:
-            raise ValueError(
-                "phalanx verify needs the job's optimizer: pass it to job.setup(model, optimizer)"
-            )
-        return optimizer
-
     def _nudge(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """The hook that scales a loss's gradient by ``1 ± eps``: every gradient this rank
         contributes to the reduction moves by about one unit in its last place, up or down
@@ -208,7 +200,12 @@ class VerifyProbe:
         from phalanx import checkpoint
 
         model, optimizer = self.job.runner.checkpointed(saving=True)
-        with _grads_in_state(optimizer) if with_grads else _nothing():
+        if optimizer is None:
+            raise ValueError(
+                "phalanx verify compares the optimizer's state and the gradients it applies: "
+                "pass the optimizer to job.setup(model, optimizer)"
+            )
+        with _grads_in_state(optimizer) if with_grads else nullcontext():
             checkpoint.save(
                 self.directory / SNAPSHOTS,
                 step,
@@ -228,11 +225,6 @@ def _unwrapped(name: str) -> str:
     return name
 
 
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
-
-
 def _stepping(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The optimizer whose state a checkpoint stores: ZeRO-1/2's inner one, over this rank's
     ranges, whose gradients it reduces first (a no-op after a synchronised backward)."""
@@ -245,25 +237,23 @@ def _stepping(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
 
 @contextmanager
-def _grads_in_state(saved: torch.optim.Optimizer | None) -> Iterator[None]:
+def _grads_in_state(saved: torch.optim.Optimizer) -> Iterator[None]:
     """Each parameter's gradient as its optimizer state entry :data:`GRAD_KEY`, for one save."""
     entered: list[dict[str, Any]] = []
-    optimizer = None if saved is None else _stepping(saved)
-    if optimizer is not None:
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    state = optimizer.state[p]
-                    state[GRAD_KEY] = p.grad.detach()
-                    entered.append(state)
+    optimizer = _stepping(saved)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                state = optimizer.state[p]
+                state[GRAD_KEY] = p.grad.detach()
+                entered.append(state)
     try:
         yield
     finally:
         for state in entered:
             state.pop(GRAD_KEY, None)
-        if optimizer is not None:  # a parameter with no state before: none after
-            for p in [p for p, s in optimizer.state.items() if not s]:
-                del optimizer.state[p]
+        for p in [p for p, s in optimizer.state.items() if not s]:  # none before: none after
+            del optimizer.state[p]
 
 
 def attach(view: JobView, env: Mapping[str, str] | None = None) -> VerifyProbe | None:
