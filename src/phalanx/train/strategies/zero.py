@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import ClassVar
+from weakref import WeakKeyDictionary
 
 import torch
 from torch import nn
@@ -91,8 +92,8 @@ class Zero(Strategy):
 
     def wrap(self, model: nn.Module, world: World, hybrid: HybridGroups | None = None) -> nn.Module:
         if self.stage < 3:
-            if world.world_size > 1:
-                sync_buffers(model, now=self.init_sync)
+            if world.world_size > 1 and any(True for _ in model.buffers()):
+                _BUFFER_SYNCS[model] = BufferSync(model, now=self.init_sync)
             return model
         from phalanx.sharding.zero3 import FullyShardedDataParallel
 
@@ -120,7 +121,7 @@ class Zero(Strategy):
         from phalanx.sharding import ZeroRedundancyOptimizer
 
         groups = [{**options(g), "params": g["params"]} for g in optimizer.param_groups]
-        return ZeroRedundancyOptimizer(
+        sharded = ZeroRedundancyOptimizer(
             groups,
             type(optimizer),
             parameters_as_bucket_view=True,
@@ -131,6 +132,9 @@ class Zero(Strategy):
             replicate_group=None if hybrid is None else hybrid.replicate,
             **accepted(type(optimizer), optimizer.defaults),
         )
+        if model in _BUFFER_SYNCS:
+            _BUFFER_SYNCS[model].owner = sharded
+        return sharded
 
     def clip_grad_norm_(
         self,
@@ -191,19 +195,33 @@ class ZeroRunner(Runner):
         return self.zero.shard_optimizer(model, optimizer, self.world, self.hybrid)
 
 
-def sync_buffers(model: nn.Module, now: bool) -> None:
-    """Keep ``model``'s buffers rank 0's, as DDP does for the same model: broadcast them now
-    (with ``now``: ``init_sync``) and before each forward that records gradients (batch-norm
-    statistics then stay equal, and a checkpoint's buffers are every rank's). Stages 1 and 2
-    leave the model unwrapped (their optimizer broadcasts the parameters), so a forward
-    pre-hook does it; the default group at each call is the whole job's."""
-    if not any(True for _ in model.buffers()):
-        return
-    if now:
+class BufferSync:
+    """Stages 1 and 2 keep ``model``'s buffers rank 0's by DDP's rule, which they would have
+    under DDP: broadcast at start-up (``init_sync``), then before a forward whenever the forward
+    before it trained and synchronised its gradients (every forward without accumulation; the
+    first micro-step of each window with it). Batch-norm statistics then equal DDP's. The
+    model stays unwrapped (the optimizer broadcasts the parameters), so a forward pre-hook
+    does it, over the default group of the moment (the whole job)."""
+
+    def __init__(self, model: nn.Module, now: bool) -> None:
+        self.next = True
+        self.owner: SyncOwner | None = None
+        """The ZeRO optimizer, whose ``require_backward_grad_sync`` says whether the coming
+        backward synchronises (set once it exists: :meth:`Zero.shard_optimizer`)."""
+        if now:
+            self._broadcast(model)
+        model.register_forward_pre_hook(self._before_forward)
+
+    @staticmethod
+    def _broadcast(model: nn.Module) -> None:
         broadcast_coalesced([b.detach() for b in model.buffers()], 0, None)
 
-    def before_forward(module: nn.Module, args: object) -> None:
-        if torch.is_grad_enabled():
-            broadcast_coalesced([b.detach() for b in module.buffers()], 0, None)
+    def _before_forward(self, module: nn.Module, args: object) -> None:
+        if self.next:
+            self._broadcast(module)
+        syncs = self.owner is None or self.owner.require_backward_grad_sync
+        self.next = torch.is_grad_enabled() and syncs
 
-    model.register_forward_pre_hook(before_forward)
+
+_BUFFER_SYNCS: WeakKeyDictionary[nn.Module, BufferSync] = WeakKeyDictionary()
+"""Each stage 1/2 model's buffer sync, for :meth:`Zero.shard_optimizer` to hand it its owner."""
