@@ -96,48 +96,8 @@ class Watcher(Protocol):
         """A record for a send or receive being posted now (None: nothing is recorded)."""
 
 
-class _Unwatched:
-    """What the wire does with no watcher installed: nothing but a plain error."""
-
-    def start(
-        self,
-        store: SignedStore | None,
-        rank: int,
-        world_size: int,
-        validate: bool,
-        timeout: timedelta,
-        flags: TrackingFlags | None = None,
-    ) -> None:
-        pass
-
-    def stop(self) -> None:
-        pass
-
-    def enter(
-        self,
-        op: str,
-        group: dist.ProcessGroup | None,
-        tensor: torch.Tensor | None = None,
-        *,
-        reduce_op: Any = None,
-        root: int | None = None,
-        compare_shape: bool = True,
-    ) -> int:
-        return -1
-
-    def leave(self, group: dist.ProcessGroup | None, seq: int) -> None:
-        pass
-
-    def failure(
-        self, op: str, seq: int, group: dist.ProcessGroup | None, exc: BaseException
-    ) -> Exception:
-        return CollectiveError(f"{op} failed: {exc}")
-
-    def p2p(self, op: str, peer: int, tensor: torch.Tensor | None, idle: bool) -> P2PRecord | None:
-        return None
-
-
-_watcher: Watcher = _Unwatched()
+_watcher: Watcher | None = None
+"""None until one is installed: nothing is recorded, and a failure's error names the operation."""
 
 
 def install(watcher: Watcher) -> None:
@@ -146,7 +106,7 @@ def install(watcher: Watcher) -> None:
     _watcher = watcher
 
 
-def installed() -> Watcher:
+def installed() -> Watcher | None:
     """The watcher the wire tells (``phalanx.diagnostics.tracking`` once phalanx is imported)."""
     return _watcher
 
@@ -175,12 +135,14 @@ def start(
     flags: TrackingFlags | None = None,
 ) -> None:
     """The default group exists: tell the watcher (``init_process_group`` calls it)."""
-    _watcher.start(store, rank, world_size, validate, timeout, flags)
+    if _watcher is not None:
+        _watcher.start(store, rank, world_size, validate, timeout, flags)
 
 
 def stop() -> None:
     """The default group is gone: tell the watcher (``destroy_process_group`` calls it)."""
-    _watcher.stop()
+    if _watcher is not None:
+        _watcher.stop()
 
 
 def enter(
@@ -200,6 +162,8 @@ def enter(
     _CALLS[op] = _CALLS.get(op, 0) + 1
     if tensor is not None:
         _BYTES[op] = _BYTES.get(op, 0) + tensor.numel() * tensor.element_size()
+    if _watcher is None:
+        return -1
     return _watcher.enter(
         op, group, tensor, reduce_op=reduce_op, root=root, compare_shape=compare_shape
     )
@@ -207,11 +171,14 @@ def enter(
 
 def leave(group: dist.ProcessGroup | None, seq: int) -> None:
     """Collective ``seq`` (from :func:`enter`) completed on this rank."""
-    _watcher.leave(group, seq)
+    if _watcher is not None:
+        _watcher.leave(group, seq)
 
 
 def failure(op: str, seq: int, group: dist.ProcessGroup | None, exc: BaseException) -> Exception:
     """The error to raise for the backend's failure ``exc`` of collective ``op`` #``seq``."""
+    if _watcher is None:
+        return CollectiveError(f"{op} failed: {exc}")
     return _watcher.failure(op, seq, group, exc)
 
 
@@ -224,4 +191,4 @@ def p2p(op: str, peer: int, tensor: torch.Tensor | None, idle: bool) -> P2PRecor
         tensor: The tensor sent or received into.
         idle: The wait may legitimately be long: recorded, never reported as a hang.
     """
-    return _watcher.p2p(op, peer, tensor, idle)
+    return None if _watcher is None else _watcher.p2p(op, peer, tensor, idle)

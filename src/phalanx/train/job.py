@@ -52,7 +52,7 @@ from phalanx.train.loop_helpers import (
 )
 from phalanx.train.lr_schedule import check_schedule
 from phalanx.train.metrics import MetricsLogger
-from phalanx.train.nonfinite import NonFiniteGuard
+from phalanx.train.nonfinite import guard_for
 from phalanx.train.observers import JobView
 from phalanx.train.precision import Precision
 from phalanx.train.preemption import EXIT_STATUS, Preemption
@@ -158,6 +158,8 @@ class Job(JobReports):
         options = JobOptions(precision, grad_accum, checkpoint_dir)
         try:  # a mistake in any option leaves no half-made job (nor its process group) behind
             self.precision = Precision(precision, world.device)
+            self.nonfinite = guard_for(skip_nonfinite, world, self.precision, joined, self.strategy)
+            """The non-finite step guard (``skip_nonfinite``; :mod:`phalanx.train.nonfinite`)."""
             runner = self.strategy.start(world, options)
         except ValueError:
             if self.owns_group:
@@ -201,8 +203,6 @@ class Job(JobReports):
         catch = save_on_sigterm and checkpoint_dir is not None and self.strategy.lockstep
         self.preemption = Preemption(world, catch and self.checkpoints.policy.preemptible)
         """SIGTERM caught as a preemption (:mod:`phalanx.train.preemption`)."""
-        self.nonfinite = self._nonfinite_guard(skip_nonfinite, live)
-        """The non-finite step guard (``skip_nonfinite=True``; None: off)."""
         self._closed = False
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -513,7 +513,7 @@ class Job(JobReports):
             self.slowdown.end(self.step_count)
         self.timing.stepping(self.step_count + 1)
         # Parameter servers step the optimizer (and scheduler) on the servers: False.
-        skipped = self._nonfinite_skipped(opt)
+        skipped = self.nonfinite.skipped(opt, self.runner, self.step_count + 1)
         stepped = False if skipped else self.runner.step(opt, self.precision)
         if stepped is None:
             return False  # a live job's failed step: redone
@@ -525,31 +525,6 @@ class Job(JobReports):
         self.timing.end_step(self.step_count, self.metrics)
         self.preemption.reached(self.step_count)  # the stop comes before the next batch
         return not skipped
-
-    def _nonfinite_guard(self, on: bool, live: bool) -> NonFiniteGuard | None:
-        if not on:
-            return None
-        why = None
-        if self.precision.scaler is not None:
-            why = "fp16's loss scaler already skips steps with non-finite gradients"
-        elif live:
-            why = "live recovery changes the ranks the guard agrees over"
-        elif not self.strategy.lockstep:
-            why = f"the ranks of {self.strategy.name!r} do not step together"
-        if why is not None:
-            if self.owns_group:
-                pg.destroy_process_group()
-            raise ValueError(f"Job(skip_nonfinite=True): {why}; leave skip_nonfinite off")
-        return NonFiniteGuard(self.world)
-
-    def _nonfinite_skipped(self, opt: torch.optim.Optimizer | None) -> bool:
-        """With the guard on: True (and the gradients dropped) when a rank's hold inf/NaN."""
-        if self.nonfinite is None or opt is None:
-            return False
-        bad = self.nonfinite.bad_ranks(opt, self.runner.grad_shards(opt))
-        if bad:
-            self.nonfinite.skip(opt, self.step_count + 1, bad)
-        return bool(bad)
 
     def _stop_preempted(self) -> NoReturn:
         """SIGTERM, the agreed step done: commit its checkpoint (unless the loop saved it

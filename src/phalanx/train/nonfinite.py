@@ -14,14 +14,20 @@ Megatron-LM skip such steps the same way.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from phalanx.comm.group import World
 from phalanx.train.grad_scaler import GradShards
+from phalanx.train.precision import Precision
 
-__all__ = ["NonFiniteGuard"]
+if TYPE_CHECKING:
+    from phalanx.train.job_start import Start
+    from phalanx.train.strategies.base import Runner, Strategy
+
+__all__ = ["NonFiniteGuard", "guard_for"]
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +37,13 @@ class NonFiniteGuard:
 
     Args:
         world: This process's place in the job (all of its ranks agree).
+        enabled: False: it checks nothing (``Job(skip_nonfinite=False)``).
     """
 
-    def __init__(self, world: World) -> None:
+    def __init__(self, world: World, enabled: bool = True) -> None:
         self.world = world
-        self.skipped = 0
+        self.enabled = enabled
+        self.count = 0
         """Steps skipped so far."""
 
     def bad_ranks(self, optimizer: torch.optim.Optimizer, shards: GradShards | None) -> list[int]:
@@ -57,15 +65,46 @@ class NonFiniteGuard:
         dist.all_reduce(flags)
         return [r for r, f in enumerate(flags.tolist()) if f]
 
+    def skipped(self, optimizer: torch.optim.Optimizer | None, runner: Runner, step: int) -> bool:
+        """Check step ``step``'s gradients; True (and them dropped) when a rank's hold one."""
+        if not self.enabled or optimizer is None:
+            return False
+        bad = self.bad_ranks(optimizer, runner.grad_shards(optimizer))
+        if bad:
+            self.skip(optimizer, step, bad)
+        return bool(bad)
+
     def skip(self, optimizer: torch.optim.Optimizer, step: int, ranks: list[int]) -> None:
         """Drop the step's gradients and say so (rank 0)."""
         optimizer.zero_grad(set_to_none=True)
-        self.skipped += 1
+        self.count += 1
         if self.world.is_main:
             log.warning(
                 "step %d skipped: non-finite gradients (inf or NaN) on rank(s) %s; every rank "
                 "dropped its gradients and kept its parameters (%d skipped so far)",
                 step,
                 ", ".join(map(str, ranks)),
-                self.skipped,
+                self.count,
             )
+
+
+def guard_for(
+    on: bool, world: World, precision: Precision, joined: Start, strategy: Strategy
+) -> NonFiniteGuard:
+    """The job's guard (``Job(skip_nonfinite=on)``; one that checks nothing when off).
+
+    Raises:
+        ValueError: where it cannot work, naming why.
+    """
+    if not on:
+        return NonFiniteGuard(world, enabled=False)
+    why = None
+    if precision.scaler is not None:
+        why = "fp16's loss scaler already skips steps with non-finite gradients"
+    elif joined.live is not None:
+        why = "live recovery changes the ranks the guard agrees over"
+    elif not strategy.lockstep:
+        why = f"the ranks of {strategy.name!r} do not step together"
+    if why is not None:
+        raise ValueError(f"Job(skip_nonfinite=True): {why}; leave skip_nonfinite off")
+    return NonFiniteGuard(world)
