@@ -74,6 +74,16 @@ TOPICS = (
         },
     ),
     Topic(
+        "Activation checkpointing",
+        "activation-checkpointing.md",
+        "Activation checkpointing",
+        {
+            "activations": "char GPT on 2 ranks under ZeRO-3 and Mesh(pp=2): the peak memory "
+            "and time of a training step without checkpointing, with full and selective "
+            "checkpointing, and with torch's checkpoint_wrapper, interleaved",
+        },
+    ),
+    Topic(
         "Checkpoints",
         "checkpoints.md",
         "Checkpoints",

@@ -32,6 +32,8 @@ list against ``__all__``); everything else stays importable from its subpackage:
 - Starting workers from Python: ``spawn``, ``SpawnError``.
 - A model over the devices of one process: ``split_across_devices``.
 - Planning: ``memory_report`` (its ``MemoryReport`` is in ``phalanx.plan``).
+- Trading compute for memory: ``ActivationCheckpointing`` (``Job``'s option) and
+  ``checkpoint_activations`` (any model).
 - ``__version__``.
 
 Logging: phalanx's modules log to ``logging.getLogger(__name__)``, under "phalanx", and add no
@@ -88,6 +90,7 @@ _watch.install(_tracking)  # the wire records nothing itself: tracking watches e
 del _watch, _tracking
 
 if TYPE_CHECKING:  # loaded by __getattr__ on first use; imported here for type checkers only
+    from phalanx import activation_checkpointing as activation_checkpointing
     from phalanx import bench as bench
     from phalanx import checkpoint as checkpoint
     from phalanx import cli as cli
@@ -101,6 +104,12 @@ if TYPE_CHECKING:  # loaded by __getattr__ on first use; imported here for type 
     from phalanx import pipeline as pipeline
     from phalanx import tensor_parallel as tensor_parallel
     from phalanx import testing as testing
+    from phalanx.activation_checkpointing import (
+        ActivationCheckpointing as ActivationCheckpointing,
+    )
+    from phalanx.activation_checkpointing import (
+        checkpoint_activations as checkpoint_activations,
+    )
     from phalanx.data import DistributedSampler as DistributedSampler
     from phalanx.data_parallel import DataParallel as DataParallel
     from phalanx.data_parallel import DistributedDataParallel as DistributedDataParallel
@@ -127,6 +136,7 @@ if TYPE_CHECKING:  # loaded by __getattr__ on first use; imported here for type 
 __version__ = "0.1.0"
 
 _SUBMODULES = (
+    "activation_checkpointing",
     "bench",
     "checkpoint",
     "cli",
@@ -156,6 +166,8 @@ _SUBMODULES = (
 """Every public module directly under phalanx, each an attribute of the package."""
 
 _LAZY_NAMES = {
+    "ActivationCheckpointing": "phalanx.activation_checkpointing",
+    "checkpoint_activations": "phalanx.activation_checkpointing",
     "DistributedSampler": "phalanx.data",
     "DataParallel": "phalanx.data_parallel",
     "DistributedDataParallel": "phalanx.data_parallel",
@@ -202,6 +214,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "DDP",
     "PS",
+    "ActivationCheckpointing",
     "CollectiveError",
     "DataParallel",
     "DiLoCo",
@@ -233,6 +246,7 @@ __all__ = [
     "batch_isend_irecv",
     "broadcast",
     "broadcast_object_list",
+    "checkpoint_activations",
     "comm_stats",
     "destroy_process_group",
     "gather",

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import importlib
+import os
+import signal
 import sys
 
 from phalanx._optional import MissingExtraError
@@ -81,8 +83,20 @@ def _bench(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``phalanx`` console script; returns the exit code."""
-    argv = sys.argv[1:] if argv is None else argv
+    """Entry point of the ``phalanx`` console script; returns the exit code.
+
+    A reader that stops reading (``phalanx plan ... | head -2``) ends the command quietly,
+    with the status a shell gives a process killed by SIGPIPE (141), not a traceback.
+    """
+    try:
+        return _dispatch(sys.argv[1:] if argv is None else argv)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # Python's flush at exit fails no more
+        return 128 + signal.SIGPIPE
+
+
+def _dispatch(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, end="")
         return 0 if argv else 2

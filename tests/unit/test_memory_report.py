@@ -36,7 +36,23 @@ def test_adam_step_counts_grads_moments_and_0_dim_steps() -> None:
     # exp_avg + exp_avg_sq in fp32 per element, plus one 0-dim fp32 `step` per parameter tensor
     assert (report.params, report.grads, report.optimizer) == (404, 404, 8 * 101 + 4 * 4)
     assert report.total == 404 + 404 + 824
-    assert report.as_dict() == {"params": 404, "grads": 404, "optimizer": 824, "total": 1632}
+    assert report.as_dict() == {
+        "params": 404,
+        "grads": 404,
+        "optimizer": 824,
+        "activations": 0,
+        "total": 1632,
+    }
+
+
+def test_a_batch_adds_the_activations_its_forward_holds() -> None:
+    model = _mlp()
+    x = torch.randn(7, 10)
+    plain = memory_report(model)
+    report = memory_report(model, batch=(x,), loss_fn=lambda out, _batch: out.square().sum())
+    assert report.activations > 0
+    assert report.total == plain.total + report.activations
+    assert "activations" in str(report) and "activations" not in str(plain)
 
 
 def test_plain_sgd_has_no_state() -> None:

@@ -14,7 +14,7 @@ from torch import nn
 from phalanx import cli
 from phalanx.plan import estimate, memory_report
 from phalanx.plan.fit import parse_size, recommend
-from phalanx.plan.measure import load_script, parameter_count, saved_activation_bytes
+from phalanx.plan.measure import activation_bytes, load_script, parameter_count
 
 ROOT = Path(__file__).resolve().parents[2]
 CHAR_GPT = ROOT / "examples" / "char_gpt.py"
@@ -61,13 +61,13 @@ def test_dp_4_formulas_with_the_measured_psi(char_gpt: dict[str, Any]) -> None:
 def test_activations_of_a_linear_layer_are_its_input() -> None:
     layer = nn.Linear(8, 3)  # addmm saves its input and weight.t() (a parameter: excluded)
     x = torch.randn(5, 8)
-    assert saved_activation_bytes(layer, (x,)) == 5 * 8 * 4
+    assert activation_bytes(layer, (x,)) == 5 * 8 * 4
     relu_net = nn.Sequential(nn.Linear(8, 3), nn.ReLU())  # ReLU also saves its (5, 3) output
-    assert saved_activation_bytes(relu_net, (x,)) == 5 * 8 * 4 + 5 * 3 * 4
+    assert activation_bytes(relu_net, (x,)) == 5 * 8 * 4 + 5 * 3 * 4
     # a loss_fn runs inside the measurement: exp saves its result, one more (5, 3) tensor
-    assert saved_activation_bytes(layer, (x,), lambda out, _: out.exp().sum()) == 160 + 60
+    assert activation_bytes(layer, (x,), lambda out, _: out.exp().sum()) == 160 + 60
     layer.eval()
-    saved_activation_bytes(layer, (x,))
+    activation_bytes(layer, (x,))
     assert not layer.training  # the mode is restored
 
 
@@ -118,7 +118,7 @@ def test_script_protocol_does_not_run_main(tmp_path: Path) -> None:
     )
     loaded = load_script(script)
     assert loaded.loss_fn is None
-    assert saved_activation_bytes(loaded.build_model(), loaded.example_batch(3)) == 3 * 4 * 4
+    assert activation_bytes(loaded.build_model(), loaded.example_batch(3)) == 3 * 4 * 4
     (tmp_path / "empty.py").write_text("x = 1\n")
     with pytest.raises(ValueError, match=r"must define build_model\(\) and example_batch\(\)"):
         load_script(tmp_path / "empty.py")
@@ -152,6 +152,6 @@ def test_cli_table_for_a_script(capsys: pytest.CaptureFixture[str]) -> None:
     argv = [str(CHAR_GPT), "--batch-size", "2", "--dp", "2", "--device-memory", "1MB"]
     assert cli.main(["plan", *argv]) == 0
     out = capsys.readouterr().out
-    assert "tensors saved for backward" in out and "excluding temporaries" in out
+    assert "holds for backward" in out and "excluding temporaries" in out
     assert "nothing fits in 1.0 MB per device: the smallest, zero3" in out
     assert [line.split()[0] for line in out.splitlines()[4:8]] == ["ddp", "zero1", "zero2", "zero3"]

@@ -25,5 +25,6 @@ SUITES = {
     "low_bandwidth": f"DDP against local SGD and DiLoCo ({HOSTS_NOTE})",
     "hosts_backend": f"the hierarchical shm group against gloo ({HOSTS_NOTE})",
     "timeline": "the timeline's recording overhead (A/B), critical-path hit rate, clock error",
+    "activations": "activation checkpointing's peak memory and step time under ZeRO-3 and pp=2",
 }
 """Every suite of ``phalanx bench SUITE``, with what it measures in one line."""

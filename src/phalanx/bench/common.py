@@ -20,7 +20,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["COMMON_FLAGS", "Output", "add_common_flags", "add_output_flags", "default_out", "timed"]
+__all__ = [
+    "COMMON_FLAGS",
+    "Output",
+    "add_common_flags",
+    "add_output_flags",
+    "at_least_one",
+    "default_out",
+    "timed",
+]
 
 
 def timed(fn: Callable[[], None]) -> float:
@@ -35,6 +43,15 @@ def timed(fn: Callable[[], None]) -> float:
     took = torch.tensor([time.perf_counter() - start])
     phalanx.all_reduce(took, phalanx.ReduceOp.MAX)
     return float(took)
+
+
+def at_least_one(parser: argparse.ArgumentParser, args: argparse.Namespace, *flags: str) -> None:
+    """Fail the command line (``parser.error``) when any of ``flags`` (attribute names of
+    ``args``) is below 1, naming the flag and its value."""
+    for flag in flags:
+        value = getattr(args, flag)
+        if value < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
 
 
 def default_out(suite: str, root: str | Path = "runs", now: float | None = None) -> Path:

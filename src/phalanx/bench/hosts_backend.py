@@ -29,7 +29,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from phalanx.bench.common import Output, add_common_flags
+from phalanx.bench.common import Output, add_common_flags, at_least_one
 from phalanx.bench.hosts import Hosts, launch_on_hosts, namespace_hosts, unavailable
 from phalanx.bench.hosts_backend_worker import BACKENDS
 
@@ -150,9 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         rates = parse_rates(args.mbit)
     except ValueError as exc:
         parser.error(str(exc))
-    for flag in ("nproc", "steps", "repeats", "hidden", "batch"):
-        if getattr(args, flag) < 1:
-            parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    at_least_one(parser, args, "nproc", "steps", "repeats", "hidden", "batch")
     if args.warmup < 0:
         parser.error(f"--warmup must be >= 0, got {args.warmup}")
     if (why := unavailable()) is not None:

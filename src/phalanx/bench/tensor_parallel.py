@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from phalanx.bench.common import Output, add_common_flags, timed
+from phalanx.bench.common import Output, add_common_flags, at_least_one, timed
 
 __all__ = ["main"]
 
@@ -224,9 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             f"--hidden widths must be multiples of 128 (64-wide heads, tp=2), got {hidden}"
         )
-    for flag in ("iters", "batch", "seq"):
-        if getattr(args, flag) < 1:
-            parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    at_least_one(parser, args, "iters", "batch", "seq")
     cfg: dict[str, Any] = {
         "workloads": workloads,
         "hidden": hidden,

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from phalanx.bench.common import Output, add_common_flags, timed
+from phalanx.bench.common import Output, add_common_flags, at_least_one, timed
 
 __all__ = ["char_batch", "char_gpt", "main", "state_bytes", "train_step"]
 
@@ -232,9 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--impls has unknown {bad}; choose from {', '.join(IMPLS + SHM_IMPLS)}")
     if args.shm:
         impls += [i for i in SHM_IMPLS if i.removesuffix("-shm") in impls and i not in impls]
-    for flag in ("iters", "batch"):
-        if getattr(args, flag) < 1:
-            parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    at_least_one(parser, args, "iters", "batch")
     cfg = {"impls": impls, "iters": args.iters, "warmup": args.warmup, "batch": args.batch}
     if args.quick:
         cfg.update(iters=4, warmup=1)

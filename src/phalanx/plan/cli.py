@@ -2,13 +2,16 @@
 
     phalanx plan --params 7.5e9 --dp 64 [--optimizer adam] [--precision fp16-master] [--json]
     phalanx plan SCRIPT.py --batch-size 16 --dp 4 [--device-memory 16GB] [--json]
+        [--activation-checkpointing full|selective [--checkpoint-every K]]
 
 With ``--params``, model states from the ZeRO paper's formulas for Ψ parameters. With a script,
 Ψ and the activations of one micro-batch are measured on the script's real model: the script
 defines ``build_model()`` and ``example_batch(batch_size)`` (optionally ``loss_fn(output,
-batch)``), and is imported without running its ``__main__`` block. Activations are the tensors
-saved for backward in one forward (temporaries excluded), measured in the model's own dtype.
-``--device-memory`` then recommends the strategy with the least communication that fits.
+batch)``), and is imported without running its ``__main__`` block. Activations are what one
+forward holds for backward (temporaries excluded), measured in the model's own dtype; with
+``--activation-checkpointing``, what the checkpointed model holds (and, beside it, what it
+would hold without). ``--device-memory`` then recommends the strategy with the least
+communication that fits.
 """
 
 from __future__ import annotations
@@ -20,15 +23,16 @@ from typing import Any
 
 import torch
 
+from phalanx.activation_checkpointing import ActivationCheckpointing, checkpoint_activations
 from phalanx.plan.fit import Recommendation, device_total, parse_size, recommend
-from phalanx.plan.measure import load_script, parameter_count, saved_activation_bytes
+from phalanx.plan.measure import activation_bytes, load_script, parameter_count
 from phalanx.plan.memory import OPTIMIZERS, StrategyEstimate, estimate
 from phalanx.precisions import check_precision
 
 __all__ = ["main"]
 
 ACTIVATION_NOTE = (
-    "activations = tensors saved for backward during one forward of one micro-batch, "
+    "activations = what one forward of one micro-batch holds for backward, "
     "excluding temporaries and backward-pass buffers"
 )
 # The precision of a model built in each dtype, in the names of phalanx.precisions.
@@ -79,6 +83,18 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--device-memory", type=_size, metavar="SIZE", help="per device, e.g. 16GB, 16GiB, 512MB"
     )
+    parser.add_argument(
+        "--activation-checkpointing",
+        choices=ActivationCheckpointing.modes,
+        help="measure the activations with the model's blocks checkpointed (with a script)",
+    )
+    parser.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=1,
+        metavar="K",
+        help="with --activation-checkpointing: every K-th block only (default 1)",
+    )
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
     return parser
 
@@ -94,11 +110,14 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         for flag, value in (
             ("--batch-size", args.batch_size),
             ("--device-memory", args.device_memory),
+            ("--activation-checkpointing", args.activation_checkpointing),
         ):
             if value is not None:
                 parser.error(f"{flag} needs a script (it measures activations), not --params")
     elif args.batch_size is None or args.batch_size < 1:
         parser.error(f"a script needs --batch-size >= 1, got {args.batch_size}")
+    if args.checkpoint_every < 1:
+        parser.error(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
 
 
 def main(argv: list[str]) -> int:
@@ -150,7 +169,15 @@ def _measure(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[
     if psi == 0:
         parser.error(f"{args.script}: build_model() returned a model without parameters")
     dtype = next(model.parameters()).dtype
-    activations = saved_activation_bytes(model, batch, script.loss_fn)
+    activations = activation_bytes(model, batch, script.loss_fn)
+    without = None
+    if args.activation_checkpointing is not None:
+        policy = ActivationCheckpointing(args.activation_checkpointing, args.checkpoint_every)
+        try:
+            checkpoint_activations(model, policy)
+        except ValueError as e:
+            parser.error(f"{args.script}: {e}")
+        without, activations = activations, activation_bytes(model, batch, script.loss_fn)
     native = _PRECISION_OF_DTYPE.get(dtype, "fp32")  # the precision the model was built in
     return {
         "params": psi,
@@ -158,6 +185,8 @@ def _measure(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[
         "native_precision": native,
         "precision": args.precision or native,
         "activation_bytes": activations,
+        "activation_checkpointing": args.activation_checkpointing,
+        "activation_bytes_without_checkpointing": without,
     }
 
 
@@ -173,9 +202,14 @@ def _plan_script(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         f"phalanx plan {args.script}: {m['params']:,} parameters (Ψ), {m['dtype']}; "
         f"dp={args.dp}, {args.optimizer}, {m['precision']} precision"
     )
+    checkpointed = ""
+    if m["activation_checkpointing"] is not None:
+        every = f", every {args.checkpoint_every}" if args.checkpoint_every > 1 else ""
+        without = _gb(m["activation_bytes_without_checkpointing"])
+        checkpointed = f", {m['activation_checkpointing']} checkpointing{every}: {without} without"
     print(
         f"activations: {_gb(act)} per device for a micro-batch of {args.batch_size} "
-        f"(measured in {m['dtype']})"
+        f"(measured in {m['dtype']}{checkpointed})"
     )
     print(f"  ({ACTIVATION_NOTE})")
     if m["precision"] != m["native_precision"]:

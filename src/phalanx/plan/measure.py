@@ -11,10 +11,11 @@ script's folder first on ``sys.path``, and calls:
   output itself when it is a 0-dim tensor, the first 0-dim tensor of a tuple/list output (as in
   ``(logits, loss)``), or else the mean of the output tensor.
 
-Activations are measured as the bytes of the tensors autograd *saves for backward* during one
-forward and loss computation in training mode (``torch.autograd.graph.saved_tensors_hooks``),
-each storage counted once, the model's own parameters and buffers excluded. Temporaries freed
-during the forward, and memory the backward pass allocates, are not included.
+Activations are the bytes one training-mode forward and loss computation holds for backward
+(:func:`activation_bytes`): what it allocated and has not freed when the loss is computed, as
+torch's profiler records allocations, plus the inputs autograd saves; the model's parameters and
+buffers excluded. Temporaries freed during the forward, and memory the backward pass allocates,
+are not included. With activation checkpointing applied, what it keeps is what is counted.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from phalanx.plan.report import StorageKey, storage_key, storage_nbytes
+from phalanx.plan.allocations import allocations
+from phalanx.plan.storage import StorageKey, storage_key, storage_nbytes, tensors_in
 
-__all__ = ["ModelScript", "load_script", "parameter_count", "saved_activation_bytes"]
+__all__ = ["ModelScript", "activation_bytes", "load_script", "parameter_count"]
 
 LossFn = Callable[[Any, Sequence[Any]], torch.Tensor]
 
@@ -103,40 +105,47 @@ def default_loss(output: Any) -> torch.Tensor:
     )
 
 
-def saved_activation_bytes(
-    model: nn.Module, batch: Sequence[Any], loss_fn: LossFn | None = None
-) -> int:
-    """Bytes autograd saves for backward in one training-mode forward of ``model(*batch)``.
+def activation_bytes(model: nn.Module, batch: Sequence[Any], loss_fn: LossFn | None = None) -> int:
+    """Bytes one training-mode forward of ``model(*batch)`` (and its loss) holds for backward.
 
-    Each storage is counted once; the model's parameters and buffers are excluded (they are
-    model states, not activations). The forward runs once, with gradients enabled, and the
-    graph is then dropped (no backward, no parameter changes).
+    What the forward allocates and has not freed when the loss is computed (the profiler's
+    allocation records, so whatever keeps a tensor alive counts: autograd's saved tensors,
+    activation checkpointing's inputs and a selective policy's kept results), less the loss
+    itself, plus the storages of ``batch`` that autograd saves (allocated before the forward,
+    but held by it). The model's parameters and buffers are not activations and are not
+    counted. The forward runs once with gradients enabled; the graph is then dropped (no
+    backward, no parameter changes).
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(
-            f"saved_activation_bytes: model must be an nn.Module, got {type(model).__name__}"
-        )
+        raise TypeError(f"activation_bytes: model must be an nn.Module, got {type(model).__name__}")
     if not isinstance(batch, tuple | list):
         raise TypeError(
-            f"saved_activation_bytes: batch must be a tuple of inputs, got {type(batch).__name__}"
+            f"activation_bytes: batch must be a tuple of inputs, got {type(batch).__name__}"
         )
-    owned = {storage_key(t) for t in (*model.parameters(), *model.buffers())}
-    saved: dict[StorageKey, int] = {}
-    alive: list[torch.Tensor] = []  # hold every saved tensor: no storage address is reused
+    inputs = {storage_key(t): storage_nbytes(t) for t in tensors_in(batch)}
+    held_inputs: dict[StorageKey, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = storage_key(t)
-        if key not in owned and key not in saved:
-            saved[key] = storage_nbytes(t)
-            alive.append(t)
+        if key in inputs:
+            held_inputs[key] = inputs[key]
         return t
+
+    def forward() -> torch.Tensor:
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _same):
+            output = model(*batch)
+            loss = loss_fn(output, batch) if loss_fn is not None else default_loss(output)
+            del output  # what the graph does not hold is freed here
+            return loss
 
     was_training = model.training
     model.train()
     try:
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            output = model(*batch)
-            loss_fn(output, batch) if loss_fn is not None else default_loss(output)
+        loss, allocated = allocations(forward)
     finally:
         model.train(was_training)
-    return sum(saved.values())
+    return max(0, allocated.held - storage_nbytes(loss)) + sum(held_inputs.values())
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t

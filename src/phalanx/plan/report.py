@@ -20,16 +20,16 @@ Duck-typed hooks on the optimizer, for sharded optimizers that keep state outsid
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["MemoryReport", "format_mb", "memory_report"]
+from phalanx.plan.storage import StorageKey, storage_key, storage_nbytes, tensors_in
 
-StorageKey = tuple[Any, ...]
+__all__ = ["MemoryReport", "format_mb", "memory_report"]
 
 
 @dataclass(frozen=True)
@@ -42,19 +42,23 @@ class MemoryReport:
     """Bytes of gradient storage (``p.grad``, plus the optimizer's ``grad_bytes()`` if any)."""
     optimizer: int
     """Bytes of optimizer state (``optimizer.state`` tensors, or ``state_bytes()`` if any)."""
+    activations: int = 0
+    """Bytes one forward of the ``batch`` given to :func:`memory_report` holds for backward
+    (:func:`phalanx.plan.measure.activation_bytes`; with activation checkpointing, what it
+    keeps); 0 when no batch was given."""
 
     @property
     def total(self) -> int:
-        """Parameters + gradients + optimizer state, in bytes."""
-        return self.params + self.grads + self.optimizer
+        """Parameters + gradients + optimizer state (+ activations, when measured), in bytes."""
+        return self.params + self.grads + self.optimizer + self.activations
 
     def as_dict(self) -> dict[str, int]:
-        """``{"params", "grads", "optimizer", "total"}`` in bytes."""
+        """``{"params", "grads", "optimizer", "activations", "total"}`` in bytes."""
         return {**asdict(self), "total": self.total}
 
     def __str__(self) -> str:
-        parts = [f"{name} {format_mb(value)}" for name, value in self.as_dict().items()]
-        return ", ".join(parts)
+        shown = {k: v for k, v in self.as_dict().items() if k != "activations" or v}
+        return ", ".join(f"{name} {format_mb(value)}" for name, value in shown.items())
 
 
 def format_mb(nbytes: float) -> str:
@@ -67,26 +71,6 @@ def format_mb(nbytes: float) -> str:
     return f"{rounded:.{decimals}f} MB"
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``t``: a DTensor's local shard (torch FSDP2), else ``t`` itself."""
-    return getattr(t, "_local_tensor", t)
-
-
-def storage_key(t: torch.Tensor) -> StorageKey:
-    """Identifies the memory behind ``t``: views into one storage share a key."""
-    t = _local(t)
-    storage = t.untyped_storage()
-    ptr = storage.data_ptr()
-    if ptr == 0:  # empty or meta storage: no address to share, count per tensor
-        return ("tensor", id(t))
-    return (str(t.device), ptr, storage.nbytes())
-
-
-def storage_nbytes(t: torch.Tensor) -> int:
-    """Bytes of the whole storage behind ``t`` (not only the part ``t`` views)."""
-    return int(_local(t).untyped_storage().nbytes())
-
-
 def _count(tensors: Iterable[torch.Tensor], seen: set[StorageKey]) -> int:
     """Bytes of the storages of ``tensors`` not yet in ``seen`` (which this updates)."""
     total = 0
@@ -96,18 +80,6 @@ def _count(tensors: Iterable[torch.Tensor], seen: set[StorageKey]) -> int:
             seen.add(key)
             total += storage_nbytes(t)
     return total
-
-
-def _tensors_in(obj: object) -> Iterable[torch.Tensor]:
-    """Every tensor in ``obj``, through any nesting of mappings, lists and tuples."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, Mapping):
-        for value in obj.values():
-            yield from _tensors_in(value)
-    elif isinstance(obj, list | tuple):
-        for value in obj:
-            yield from _tensors_in(value)
 
 
 def _hook(optimizer: object, name: str) -> int | None:
@@ -123,7 +95,13 @@ def _hook(optimizer: object, name: str) -> int | None:
     return value
 
 
-def memory_report(model: nn.Module, optimizer: object | None = None) -> MemoryReport:
+def memory_report(
+    model: nn.Module,
+    optimizer: object | None = None,
+    *,
+    batch: Sequence[Any] | None = None,
+    loss_fn: Callable[[Any, Sequence[Any]], torch.Tensor] | None = None,
+) -> MemoryReport:
     """Count the parameter, gradient and optimizer-state bytes this rank holds.
 
     Args:
@@ -131,6 +109,10 @@ def memory_report(model: nn.Module, optimizer: object | None = None) -> MemoryRe
             wrapper, its shard parameters).
         optimizer: ``None``, a ``torch.optim.Optimizer``, or any object with a ``state``
             mapping or a ``state_bytes()`` method (see the module docstring for the hooks).
+        batch: The inputs of one micro-batch (``model(*batch)``): also measure the activations
+            one forward holds for backward (it runs one forward, without backward).
+        loss_fn: ``loss_fn(output, batch)``, with ``batch``: the loss whose graph is measured
+            (default: as ``phalanx plan``, the output's own or its mean).
 
     Returns:
         Exact bytes, each storage counted once (0-dim tensors such as Adam's ``step`` too).
@@ -157,5 +139,10 @@ def memory_report(model: nn.Module, optimizer: object | None = None) -> MemoryRe
     grad_bytes += _hook(optimizer, "grad_bytes") or 0
     state_bytes = _hook(optimizer, "state_bytes")
     if state_bytes is None:
-        state_bytes = _count(_tensors_in(state), seen) if state is not None else 0
-    return MemoryReport(params=param_bytes, grads=grad_bytes, optimizer=state_bytes)
+        state_bytes = _count(tensors_in(state), seen) if state is not None else 0
+    activations = 0
+    if batch is not None:
+        from phalanx.plan.measure import activation_bytes
+
+        activations = activation_bytes(model, batch, loss_fn)
+    return MemoryReport(param_bytes, grad_bytes, state_bytes, activations)

@@ -69,8 +69,12 @@ class _CopyToTP(torch.autograd.Function):
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Group, inplace: bool) -> torch.Tensor:
-        if inplace and x.is_contiguous():
-            ctx.mark_dirty(x)  # autograd then refuses if anything saved x for its backward
+        # In place only where nothing else can hold x: autograd refuses if anything saved it
+        # (mark_dirty), and a dispatch mode may have kept it (a selective activation
+        # checkpoint keeps the matrix product reduced here: reduced in place, the kept copy
+        # would be the sum, and its recomputation would reduce it again).
+        if inplace and x.is_contiguous() and not torch._C._len_torch_dispatch_stack():
+            ctx.mark_dirty(x)
             out = x
         else:
             out = x.clone(memory_format=torch.contiguous_format)

@@ -29,6 +29,7 @@ from typing import NoReturn
 import torch
 from torch import nn
 
+from phalanx.activation_checkpointing import ActivationCheckpointing, checkpoint_activations
 from phalanx.comm import group as pg
 from phalanx.comm.group import World
 from phalanx.data.elastic_sampler import ElasticSampler
@@ -102,15 +103,11 @@ class Job(JobReports):
             one phase for several steps is named, with the phase, in the log, the metrics and
             :attr:`straggler_finding` (see ``train/straggler_rule.py``).
         straggler_rule: The detector's margins and persistence (``phalanx.train.StragglerRule``).
-        recovery: "live": survive lost ranks in-process and admit replacements
-            (:mod:`phalanx.train.live`; DDP or ZeRO-1/2/3, whose shards come back from the
-            members' memory: :mod:`phalanx.train.live_zero`; ``grad_accum=1``; launched by
-            ``phalanx run --recovery live``); "live-exact": the same for DDP, with a reduction
-            whose result does not depend on the membership (bit-identical to a fault-free run,
-            at ``world_size`` times an all-reduce's bytes: :mod:`phalanx.train.live_shards`);
-            "restart": a lost rank ends the job's processes
-            (the launcher restarts them from the newest checkpoint); None: what the launcher
-            was told (``--recovery``).
+        recovery: "live": survive lost ranks in-process and admit replacements (DDP or
+            ZeRO-1/2/3, ``grad_accum=1``: :mod:`phalanx.train.live`); "live-exact": the same
+            for DDP, bit-identical to a fault-free run (:mod:`phalanx.train.live_shards`);
+            "restart": a lost rank ends the job's processes (the launcher restarts them from
+            the newest checkpoint); None: what the launcher was told (``--recovery``).
         save_on_sigterm: With a ``checkpoint_dir``, a SIGTERM (a scheduler's preemption) makes
             the ranks agree on a step, save it and exit with status 143
             (:mod:`phalanx.train.preemption`); False keeps SIGTERM's default action.
@@ -119,6 +116,10 @@ class Job(JobReports):
             (:mod:`phalanx.train.nonfinite`; bf16 and fp32: fp16's scaler does it already).
             Off by default: it costs a pass over the gradients and one small all-reduce per
             step.
+        activation_checkpointing: "full", "selective" or a
+            :class:`phalanx.ActivationCheckpointing`: the model's blocks recompute their
+            activations in backward instead of keeping them, under every strategy (applied in
+            :meth:`setup`; :mod:`phalanx.activation_checkpointing`). None: off.
     """
 
     @check_job_args
@@ -141,6 +142,7 @@ class Job(JobReports):
         recovery: str | None = None,
         save_on_sigterm: bool = True,
         skip_nonfinite: bool = False,
+        activation_checkpointing: ActivationCheckpointing | str | None = None,
     ) -> None:
         # A preset's own errors and live recovery's rules come before any process group.
         joined = job_start.start(recovery, overridden(resolve(strategy)), grad_accum, backend)
@@ -153,6 +155,7 @@ class Job(JobReports):
         world = joined.world
         self.seed = seed
         """The seed given (None: no generator was seeded)."""
+        self.activation_checkpointing = activation_checkpointing
         self.data_seed = DATA_SEED if seed is None else seed
         """The loaders' shuffle seed (and an injected straggler's draw): the same on every rank."""
         options = JobOptions(precision, grad_accum, checkpoint_dir)
@@ -286,6 +289,8 @@ class Job(JobReports):
         """
         self.schedule = check_schedule(schedule, scheduler, self.runner)
         self.precision.place(model, self.world.device)
+        if self.activation_checkpointing is not None:
+            checkpoint_activations(model, self.activation_checkpointing)
         self.checkpoints.epoch_scheduler = self.schedule == "epoch"
         made = self.runner.setup(model, optimizer, scheduler, loss_fn, self.precision)
         self.model, self.optimizer, self.state.scheduler = made.model, made.stepped, made.scheduler
@@ -322,18 +327,15 @@ class Job(JobReports):
     def gather(self, value: torch.Tensor | Number) -> torch.Tensor | list[Number]:
         """``value`` from every replica, in replica (rank) order: exact evaluation metrics.
 
-        A tensor of any leading size per rank (the predictions of an ``eval=True`` loader's
-        uneven batches, concatenated) comes back as one tensor joined along dimension 0; a
-        Python number as the list of every replica's. Ranks of one replica (pipeline stages,
-        tensor shards of a ``phalanx.Mesh``) read the same samples, so the gather runs over the
-        data-parallel group only (``job.groups.dp``; the workers of a parameter server).
-        Collective: every rank of that group calls it, once per value (after the eval loop,
-        not per batch). Nothing is dropped or deduplicated: an eval loader pads nothing.
+        A tensor of any leading size per rank (an ``eval=True`` loader's uneven predictions)
+        comes back joined along dimension 0; a number as the list of every replica's. It runs
+        over the data-parallel group (``job.groups.dp``; a parameter server's workers), once per
+        value after the eval loop: collective there. An eval loader pads nothing to drop.
 
         Raises:
             TypeError: ``value`` is neither a tensor nor a number.
-            ValueError: the ranks' tensors differ in dtype or beyond the first dimension (on
-                every rank alike); called on a parameter-server rank.
+            ValueError: the ranks' tensors differ in dtype or beyond dimension 0 (on every
+                rank alike); called on a parameter-server rank.
         """
         if self.is_server:
             raise ValueError("Job.gather(): a parameter-server rank holds no replica's values")
@@ -341,9 +343,8 @@ class Job(JobReports):
 
     @check_slow_down
     def slow_down(self, who: int | str, factor: float) -> None:
-        """Make rank (or parameter-server worker) ``who``, or a random one each step with
-        ``who="random"``, ``factor`` times slower: the straggler of experiments
-        (:mod:`phalanx.train.slowdown`). Call it before the loop."""
+        """Before the loop: make rank (or parameter-server worker) ``who``, or a random one
+        each step (``"random"``), ``factor`` times slower (:mod:`phalanx.train.slowdown`)."""
         place = self.runner.role.participants(self.world)
         if place is not None:  # servers do not compute steps
             count, index = place

@@ -59,6 +59,12 @@ def _straggler_rule(name: str, value: Any, where: str) -> object:
     return check_instance(name, value, StragglerRule, what, where=where)
 
 
+def _activation_checkpointing(name: str, value: Any, where: str) -> object:
+    from phalanx.activation_checkpointing.policy import to_policy
+
+    return to_policy(value, where=where)
+
+
 _path = optional(rule(check_path))
 
 check_job_args = checked(
@@ -78,6 +84,7 @@ check_job_args = checked(
     recovery=optional(rule(check_choice, choices=("live", "live-exact", "restart"))),
     save_on_sigterm=rule(check_bool),
     skip_nonfinite=rule(check_bool),
+    activation_checkpointing=optional(_activation_checkpointing),
 )
 """Decorates ``Job.__init__``: every argument the caller passed, checked by its row."""
 

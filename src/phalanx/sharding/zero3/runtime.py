@@ -13,6 +13,9 @@ most one full gradient is in flight. A callback queued on the autograd engine fi
 step: units that received no gradient reduce-scatter zeros (every rank issues the same
 collectives in the same order), remaining work is waited for, everything is freed.
 
+A unit recomputed in backward (activation checkpointing inside it) gathers again in its
+forward-pre-hook and stays gathered until its gradient is done, as in backward without it.
+
 Every rank must run the same units in the same order (as with torch FSDP): collectives are
 issued from these hooks, so a rank-dependent control flow would pair mismatched collectives.
 
@@ -128,6 +131,8 @@ class Runtime:
 
     def _hook_post_forward(self, unit: FlatUnit) -> Any:
         def hook(module: Any, args: Any, output: Any) -> Any:
+            if torch._C._current_graph_task_id() != -1:
+                return None  # recomputed in backward (activation checkpointing): still needed
             unit.free()
             tensors = _grad_tensors(output)
             if tensors:
