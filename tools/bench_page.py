@@ -93,6 +93,15 @@ TOPICS = (
         },
     ),
     Topic(
+        "Pipeline schedules",
+        "model-parallel.md",
+        "Model parallel",
+        {
+            "pipeline_zbh1": "ZB-H1 against 1F1B, phalanx's and torch's, 4 stages, 8 "
+            "micro-batches, sleep-calibrated stages whose backward is half the weights'",
+        },
+    ),
+    Topic(
         "Parameter servers and stragglers",
         "async.md",
         "Asynchronous training",

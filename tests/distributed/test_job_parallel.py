@@ -72,6 +72,7 @@ def _both() -> list[dict[str, Any]]:
         _train("pipeline", {"pp": 2, "micro_batches": 2, "schedule": "1f1b"}),
         _train("tensor", {"tp": 2}),
         _train("pipeline", {"pp": 2, "micro_batches": 2, "precision": "bf16-mixed"}),
+        _train("pipeline", {"pp": 2, "micro_batches": 2, "schedule": "zbh1"}),
     ]
 
 
@@ -81,7 +82,7 @@ def results() -> list[list[dict[str, Any]]]:
 
 
 @pytest.mark.parametrize(
-    "index", [0, 1, 2], ids=["pipeline-pp2", "tensor-tp2", "pipeline-bf16-mixed"]
+    "index", [0, 1, 2, 3], ids=["pipeline-pp2", "tensor-tp2", "pipeline-bf16-mixed", "zbh1"]
 )
 def test_job_split_strategies_match_one_process(results: Any, index: int) -> None:
     # bf16 autocast runs each stage's matmuls with 8 mantissa bits: ~1e-2 relative.

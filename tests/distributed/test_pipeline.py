@@ -23,7 +23,7 @@ from phalanx.pipeline.schedules import interleaved_warmup
 from phalanx.testing import run_distributed
 
 BATCH = 8
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zbh1", 1)]
 # Micro-batching reassociates the batch sums of the matmuls and of the mean loss: equal to the
 # reference up to float32 rounding (observed <1e-6), far below any real error.
 TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -155,6 +155,7 @@ def _cases(p: int) -> list[tuple[Any, ...]]:
         ("gpt", "1f1b", 1, 8, "grouped"),
         ("mlp", "gpipe", 1, 2, "grouped"),
         ("mlp", "interleaved", 2, 8, "grouped"),
+        ("gpt", "zbh1", 1, 8, "grouped"),
     ]
 
 
@@ -210,6 +211,8 @@ def test_parity_every_schedule(p: int) -> None:
             assert flights == [m] * p
         if sched == "1f1b":  # at most p - rank (PipeDream-Flush)
             assert flights == [min(p - r, m) for r in range(p)], (m, flights)
+        if sched == "zbh1":  # 1F1B's peak on every rank, counted until each W (Qi et al.)
+            assert max(flights) <= min(p, m), (m, flights)
         if sched == "interleaved":  # warm-up + 1; Megatron's (v-1)p + 2(p-r-1) when p | m
             want = [min(interleaved_warmup(p, m, r, chunks) + 1, chunks * m) for r in range(p)]
             assert flights == want, (m, flights)

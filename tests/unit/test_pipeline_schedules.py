@@ -27,7 +27,7 @@ from phalanx.pipeline.p2p import HEADER_CAP, decode_header, encode_header
 from phalanx.pipeline.schedules import interleaved_warmup
 from phalanx.pipeline.stage import Chunk, split_batch
 
-NAMES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3)]
+NAMES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("zbh1", 1)]
 
 
 def _all(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
@@ -38,7 +38,8 @@ def _all(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
 def test_every_action_exactly_once_and_no_deadlock(name: str, v: int) -> None:
     for p, m in itertools.product(range(1, 7), range(1, 13)):
         acts = _all(name, p, m, v)
-        want = Counter(Action(k, i, c) for k in "FB" for i in range(m) for c in range(v))
+        kinds = "FIW" if name == "zbh1" else "FB"  # zero bubble: B in two passes, I then W
+        want = Counter(Action(k, i, c) for k in kinds for i in range(m) for c in range(v))
         for rank_acts in acts:
             assert Counter(rank_acts) == want, (p, m)
             assert max(Counter(rank_acts).values()) == 1
@@ -74,6 +75,19 @@ def test_in_flight_limits() -> None:
             assert got == [min(interleaved_warmup(p, m, r, v) + 1, v * m) for r in range(p)]
             if m % p == 0:  # exactly Megatron-LM's warm-up: (v-1) p + 2 (p-r-1)
                 assert got == [min((v - 1) * p + 2 * (p - r - 1) + 1, v * m) for r in range(p)]
+
+
+def test_zbh1_has_a_third_of_1f1bs_bubble_within_its_peak_memory_and_never_more() -> None:
+    for p, m in itertools.product(range(2, 7), range(1, 17)):
+        one = simulate(_all("1f1b", p, m), 1.0, 2.0)
+        zb = simulate(_all("zbh1", p, m), 1.0, 2.0)  # B = 2 split into I = W = 1
+        if m >= p:  # the bubble (p-1)(F+I-W), where 1F1B has (p-1)(F+I+W)
+            assert zb.makespan == 3 * m + p - 1, (p, m)
+        assert zb.bubble_fraction < one.bubble_fraction, (p, m)
+        assert max(zb.max_in_flight) == max(one.max_in_flight) == min(p, m), (p, m)
+        for w in (0.0, 0.5, 1.5):  # whatever share of the backward W takes
+            assert simulate(_all("zbh1", p, m), 1.0, 2.0, weight_time=w).makespan <= one.makespan
+        assert simulate(_all("zbh1", p, m), 1.0, 2.0, weight_time=0.0).makespan == one.makespan
 
 
 def test_interleaved_with_one_chunk_is_1f1b() -> None:

@@ -1,21 +1,27 @@
 """``phalanx bench pipeline``: phalanx's pipeline schedules against torch.distributed.pipelining.
 
 Stages are calibrated with sleeps: every layer's forward sleeps ``t_f / 2`` and its backward
-``t_b / 2`` (a custom autograd Function; sleeping frees the CPU, so 4 ranks on 2 cores measure
-the schedule, not the arithmetic), 2 layers per rank, activations (2, 16) per micro-batch.
+``t_b / 2`` (custom autograd Functions; sleeping frees the CPU, so 4 ranks on 2 cores measure
+the schedule, not the arithmetic), 2 layers per rank, activations (2, 16) per micro-batch. Of
+a layer's backward sleep, the ``--weight-share`` (default half) sits on its weight's branch and
+the rest on its input's path, as a matrix product's two gradients split its work: a split
+backward (ZB-H1's ``I`` and ``W``) pays each part in its own pass.
 A GPipe or 1F1B stage (2 layers) then costs ``t_f + t_b`` per micro-batch and an interleaved
 chunk (1 layer) half of that. For p in {2, 4} ranks and m in {4, 8, 16} micro-batches, each
 iteration times one training step (forward+backward of the batch) of every implementation in
 turn, rotating the order (ABAB...), after a barrier; the slowest rank's time counts:
 
-- ours: ``gpipe``, ``1f1b``, ``interleaved`` (chunks=2) — :class:`phalanx.pipeline.Pipeline`;
-- torch: ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B`` on the same layers.
+- ours: ``gpipe``, ``1f1b``, ``interleaved`` (chunks=2), ``zbh1`` —
+  :class:`phalanx.pipeline.Pipeline`;
+- torch: ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B`` and
+  ``ScheduleInterleavedZeroBubble`` (one stage per rank) on the same layers.
 
 Per config: median step, the ideal ``(m+p-1)(t_f+t_b)``, the ratio to it (and to the calibrated
 ideal: the schedule's own ideal with the measured stage time), measured bubble
 ``1 - m(t_f+t_b)/step`` against the theoretical ``(p-1)/(m+p-1)`` (``(p-1)/(v m+p-1)``
-interleaved), and ours/torch for the matching schedule: the ratio of medians, and ("paired")
-the median of per-iteration ratios of adjacent runs, robust to drift of the machine's speed.
+interleaved; ZB-H1's from :func:`phalanx.pipeline.simulate` of its order), and ours/torch
+for the matching schedule: the ratio of medians, and ("paired") the median of per-iteration
+ratios of adjacent runs, robust to drift of the machine's speed.
 Last line: ``RESULT {json}``.
 """
 
@@ -31,14 +37,16 @@ import torch
 from torch import nn
 
 from phalanx.bench.common import Output, add_common_flags, timed
+from phalanx.bench.sleeps import SlowBackward
 
 __all__ = ["SleepLayer", "main"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1")
 TORCH_NAME = {
     "gpipe": "ScheduleGPipe",
     "1f1b": "Schedule1F1B",
     "interleaved": "ScheduleInterleaved1F1B",
+    "zbh1": "ScheduleInterleavedZeroBubble",
 }
 WIDTH, ROWS = 16, 2  # features, rows per micro-batch
 CHUNKS = 2
@@ -60,22 +68,24 @@ class _Sleep(torch.autograd.Function):
 
 
 class SleepLayer(nn.Module):
-    """A tiny Linear (so there are gradients) followed by a sleep of ``t_f`` / ``t_b``."""
+    """A tiny Linear (so there are gradients) followed by a sleep of ``t_f`` / ``t_b``; of
+    ``t_b``, ``weight_share`` is slept on the weight's branch, the rest on the input's path."""
 
-    def __init__(self, width: int, t_f: float, t_b: float) -> None:
+    def __init__(self, width: int, t_f: float, t_b: float, weight_share: float = 0.5) -> None:
         super().__init__()
         self.lin = nn.Linear(width, width)
-        self.t_f, self.t_b = t_f, t_b
+        self.t_f, self.t_i, self.t_w = t_f, t_b * (1 - weight_share), t_b * weight_share
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(N, width) -> (N, width), after sleeping ``t_f`` (``t_b`` in backward)."""
-        return _Sleep.apply(self.lin(x), self.t_f, self.t_b)
+        weight = SlowBackward.apply(self.lin.weight, self.t_w)
+        return _Sleep.apply(nn.functional.linear(x, weight, self.lin.bias), self.t_f, self.t_i)
 
 
 def _layers(p: int, cfg: dict[str, Any]) -> list[nn.Module]:
     torch.manual_seed(0)
     half_f, half_b = cfg["t_f"] / CHUNKS, cfg["t_b"] / CHUNKS
-    return [SleepLayer(WIDTH, half_f, half_b) for _ in range(CHUNKS * p)]
+    return [SleepLayer(WIDTH, half_f, half_b, cfg["weight_share"]) for _ in range(CHUNKS * p)]
 
 
 def _ours(sched: str, p: int, m: int, cfg: dict[str, Any], group: Any) -> Any:
@@ -106,6 +116,10 @@ def _torch(sched: str, p: int, m: int, cfg: dict[str, Any], group: Any) -> Any:
             tpp.PipelineStage(layers[s], s, CHUNKS * p, cpu, group=group) for s in ids
         ]
         schedule: Any = tpp.ScheduleInterleaved1F1B(stages, m, loss_fn=loss)
+    elif sched == "zbh1":
+        mod = nn.Sequential(*layers[CHUNKS * rank : CHUNKS * (rank + 1)])
+        stage = tpp.PipelineStage(mod, rank, p, torch.device("cpu"), group=group)
+        schedule = tpp.ScheduleInterleavedZeroBubble([stage], m, loss_fn=loss)
     else:
         mod = nn.Sequential(*layers[CHUNKS * rank : CHUNKS * (rank + 1)])
         stage = tpp.PipelineStage(mod, rank, p, torch.device("cpu"), group=group)
@@ -183,7 +197,11 @@ def summarize(
         sched = name.split("-", 1)[1]
         v = CHUNKS if sched == "interleaved" else 1
         step = statistics.median(ts)
+        theory = (p - 1) / (v * m + p - 1)
         calibrated = (m + (p - 1) / v) * measured_unit
+        if sched == "zbh1":
+            span = _zbh1_span(p, m, cfg)
+            theory, calibrated = 1 - m / span, span * measured_unit
         twin = times.get(("torch-" if name.startswith("ours") else "ours-") + sched)
         rows.append(
             {
@@ -197,7 +215,7 @@ def summarize(
                 "calibrated_ms": 1e3 * calibrated,
                 "ratio_to_calibrated": step / calibrated if calibrated else None,
                 "bubble": 1 - m * unit / step,
-                "bubble_theory": (p - 1) / (v * m + p - 1),
+                "bubble_theory": theory,
                 "ours_over_torch": (
                     step / statistics.median(twin) if twin and name.startswith("ours") else None
                 ),
@@ -209,6 +227,16 @@ def summarize(
             }
         )
     return rows
+
+
+def _zbh1_span(p: int, m: int, cfg: dict[str, Any]) -> float:
+    """ZB-H1's step in stage times (F + B = 1), simulated with this run's split of B."""
+    from phalanx.pipeline import schedule, simulate
+
+    unit = cfg["t_f"] + cfg["t_b"]
+    f, b = cfg["t_f"] / unit, cfg["t_b"] / unit
+    orders = [schedule("zbh1", p, m, r) for r in range(p)]
+    return simulate(orders, f, b, weight_time=b * cfg["weight_share"]).makespan
 
 
 def _fmt(value: float | None) -> str:
@@ -231,7 +259,7 @@ def _print(rows: list[dict[str, Any]]) -> None:
 
 
 def _targets(rows: list[dict[str, Any]]) -> dict[str, bool]:
-    """The acceptance targets: <= 1.10 x ideal, interleaved < 1F1B, ours <= torch."""
+    """The acceptance targets: <= 1.10 x ideal, interleaved and ZB-H1 < 1F1B, ours <= torch."""
     ours = [r for r in rows if r["impl"].startswith("ours")]
     step = {(r["p"], r["m"], r["schedule"]): r["step_ms"] for r in ours}
     inter = [
@@ -239,11 +267,17 @@ def _targets(rows: list[dict[str, Any]]) -> dict[str, bool]:
         for p, m, s in step
         if s == "interleaved" and (p, m, "1f1b") in step and m >= p
     ]
+    zero_bubble = [
+        step[(p, m, "zbh1")] < step[(p, m, "1f1b")]
+        for p, m, s in step
+        if s == "zbh1" and (p, m, "1f1b") in step and p > 1
+    ]
     return {
         "within_1.10_of_ideal": all(
             (r["ratio_to_ideal"] or 0) <= 1.10 for r in ours if r["schedule"] in ("gpipe", "1f1b")
         ),
         "interleaved_below_1f1b": bool(inter) and all(inter),
+        "zbh1_below_1f1b": bool(zero_bubble) and all(zero_bubble),
         "ours_not_slower_than_torch": all(
             r["ours_over_torch"] <= 1.0 for r in ours if r["ours_over_torch"] is not None
         ),
@@ -263,6 +297,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--microbatches", default="4,8,16", help="comma list of m")
     parser.add_argument("--schedules", default=",".join(SCHEDULES), help="comma list")
     parser.add_argument("--no-torch", action="store_true", help="skip torch's schedules")
+    parser.add_argument(
+        "--weight-share",
+        type=float,
+        default=0.5,
+        help="share of a layer's backward on its weight's branch (ZB-H1's W), 0..1",
+    )
     add_common_flags(parser, "pipeline", quick="p=2, m=4, a few iterations")
     args = parser.parse_args(argv)
     ranks = [int(v) for v in args.ranks.split(",") if v]
@@ -274,12 +314,15 @@ def main(argv: list[str] | None = None) -> int:
         "microbatches": [int(v) for v in args.microbatches.split(",") if v],
         "schedules": [v for v in args.schedules.split(",") if v],
         "torch": not args.no_torch,
+        "weight_share": args.weight_share,
     }
     if args.quick:
         ranks = [2]
         cfg.update(iters=2, warmup=1, microbatches=[4])
     if args.iters < 1 or min(ranks) < 1 or min(cfg["microbatches"]) < 1:
         parser.error("--iters, --ranks and --microbatches must be >= 1")
+    if not 0 <= args.weight_share <= 1:
+        parser.error(f"--weight-share must be in 0..1, got {args.weight_share:g}")
     bad = [s for s in cfg["schedules"] if s not in SCHEDULES]
     if bad:
         parser.error(f"--schedules has unknown {bad}; choose from {', '.join(SCHEDULES)}")

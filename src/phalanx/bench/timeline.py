@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from phalanx.bench.common import Output, add_common_flags, timed
+from phalanx.bench.sleeps import SlowBackward
 
 __all__ = ["main"]
 
@@ -134,20 +135,6 @@ def _overhead(cfg: dict[str, Any], out: str) -> dict[str, list[float]]:
     on.close()
     off.close()
     return times
-
-
-class SlowBackward(torch.autograd.Function):
-    """Identity whose backward sleeps first: backward starts late, before any gradient."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, seconds: float) -> torch.Tensor:
-        ctx.seconds = seconds
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        time.sleep(ctx.seconds)
-        return grad, None
 
 
 def slow_plan(steps: int, seed: int = 1, first: int = 3) -> dict[int, tuple[int, str, float]]:

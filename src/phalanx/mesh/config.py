@@ -48,7 +48,7 @@ class ParallelConfig:
     micro_batches: int = 1
     """Micro-batches per step when pipelining (must divide the batch)."""
     schedule: str = "1f1b"
-    """Pipeline schedule: "gpipe", "1f1b" or "interleaved"."""
+    """Pipeline schedule: "gpipe", "1f1b", "interleaved" or "zbh1"."""
     chunks: int = 1
     """Model chunks per pipeline rank (interleaved schedule only)."""
     balance: Sequence[int] | str | None = None

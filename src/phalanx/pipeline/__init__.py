@@ -1,4 +1,4 @@
-"""phalanx.pipeline: pipeline parallelism across processes (GPipe, 1F1B, interleaved 1F1B).
+"""phalanx.pipeline: pipeline parallelism across processes (GPipe, 1F1B, interleaved 1F1B, ZB-H1).
 
 ``Pipeline(layers, group, schedule=..., micro_batches=..., loss_fn=...)`` keeps this rank's
 stage(s) of a layer list and trains them with ``step(inputs, targets)``. The schedules, the
@@ -15,6 +15,7 @@ from phalanx.pipeline.schedules import (
     interleaved_1f1b,
     one_f_one_b,
     schedule,
+    zb_h1,
 )
 from phalanx.pipeline.simulate import DeadlockError, Simulation, simulate
 from phalanx.pipeline.stage import split_layers
@@ -33,4 +34,5 @@ __all__ = [
     "simulate",
     "split_layers",
     "time_costs",
+    "zb_h1",
 ]

@@ -38,6 +38,7 @@ from phalanx.pipeline.p2p import DTYPES, Comm
 from phalanx.pipeline.ports import build_ports
 from phalanx.pipeline.schedules import SCHEDULES, Action
 from phalanx.pipeline.schedules import schedule as make_schedule
+from phalanx.pipeline.split_backward import WeightPass, backward_input, backward_weight
 from phalanx.pipeline.stage import Chunk, as_tuple, split_batch, split_layers
 
 __all__ = ["Pipeline"]
@@ -93,7 +94,8 @@ class Pipeline(nn.Module):
         layers: The whole model as layers run in order (a list or ``nn.Sequential``); every
             rank passes the same list, built the same way. Only this rank's layers are kept.
         group: The pipeline's process group (None: the default group); stage = group rank.
-        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"``.
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` or ``"zbh1"`` (zero bubble: each
+            backward in two passes, the weights' deferred into the bubbles).
         micro_batches: Micro-batches per step; must divide the batch size.
         loss_fn: ``loss_fn(output, target)`` of one micro-batch, a mean over its samples.
         chunks: Model chunks per rank (interleaved only).
@@ -167,6 +169,7 @@ class Pipeline(nn.Module):
         self._inbound, self._outbound = build_ports(
             self.comm, self.stage_ids, self.num_stages, self.rank, self.device
         )
+        self._weight_passes: dict[tuple[int, int], WeightPass] = {}
         self.on_action: Callable[[str], None] | None = None
         """Called with "forward" / "backward" before each action of :meth:`step` (the job's
         phase clock: a receive waited for is then counted in the phase that needed it)."""
@@ -231,8 +234,13 @@ class Pipeline(nn.Module):
             if a.kind == "F":
                 self._forward(a, xs, ys, live, losses)
                 self._count_in_flight(live)
-            else:
+            elif a.kind == "B":
                 self._backward(a, live)
+            elif a.kind == "I":
+                self._backward_input(a, live)
+            else:
+                backward_weight(self._weight_passes.pop((a.microbatch, a.chunk)))
+                del live[(a.microbatch, a.chunk)]  # its activations go with its graph
         self.comm.wait_sends()
         loss = torch.stack(losses).sum() if losses else None
         return self._share_loss(loss) if self.broadcast_loss else loss
@@ -256,7 +264,7 @@ class Pipeline(nn.Module):
         for a in self.actions[i : i + 1 + (LOOKAHEAD if self.p2p == "eager" else 0)]:
             if a.kind == "F" and self._inbound[a.chunk] is not None:
                 self._inbound[a.chunk].post(a.microbatch)
-            elif a.kind == "B" and self._outbound[a.chunk] is not None:
+            elif a.kind in "BI" and self._outbound[a.chunk] is not None:
                 self._outbound[a.chunk].post_grads(a.microbatch)
 
     def _forward(
@@ -289,6 +297,19 @@ class Pipeline(nn.Module):
         tensors = [o for o in outs if o.requires_grad]
         if tensors:
             torch.autograd.backward(tensors, grads)
+        if self._inbound[c] is not None:
+            self._inbound[c].send_grads(mb, x)
+
+    def _backward_input(self, a: Action, live: _Live) -> None:
+        """ZB's ``I``: the input's gradient, sent at once; the weights' wait for ``W``."""
+        c, mb = a.chunk, a.microbatch
+        x, outs = live[(mb, c)]
+        outbound = self._outbound[c]
+        grads = None if outbound is None else outbound.take_grads(mb)
+        tensors = [o for o in outs if o.requires_grad]
+        inputs = [t for t in x if isinstance(t, torch.Tensor)]
+        _, work = backward_input(tensors, grads, inputs, self.stages[c].parameters())
+        self._weight_passes[(mb, c)] = work
         if self._inbound[c] is not None:
             self._inbound[c].send_grads(mb, x)
 

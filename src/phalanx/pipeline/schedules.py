@@ -1,4 +1,4 @@
-"""Pipeline schedules as pure action lists: GPipe, 1F1B and interleaved 1F1B.
+"""Pipeline schedules as pure action lists: GPipe, 1F1B, interleaved 1F1B and ZB-H1.
 
 A schedule says, for one rank of a ``p``-rank pipeline and a batch of ``m`` micro-batches, in
 which order that rank runs forward (``F``) and backward (``B``) passes of which micro-batch on
@@ -13,14 +13,16 @@ which of its model chunks. No process group is involved; the runner executes the
 - **Interleaved 1F1B** (Megatron-LM, Narayanan et al., 2021): each rank holds ``v`` chunks;
   virtual stage ``s = chunk * p + rank``, so activations go rank r -> r+1 and from rank p-1 back
   to rank 0 for the next chunk. Bubble ``(p-1)/(v*m+p-1)`` of the 1F1B one.
+- **ZB-H1** (Qi et al., 2024): backward split into ``I`` (the input's gradient) and ``W`` (the
+  weights'), ``W`` deferred into what would be bubbles; 1F1B's memory, a third of its bubble
+  when the three passes take equal time (:mod:`phalanx.pipeline.zero_bubble`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 from phalanx._check import check_choice, check_int
+from phalanx.pipeline.action import Action
+from phalanx.pipeline.zero_bubble import zb_h1
 
 __all__ = [
     "SCHEDULES",
@@ -30,24 +32,10 @@ __all__ = [
     "interleaved_warmup",
     "one_f_one_b",
     "schedule",
+    "zb_h1",
 ]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
-
-
-@dataclass(frozen=True)
-class Action:
-    """One step of a rank's schedule."""
-
-    kind: Literal["F", "B"]
-    """``"F"`` (forward) or ``"B"`` (backward)."""
-    microbatch: int
-    """Index of the micro-batch, ``0 <= microbatch < m``."""
-    chunk: int = 0
-    """Local model-chunk index on this rank (0 unless interleaved)."""
-
-    def __repr__(self) -> str:
-        return f"{self.kind}{self.microbatch}" + (f"c{self.chunk}" if self.chunk else "")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1")
 
 
 def _check_rank(num_ranks: int, num_microbatches: int, rank: int) -> None:
@@ -161,7 +149,8 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, rank: int, chunks: i
 def schedule(
     name: str, num_ranks: int, num_microbatches: int, rank: int, chunks: int = 1
 ) -> list[Action]:
-    """The action list of schedule ``name`` (``"gpipe"``, ``"1f1b"``, ``"interleaved"``).
+    """The action list of schedule ``name`` (``"gpipe"``, ``"1f1b"``, ``"interleaved"``,
+    ``"zbh1"``).
 
     Raises:
         ValueError: unknown ``name``, or ``chunks > 1`` with a schedule other than
@@ -174,7 +163,8 @@ def schedule(
     if chunks != 1:
         raise ValueError(
             f"chunks={chunks} needs schedule='interleaved', got schedule={name!r} "
-            "(GPipe and 1F1B run one model chunk per rank)"
+            "(GPipe, 1F1B and ZB-H1 run one model chunk per rank)"
         )
-    fn = gpipe if name == "gpipe" else one_f_one_b
+    _check_rank(num_ranks, num_microbatches, rank)
+    fn = {"gpipe": gpipe, "1f1b": one_f_one_b, "zbh1": zb_h1}[name]
     return fn(num_ranks, num_microbatches, rank)

@@ -4,8 +4,10 @@ Pure: no process group. Each rank runs its list in order; an action starts when 
 free and its inputs exist (the semantics of the runner, whose sends never block):
 
 - ``F`` of (micro-batch, virtual stage ``s``) needs ``F`` of (micro-batch, ``s - 1``);
-- ``B`` of (micro-batch, ``s``) needs ``F`` of (micro-batch, ``s``) and ``B`` of
-  (micro-batch, ``s + 1``).
+- ``B`` of (micro-batch, ``s``) needs ``F`` of (micro-batch, ``s``) and the input gradient of
+  (micro-batch, ``s + 1``), which its ``B`` or its ``I`` computes;
+- ``I`` (a backward's input half) needs what ``B`` needs; ``W`` (its weight half) needs the
+  ``I`` of the same micro-batch and stage.
 
 Virtual stage ``s`` lives on rank ``s % p`` as chunk ``s // p`` (chunks loop around the ranks,
 as in Megatron-LM's interleaved schedule). A dependency that crosses ranks adds ``latency``.
@@ -16,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from phalanx.pipeline.schedules import Action
+from phalanx.pipeline.action import Action
 
 __all__ = ["DeadlockError", "Simulation", "simulate"]
 
@@ -36,7 +38,8 @@ class Simulation:
     idle: list[float]
     """Per rank: ``makespan - busy``, the pipeline bubble on that rank."""
     max_in_flight: list[int]
-    """Per rank: most micro-batch chunks whose forward ran and whose backward has not."""
+    """Per rank: most micro-batch chunks whose forward ran and whose backward (its ``W``,
+    when split) has not."""
     timeline: list[list[tuple[Action, float, float]]]
     """Per rank: ``(action, start, end)`` in execution order."""
 
@@ -69,10 +72,12 @@ class _Replay:
         deps = []
         if a.kind == "F" and s > 0:
             deps.append(("F", a.microbatch, s - 1))
-        if a.kind == "B":
+        if a.kind in "BI":
             deps.append(("F", a.microbatch, s))
             if s < self.stages - 1:
-                deps.append(("B", a.microbatch, s + 1))
+                deps.append(("G", a.microbatch, s + 1))  # the input gradient: B's or I's
+        if a.kind == "W":
+            deps.append(("I", a.microbatch, s))
         t = 0.0
         for dep in deps:
             if dep not in self.done:
@@ -86,6 +91,8 @@ class _Replay:
         if key in self.done:
             raise ValueError(f"rank {rank} runs {a!r} twice")
         self.done[key] = end
+        if a.kind in "BI":
+            self.done[("G", *key[1:])] = end
 
 
 def simulate(
@@ -93,6 +100,7 @@ def simulate(
     forward_time: float | Sequence[float] = 1.0,
     backward_time: float | Sequence[float] = 2.0,
     latency: float = 0.0,
+    weight_time: float | Sequence[float] | None = None,
 ) -> Simulation:
     """Execute every rank's action list with the given stage times.
 
@@ -102,6 +110,8 @@ def simulate(
             one entry per virtual stage (``p * chunks`` of them, in stage order).
         backward_time: Backward time, likewise.
         latency: Added to every dependency that crosses ranks (a P2P transfer).
+        weight_time: Of a backward split in two (``I`` then ``W``), the ``W`` part; ``I``
+            takes the rest of ``backward_time``. Default: half of it.
 
     Raises:
         DeadlockError: some rank's next action waits on something that never happens; names
@@ -111,6 +121,9 @@ def simulate(
     chunks = 1 + max((a.chunk for acts in actions for a in acts), default=0)
     t_f = _per_stage("forward_time", forward_time, p * chunks)
     t_b = _per_stage("backward_time", backward_time, p * chunks)
+    half = [b / 2 for b in t_b]
+    t_w = half if weight_time is None else _per_stage("weight_time", weight_time, p * chunks)
+    times = {"F": t_f, "B": t_b, "W": t_w, "I": [b - w for b, w in zip(t_b, t_w, strict=True)]}
     replay = _Replay(p, p * chunks, latency)
     clock, pos = [0.0] * p, [0] * p
     timeline: list[list[tuple[Action, float, float]]] = [[] for _ in range(p)]
@@ -125,7 +138,7 @@ def simulate(
                     break
                 stage = a.chunk * p + r
                 start = max(clock[r], ready)
-                clock[r] = start + (t_f if a.kind == "F" else t_b)[stage]
+                clock[r] = start + times[a.kind][stage]
                 replay.finish(a, r, clock[r])
                 timeline[r].append((a, start, clock[r]))
                 pos[r] += 1
@@ -152,7 +165,7 @@ def _summarize(timeline: list[list[tuple[Action, float, float]]]) -> Simulation:
     for acts in timeline:
         live = peak = 0
         for a, _, _ in acts:
-            live += 1 if a.kind == "F" else -1
+            live += {"F": 1, "B": -1, "I": 0, "W": -1}[a.kind]
             peak = max(peak, live)
         in_flight.append(peak)
     return Simulation(makespan, busy, [makespan - b for b in busy], in_flight, timeline)

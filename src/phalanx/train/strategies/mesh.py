@@ -53,7 +53,7 @@ class Mesh(ParallelConfig, Strategy):
         pp: Pipeline-parallel degree.
         tp: Tensor-parallel degree.
         micro_batches: Micro-batches per step of a pipeline (must divide the batch).
-        schedule: Pipeline schedule: "gpipe", "1f1b" or "interleaved".
+        schedule: Pipeline schedule: "gpipe", "1f1b", "interleaved" or "zbh1" (zero bubble).
         chunks: Model chunks per pipeline rank (interleaved schedule).
         balance: Layers per pipeline stage, or "params" / "time".
         tp_plan: Module name -> "colwise" / "rowwise" / ...; GPT models have a default.
