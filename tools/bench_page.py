@@ -90,6 +90,9 @@ TOPICS = (
         {
             "checkpoint_bench": "save, warm and cold load, asynchronous save: phalanx against "
             "torch DCP and a raw write, 100 MB and 1 GB, 1 and 2 ranks",
+            "checkpoint_slowdown": "training steps beside an asynchronous save: phalanx "
+            "against torch DCP's writer thread and writer process, 100 MB and 1 GB, 1 and 2 "
+            "ranks, 5 rounds (with the saves and loads of checkpoint_bench again)",
         },
     ),
     Topic(

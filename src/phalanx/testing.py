@@ -178,6 +178,7 @@ def run_distributed(
     may_die: Collection[int] = (),
     tcp: bool = False,
     nodes: int = 1,
+    children: bool = False,
 ) -> list[Any]:
     """Call ``fn(*args)`` on ``world_size`` ranks and return each rank's result, by rank.
 
@@ -203,6 +204,8 @@ def run_distributed(
             ``LOCAL_WORLD_SIZE`` and ``GROUP_RANK`` (``phalanx.world().node_rank``) set so,
             and ``PHALANX_SHM_HOST`` naming each node (a ``backend="shm"`` group that spans
             nodes is then hierarchical, as across machines). Must divide ``world_size``.
+        children: The ranks may start processes of their own (torch DCP's writer process):
+            they are then not daemonic. Either way they are killed when the call returns.
 
     Raises:
         DistributedTestError: naming the first rank that raised (with its traceback), died, or
@@ -236,7 +239,7 @@ def run_distributed(
             p = ctx.Process(
                 target=_worker,
                 args=(fn, args, rank, world_size, init_method, options, send),
-                daemon=True,
+                daemon=not children,
                 name=f"phalanx-rank-{rank}",
             )
             p.start()

@@ -15,6 +15,7 @@ import pytest
 from phalanx.bench.checkpoint import main
 
 SYNC = {"phalanx", "dcp", "raw"}
+ASYNC = ("phalanx_async", "dcp_async", "dcp_async_process")
 
 
 def test_bench_checkpoint_on_two_ranks_prints_a_result(
@@ -34,14 +35,15 @@ def test_bench_checkpoint_on_two_ranks_prints_a_result(
         assert row["save_mbps"] > 0 and row["load_mbps"] > 0 and row["load_cold_mbps"] > 0
     for key in ("save_ratio_vs_dcp", "load_ratio_vs_dcp", "load_cold_ratio_vs_raw"):
         assert result[key] > 0, key
-    for impl in ("phalanx_async", "dcp_async"):
+    for impl in ASYNC:
         assert 0 < result[impl]["block_s"] <= result[impl]["total_s"], impl
+        assert result[impl]["step_slowdown"] > -1, impl  # a ratio of step times, less one
     assert len(result["cases"]) == 1 and result["cases"][0]["impls"] == result["impls"]
     assert list(work.iterdir()) == []  # every case's directory is removed
     assert json.loads((out / "checkpoint.json").read_text()) == result
     rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
     assert sorted((r["round"], r["impl"]) for r in rows) == sorted(
-        (rnd, impl) for rnd in (1, 2) for impl in [*SYNC, "phalanx_async", "dcp_async"]
+        (rnd, impl) for rnd in (1, 2) for impl in [*SYNC, *ASYNC]
     )
 
 

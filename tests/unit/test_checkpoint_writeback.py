@@ -59,3 +59,35 @@ def test_without_the_call_files_are_still_written(
     payload = bytes(range(256)) * (40 * 1024)  # 10 MiB
     atomic.write_file(tmp_path / "x.bin", [payload])
     assert (tmp_path / "x.bin").read_bytes() == payload
+
+
+def test_an_asynchronous_save_queues_nothing_early_and_writes_at_a_lower_priority(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Beside training, the kernel's early I/O work would take the training's core: the
+    background write thread leaves its pages to the fsync, and yields the CPU to training
+    (nice 10)."""
+    import os
+    import threading
+
+    from phalanx.checkpoint import background
+
+    calls: list[int] = []
+    monkeypatch.setattr(writeback, "_SYNC_FILE_RANGE", lambda *args: calls.append(1) or 0)
+    payload = bytes(range(256)) * (40 * 1024)  # 10 MiB: queued early on any other thread
+    seen: dict[str, object] = {}
+
+    def write() -> Path:
+        seen["thread"] = threading.current_thread().name
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        atomic.write_file(tmp_path / "bg.bin", [payload])
+        return tmp_path
+
+    background.start("a test write", write)
+    assert background.wait() == tmp_path
+    assert seen["thread"] == background.THREAD_NAME and calls == []
+    if sys.platform.startswith("linux"):
+        assert seen["nice"] == background.NICE
+    atomic.write_file(tmp_path / "fg.bin", [payload])
+    assert calls  # the same write on this thread queued its pages early
+    assert (tmp_path / "bg.bin").read_bytes() == (tmp_path / "fg.bin").read_bytes() == payload

@@ -16,7 +16,7 @@ HOSTS_NOTE = "2 hosts, slow link: root"
 SUITES = {
     "comm": "the backend's collectives against phalanx's ring and tree (--shm: gloo vs shm)",
     "ddp": "phalanx DDP against torch DDP, 2 ranks (--shm: also on shm)",
-    "checkpoint": "phalanx checkpoints against torch DCP and a raw write: save and load",
+    "checkpoint": "phalanx checkpoints against torch DCP and a raw write; training beside them",
     "zero": "phalanx ZeRO-1/2/3 against torch's ZeroRedundancyOptimizer and FSDP2, 2 ranks",
     "zero_hybrid": f"hybrid ZeRO-3 against ZeRO-3, DDP and torch HSDP ({HOSTS_NOTE})",
     "pipeline": "GPipe, 1F1B and interleaved schedules against torch.distributed.pipelining",
@@ -25,6 +25,6 @@ SUITES = {
     "low_bandwidth": f"DDP against local SGD and DiLoCo ({HOSTS_NOTE})",
     "hosts_backend": f"the hierarchical shm group against gloo ({HOSTS_NOTE})",
     "timeline": "the timeline's recording overhead (A/B), critical-path hit rate, clock error",
-    "activations": "activation checkpointing's peak memory and step time under ZeRO-3 and pp=2",
+    "activations": "activation checkpointing's peak memory and step time, ZeRO-3 and pp=2",
 }
 """Every suite of ``phalanx bench SUITE``, with what it measures in one line."""

@@ -5,15 +5,18 @@ every rank as under data parallelism) and a number of ranks (``--ranks``, gloo p
 machine, meeting at a TCPStore as under ``phalanx run``). In each case every implementation of
 ``checkpoint_ops`` saves and loads the state in interleaved rounds (``checkpoint_rounds``):
 phalanx's ``save`` / ``load``, torch DCP's, a raw ``write`` + ``fsync`` / ``readinto`` (the
-floor), and the asynchronous saves of phalanx (``async_=True``) and DCP (``async_save``), whose
-``block_s`` is how long the caller was held. Loads are timed with the page cache warm (the files
-just written) and, with ``--cold``, again after every file was evicted (``posix_fadvise``).
+floor), and the asynchronous saves of phalanx (``async_=True``) and DCP (``async_save``, with
+its writer on a thread and in a process), whose ``block_s`` is how long the caller was held
+and ``step_slowdown`` how much slower the rank's training steps ran while it wrote. Loads are
+timed with the page cache warm (the files just written) and, with ``--cold``, again after
+every file was evicted (``posix_fadvise``).
 
 Per case: median seconds, MB/s (state MB / median), and phalanx's throughput over DCP's and the
 raw one's. The ``RESULT {json}`` line holds every case under ``cases``; its top-level keys are
 those of the first case (``impls`` with ``phalanx``, ``dcp`` and ``raw`` each holding
 ``save_mbps`` and ``load_mbps``, ``save_ratio_vs_dcp``, ``load_ratio_vs_dcp``, ...,
-``phalanx_async`` and ``dcp_async`` with ``block_s``).
+``phalanx_async``, ``dcp_async`` and ``dcp_async_process`` with ``block_s``, ``total_s`` and
+``step_slowdown``).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.bench.checkpoint_ops import make_model
-from phalanx.bench.checkpoint_rounds import Times, rank_job
+from phalanx.bench.checkpoint_rounds import Times, column, rank_job
 from phalanx.bench.common import Output, add_common_flags
 
 __all__ = ["main", "summarize"]
@@ -40,10 +43,10 @@ def summarize(times: Times, state_mb: float, ranks: int) -> dict[str, Any]:
     """One case's medians, MB/s, phalanx/dcp and phalanx/raw throughput ratios, async blocks."""
     out: dict[str, Any] = {"state_mb": state_mb, "ranks": ranks, "impls": {}}
     for impl, by_measure in times.items():
-        row = {f"{m}_s": statistics.median(ts) for m, ts in by_measure.items()}
-        if "block_s" in row:
-            out[impl] = row
+        if "block" in by_measure:
+            out[impl] = {column(m): statistics.median(ts) for m, ts in by_measure.items()}
             continue
+        row = {f"{m}_s": statistics.median(ts) for m, ts in by_measure.items()}
         row.update({f"{m}_mbps": state_mb / row[f"{m}_s"] for m in by_measure})
         out["impls"][impl] = row
     ours = out["impls"]["phalanx"]
@@ -68,9 +71,12 @@ def _print(case: dict[str, Any], rounds: int) -> None:
         line = f"{impl:<15}{r['save_s']:>8.3f}{r['save_mbps']:>7.0f}"
         line += f"{r['load_s']:>8.3f}{r['load_mbps']:>7.0f}"
         print(line + (f"{r['load_cold_s']:>8.3f}{r['load_cold_mbps']:>7.0f}" if cold else ""))
-    for impl in ("phalanx_async", "dcp_async"):
+    for impl in ("phalanx_async", "dcp_async", "dcp_async_process"):
         r = case[impl]
-        print(f"{impl:<15}blocked {r['block_s'] * 1e3:.1f} ms, durable after {r['total_s']:.3f} s")
+        print(
+            f"{impl:<18}blocked {r['block_s'] * 1e3:.1f} ms, durable after {r['total_s']:.3f} s,"
+            f" training steps {100 * r['step_slowdown']:+.1f}% while it wrote"
+        )
     for other in ("dcp", "raw"):
         ratios = ", ".join(
             f"{op} {case[key]:.2f}x"
@@ -125,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                     timeout=300 + 0.2 * mb * (args.rounds + 1),
                     collective_timeout=600,
                     tcp=True,  # a TCPStore, as under phalanx run (a FileStore polls)
+                    children=True,  # DCP's writer process
                 )[0]
             finally:
                 shutil.rmtree(workdir, ignore_errors=True)

@@ -13,7 +13,9 @@ the default group:
 - ``phalanx_async``: ``save(async_=True)`` then ``checkpoint.wait()``;
 - ``dcp_async``: ``torch.distributed.checkpoint.async_save`` (its defaults: a thread, a new
   CPU copy per save) on a gloo group of its own, as DCP's documentation asks, then
-  ``result()``.
+  ``result()``;
+- ``dcp_async_process``: the same with ``async_checkpointer_type=PROCESS``: DCP's writer in a
+  process of its own (no share of the training process's GIL).
 
 An asynchronous save is loaded back with its synchronous twin's loader.
 """
@@ -30,7 +32,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["ASYNC", "SYNC", "AsyncImpl", "Rank", "SyncImpl", "evict", "make_model"]
+__all__ = [
+    "ASYNC",
+    "SYNC",
+    "AsyncImpl",
+    "Rank",
+    "SyncImpl",
+    "evict",
+    "make_model",
+    "stop_dcp_writer",
+]
 
 
 def make_model(mb: float) -> nn.Module:
@@ -63,11 +74,13 @@ class SyncImpl:
 
 @dataclass(frozen=True)
 class AsyncImpl:
-    """An asynchronous save: ``start`` returns what ``finish`` waits on; loaded by ``load``."""
+    """An asynchronous save: ``start`` returns what ``finish`` waits on (``running`` while it
+    writes); loaded by ``load``."""
 
     name: str
     start: Callable[[Rank, Path], Any]
     finish: Callable[[Any], None]
+    running: Callable[[Any], bool]
     load: Callable[[Rank, Path], None]
 
 
@@ -114,6 +127,18 @@ def _dcp_start(r: Rank, path: Path) -> Any:
     return dcp.async_save(r.state(), checkpoint_id=str(path), process_group=r.dcp_group)
 
 
+def _dcp_process_start(r: Rank, path: Path) -> Any:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    return dcp.async_save(
+        r.state(),
+        checkpoint_id=str(path),
+        process_group=r.dcp_group,
+        async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+    )
+
+
 def _phalanx_save(r: Rank, path: Path) -> None:
     from phalanx import checkpoint
 
@@ -132,6 +157,12 @@ def _phalanx_finish(_: Any) -> None:
     checkpoint.wait()
 
 
+def _phalanx_running(_: Any) -> bool:
+    from phalanx.checkpoint import background
+
+    return background.running()
+
+
 def _phalanx_load(r: Rank, path: Path) -> None:
     from phalanx import checkpoint
 
@@ -144,9 +175,27 @@ SYNC = (
     SyncImpl("raw", _raw_save, _raw_load),
 )
 ASYNC = (
-    AsyncImpl("phalanx_async", _phalanx_start, _phalanx_finish, _phalanx_load),
-    AsyncImpl("dcp_async", _dcp_start, lambda future: future.result(), _dcp_load),
+    AsyncImpl("phalanx_async", _phalanx_start, _phalanx_finish, _phalanx_running, _phalanx_load),
+    AsyncImpl(
+        "dcp_async", _dcp_start, lambda future: future.result(), lambda f: not f.done(), _dcp_load
+    ),
+    AsyncImpl(
+        "dcp_async_process",
+        _dcp_process_start,
+        lambda future: future.result(),
+        lambda f: not f.done(),
+        _dcp_load,
+    ),
 )
+
+
+def stop_dcp_writer() -> None:
+    """End DCP's writer process (``dcp_async_process``) now, as its ``__del__`` does, rather
+    than leave it to fail reading from its killed parent (torch 2.13 offers no public call)."""
+    from torch.distributed.checkpoint import _async_process_executor as executor
+
+    process, executor._CHECKPOINT_PROCESS = executor._CHECKPOINT_PROCESS, None
+    del process  # its __del__ sends TERMINATE and joins
 
 
 def evict(path: Path) -> None:

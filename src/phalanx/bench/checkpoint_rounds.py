@@ -7,7 +7,10 @@ time is the slowest rank's, all ranks started together after a barrier (``common
 - ``save``: until the checkpoint is on disk (fsync'd) on every rank;
 - ``load``: read back into the model's tensors with the files in the page cache (just written);
 - ``load_cold``: again after every file was evicted from the page cache (with ``cold``);
-- ``block``: how long an asynchronous save held its caller; ``total``: until it was durable.
+- ``block``: how long an asynchronous save held its caller; ``total``: until it was durable;
+- ``step_slowdown``: while an asynchronous save writes, the rank keeps taking steps of a
+  stand-in training loop (``step_slowdown.py``): how much slower they are than the same steps
+  just before the save started, with nothing in flight.
 
 Round 0 warms up (imports, page allocation, staging buffers) and is not recorded; in it every
 load, the asynchronous saves' included, goes into zeroed tensors and must give back the saved
@@ -17,6 +20,7 @@ state exactly, or the benchmark fails.
 from __future__ import annotations
 
 import shutil
+import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -25,12 +29,24 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from phalanx.bench.checkpoint_ops import ASYNC, SYNC, AsyncImpl, Rank, SyncImpl, evict, make_model
+from phalanx.bench.checkpoint_ops import (
+    ASYNC,
+    SYNC,
+    AsyncImpl,
+    Rank,
+    SyncImpl,
+    evict,
+    make_model,
+    stop_dcp_writer,
+)
 from phalanx.bench.common import Output, timed
+from phalanx.bench.step_slowdown import Trainer, slowdown
 
-__all__ = ["Times", "rank_job"]
+__all__ = ["Times", "column", "rank_job"]
 
 T = TypeVar("T")
+BASELINE_STEPS = 10
+"""Steps timed with nothing in flight, just before each asynchronous save."""
 Times = dict[str, dict[str, list[float]]]
 
 
@@ -72,14 +88,29 @@ def _sync_round(r: Rank, impl: SyncImpl, path: Path, cold: bool, check: bool) ->
     return out
 
 
-def _async_round(r: Rank, impl: AsyncImpl, path: Path, check: bool) -> dict[str, float]:
+def _async_round(
+    r: Rank, impl: AsyncImpl, path: Path, check: bool, trainer: Trainer
+) -> dict[str, float]:
     handle: list[Any] = []
+    baseline = trainer.steps(BASELINE_STEPS)
     block = timed(lambda: handle.append(impl.start(r, path)))
+    start = time.perf_counter()
+    during = trainer.steps_while(lambda: impl.running(handle[0]))
+    stepping = time.perf_counter() - start
     rest = timed(lambda: impl.finish(handle[0]))
     if check:
         _load(r, impl.name, impl.load, path, check)
     _remove(r, path)
-    return {"block": block, "total": block + rest}
+    return {
+        "block": block,
+        "total": block + stepping + rest,
+        "step_slowdown": slowdown(baseline, during),
+    }
+
+
+def column(measure: str) -> str:
+    """A measure's name in the printed rows: seconds end in ``_s``; a slowdown is a ratio."""
+    return measure if measure == "step_slowdown" else f"{measure}_s"
 
 
 def rank_job(cfg: dict[str, Any]) -> Times:
@@ -94,6 +125,7 @@ def rank_job(cfg: dict[str, Any]) -> Times:
     torch.manual_seed(0)
     r = Rank(make_model(cfg["mb"]), world.rank, world.world_size, dist.new_group(backend="gloo"))
     output: Output = cfg["output"]
+    trainer = Trainer()
     times: Times = {}
     for rnd in range(cfg["rounds"] + 1):
         measured: dict[str, dict[str, float]] = {}
@@ -102,7 +134,7 @@ def rank_job(cfg: dict[str, Any]) -> Times:
             measured[sync.name] = _sync_round(r, sync, path, cfg["cold"], check=rnd == 0)
         for impl in _rotated(ASYNC, rnd):
             path = Path(cfg["workdir"]) / f"{impl.name}-{rnd}"
-            measured[impl.name] = _async_round(r, impl, path, check=rnd == 0)
+            measured[impl.name] = _async_round(r, impl, path, rnd == 0, trainer)
         if rnd == 0:
             continue
         for name, values in measured.items():
@@ -110,7 +142,8 @@ def rank_job(cfg: dict[str, Any]) -> Times:
                 times.setdefault(name, {}).setdefault(measure, []).append(seconds)
         output.rows(
             {"case": cfg["case"], "round": rnd, "impl": name}
-            | {f"{measure}_s": seconds for measure, seconds in values.items()}
+            | {column(measure): value for measure, value in values.items()}
             for name, values in measured.items()
         )
+    stop_dcp_writer()
     return times

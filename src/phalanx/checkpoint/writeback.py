@@ -11,7 +11,11 @@ little left to wait for. Measured on a 2-core CPU box: a 50 MB file's write + cr
 took 36-43 ms instead of 51-68 ms.
 
 Durability still comes from the ``fsync`` alone: this only moves work earlier. Where the call
-does not exist (not Linux, or a libc without it) nothing happens.
+does not exist (not Linux, or a libc without it) nothing happens. Nor on the thread of an
+asynchronous save (``background.THREAD_NAME``): the I/O submission it triggers runs in the
+kernel on whichever core is free, and beside training that is the training's core. Measured
+with ``phalanx bench checkpoint`` (1 GB, 1 rank): training steps ran 8-18% slower during such
+a write with it and 1.8% without, for a write durable after 1.02 s instead of 0.91 s.
 """
 
 from __future__ import annotations
@@ -19,7 +23,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import sys
+import threading
 from collections.abc import Callable
+
+from phalanx.checkpoint.background import THREAD_NAME
 
 __all__ = ["Writeback"]
 
@@ -51,11 +58,12 @@ class Writeback:
         self._fd = fd
         self._queued = 0
         self._written = 0
+        self._early = threading.current_thread().name != THREAD_NAME
 
     def wrote(self, nbytes: int) -> None:
         """Record ``nbytes`` more written at the end of the file; queue them when enough."""
         self._written += nbytes
-        if _SYNC_FILE_RANGE is None or self._written - self._queued < _EVERY:
+        if _SYNC_FILE_RANGE is None or not self._early or self._written - self._queued < _EVERY:
             return
         # An error here (a filesystem without support) is harmless: the fsync does the work.
         _SYNC_FILE_RANGE(
