@@ -255,6 +255,7 @@ class Pipeline(nn.Module):
 
     def _begin_step(self) -> None:
         self.max_in_flight, self.max_in_flight_per_chunk = 0, [0] * self.num_chunks
+        self._weight_passes.clear()  # a step that raised left its graphs here
         for port in [*self._inbound, *self._outbound]:
             if port is not None:
                 port.begin_step(early=self.p2p == "eager")
