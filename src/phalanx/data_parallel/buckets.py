@@ -2,10 +2,12 @@
 
 Parameters are taken in **reverse registration order** (backward produces the gradients of the
 last layers first, so the first bucket fills and launches while earlier layers still compute)
-and packed greedily into flat buckets under a byte cap, one bucket per (device, dtype). Each
-bucket may have its own cap: as in torch's DDP, the first one defaults to 1 MiB so communication
-starts early. A parameter with sparse gradients gets a bucket of its own (a sparse all-reduce
-cannot share a flat buffer).
+and packed greedily into flat buckets, one bucket per (device, dtype), each closed once it holds
+at least its byte cap: torch's DDP's rule (``_compute_bucket_assignment_by_size``), so the two
+issue the same collectives (``tests/unit/test_bucket_plan.py``). Each bucket may have its own
+cap: as in torch's DDP, the first one defaults to 1 MiB so communication starts early. A
+parameter with sparse gradients gets a bucket of its own (a sparse all-reduce cannot share a
+flat buffer).
 """
 
 from __future__ import annotations
@@ -45,9 +47,9 @@ class BucketPlan:
 def plan_buckets(specs: list[ParamSpec], caps: Sequence[int]) -> list[BucketPlan]:
     """Assign parameters (reverse order) to buckets; bucket ``k``'s byte cap is ``caps[k]``.
 
-    The last cap repeats. A parameter larger than its cap, or with sparse gradients, gets a
-    bucket of its own. Buckets are returned in launch order (bucket 0 holds the
-    last-registered parameters).
+    The last cap repeats. A bucket is closed by the parameter that brings it to its cap or past
+    it; a parameter with sparse gradients gets a bucket of its own. Buckets are returned in
+    launch order (bucket 0 holds the last-registered parameters).
     """
     if not caps or any(c <= 0 for c in caps):
         raise ValueError(f"bucket caps must be positive bytes, got {list(caps)}")
@@ -59,12 +61,11 @@ def plan_buckets(specs: list[ParamSpec], caps: Sequence[int]) -> list[BucketPlan
             continue
         key = (spec.device, spec.dtype)
         current = open_.setdefault(key, [])
-        cap = caps[min(len(done), len(caps) - 1)]
-        size = sum(s.numel * s.element_size for s in current)
-        if current and size + spec.numel * spec.element_size > cap:
-            done.append(current)
-            current = open_[key] = []
         current.append(spec)
+        cap = caps[min(len(done), len(caps) - 1)]
+        if sum(s.numel * s.element_size for s in current) >= cap:
+            done.append(current)
+            open_[key] = []
     done.extend(b for b in open_.values() if b)
     return [_layout(b) for b in done]
 
