@@ -55,6 +55,15 @@ TOPICS = (
         },
     ),
     Topic(
+        "DDP on gloo",
+        "data-parallel.md",
+        "Data parallel",
+        {
+            "ddp_gloo": "phalanx DDP against torch DDP on gloo, MLP and CNN at 1, 4 and 25 MB "
+            "buckets, 2 ranks, two runs (after the bucket layout became torch's)",
+        },
+    ),
+    Topic(
         "Across machines: the hierarchical shm group against gloo",
         "shm.md",
         "Shared-memory backend",
