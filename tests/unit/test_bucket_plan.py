@@ -3,8 +3,8 @@
 A bucket takes parameters (last registered first) until it holds at least its cap, as torch's
 ``_compute_bucket_assignment_by_size`` does; closing a bucket before the parameter that would
 pass the cap made an extra small bucket before each large parameter, one more collective in the
-exposed tail of backward (the MLP of ``phalanx bench ddp``: 1.077x torch's step at 1 MB before,
-1.005x after).
+exposed tail of backward (the MLP of ``phalanx bench ddp`` at 1 MB: 1.077x torch's step before;
+1.005x and 1.072x in two runs after, ``benchmarks/results/ddp_gloo.txt``).
 """
 
 from __future__ import annotations

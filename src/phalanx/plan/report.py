@@ -142,7 +142,7 @@ def memory_report(
         state_bytes = _count(tensors_in(state), seen) if state is not None else 0
     activations = 0
     if batch is not None:
-        from phalanx.plan.measure import activation_bytes
+        from phalanx.plan.measure import activation_bytes  # loads torch's profiler: on use
 
         activations = activation_bytes(model, batch, loss_fn)
     return MemoryReport(param_bytes, grad_bytes, state_bytes, activations)
