@@ -32,8 +32,9 @@ def pytest_collection_modifyitems(items: list[object]) -> None:
 
 CPU_LOG_ENV = "PHALANX_TEST_CPU_LOG"
 """A file: each test appends its CPU seconds (its process and the children it waited for) and
-its wall seconds, to find what makes ``make test`` slow on two cores (``tools/test_cpu.py``
-sums it by file)."""
+its wall seconds, its end (seconds since the epoch) and its pytest-xdist worker, to find what
+makes ``make test`` slow on two cores (``tools/test_cpu.py`` sums it by file and shows when each
+worker ran out of work)."""
 
 if os.environ.get(CPU_LOG_ENV):
     import resource
@@ -51,6 +52,8 @@ if os.environ.get(CPU_LOG_ENV):
     def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
         cpu, wall = _cpu(), time.monotonic()
         yield
-        line = f"{_cpu() - cpu:.2f}\t{time.monotonic() - wall:.2f}\t{item.nodeid}\n"
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        took = f"{_cpu() - cpu:.2f}\t{time.monotonic() - wall:.2f}"
+        line = f"{took}\t{item.nodeid}\t{time.time():.2f}\t{worker}\n"
         with open(os.environ[CPU_LOG_ENV], "a") as log:
             log.write(line)
