@@ -75,7 +75,7 @@ test-all: $(STAMP)
 	$(MAKE) --no-print-directory test PYTEST_MARK=
 
 # Python's default bytecode cache, even where the environment sets PYTHONDONTWRITEBYTECODE: the
-# suite starts some 900 Python processes, and each would otherwise compile the phalanx modules it
+# suite starts some 600 Python processes, and each would otherwise compile the phalanx modules it
 # imports afresh (0.2 s of CPU for a Job's worker).
 pytest: $(STAMP)
 	env -u PYTHONDONTWRITEBYTECODE $(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(if $(PYTEST_MARK),-m "$(PYTEST_MARK)")
