@@ -8,7 +8,7 @@ Usage::
 CPU is the test process's and that of the children it waited for (launchers and their
 workers); a forkserver's children count when the forkserver exits, so ``run_distributed``
 tests show less than they cost. Where the log has each test's end and worker (newer logs), the
-last lines say when each pytest-xdist worker ran out of work and which files it ran last: the
+last lines say when each pytest-xdist worker ran out of work and the file it ran last: the
 tail where fewer workers than cores are busy.
 """
 
