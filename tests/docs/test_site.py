@@ -14,6 +14,8 @@ from types import ModuleType
 
 import pytest
 
+from tests.script_module import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 INSTALL = "pip install -e '.[docs]'"
 BUILD_DEADLINE_S = 240  # about 10 s on an idle 2-core box; the rest is headroom for load
@@ -21,12 +23,7 @@ BUILD_DEADLINE_S = 240  # about 10 s on an idle 2-core box; the rest is headroom
 
 def _tool(name: str) -> ModuleType:
     """A script under tools/ (not a package) as a module."""
-    spec = importlib.util.spec_from_file_location(f"_tools_{name}", ROOT / "tools" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while being created
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "tools" / f"{name}.py", f"_tools_{name}")
 
 
 def _need_mkdocs() -> None:

@@ -10,9 +10,7 @@ host's ranks; ``tests/distributed/test_zero_hybrid.py`` reloads at 1 x 4, 4 x 1 
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
@@ -22,18 +20,11 @@ from phalanx.bench.hosts import Hosts
 from phalanx.testing import scaled
 from tests.e2e.launching import SCRIPTS
 from tests.multihost.hosts import start_on, stop
+from tests.script_module import load_script
 
 pytestmark = pytest.mark.netns
 
 SCRIPT = SCRIPTS / "hybrid_shard_job.py"
-
-
-def _script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("hybrid_shard_job", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _run(hosts: Hosts, nodes: list[list[str]], *job: str) -> list[str]:
@@ -69,7 +60,7 @@ def test_hybrid_zero3_across_two_hosts_then_resumed_on_one(
     assert f"node 1: {layout}; shard ranks [2, 3]" in outs[0], outs[0]
     assert f"node 0: {layout}; shard ranks [0, 1]" in outs[1], outs[1]
     trained = torch.load(tmp_path / "train-4.pt", weights_only=True)
-    script = _script()
+    script = load_script(SCRIPT, "hybrid_shard_job")
     want = script.reference()
     assert list(trained) == list(want)
     for key, value in want.items():

@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+from tests.script_module import load_script
+
 TOOLS = Path(__file__).resolve().parents[2] / "tools" / "peer_suites"
 
 
 def _runner() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("horovod_suite", TOOLS / "horovod_suite.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(TOOLS / "horovod_suite.py", "horovod_suite")
 
 
 def test_the_reviewed_rules_file_parses_and_every_entry_has_a_reason() -> None:

@@ -2,29 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 from phalanx.testing import scaled
+from tests.script_module import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "process_cpu.py"
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
-
-
-def _tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("process_cpu", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_a_busy_child_is_counted_by_its_kind_and_the_command_exit_status_passes_through(
@@ -56,7 +47,7 @@ def test_a_busy_child_is_counted_by_its_kind_and_the_command_exit_status_passes_
 
 
 def test_kinds_name_launchers_scripts_and_forkserver_ranks() -> None:
-    kind = _tool().kind
+    kind = load_script(TOOL, "process_cpu").kind
     python = "/venv/bin/python3"
     assert kind(f"{python} -m phalanx run --standalone x.py") == "launcher (phalanx run)"
     assert kind(f"{python} /venv/bin/phalanx run x.py") == "launcher (phalanx run)"
