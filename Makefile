@@ -65,10 +65,12 @@ PYTEST_WORKERS ?= 3
 # runs every test.
 PYTEST_MARK ?= not extended
 
-# lint (ruff, mypy) and the no-extras smoke (its own venv, then a 2-rank job) run beside pytest:
-# each is mostly one process, and pytest leaves a core idle much of the time. Each target's
-# output comes out whole when it ends.
-test: $(STAMP)
+# First .venv and the no-extras venv's torch, side by side: each is one pip process at a time,
+# so together they use both cores, where the second would otherwise compete with pytest. Then
+# lint (ruff, mypy) and the no-extras smoke (phalanx installed, then a 2-rank job) run beside
+# pytest. Each target's output comes out whole when it ends.
+test:
+	$(MAKE) --no-print-directory -j2 $(STAMP) $(NOEXTRAS)/.base
 	$(MAKE) --no-print-directory -j3 --output-sync=target lint smoke-noextras pytest
 
 test-all: $(STAMP)

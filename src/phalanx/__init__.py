@@ -1,11 +1,13 @@
 """phalanx: distributed training for PyTorch — 2 processes or 200 machines as easy as one.
 
-Importing phalanx computes no tensors (safe before forking worker processes) and loads only torch,
-the collectives and the diagnostics that watch them (``phalanx.diagnostics`` installs its tracking
-on the wire's hook here, as every ``phalanx.*`` import runs this file first). Every subpackage is
-an attribute (``phalanx.checkpoint.save(...)`` after ``import phalanx``) and every name in
+Importing phalanx computes no tensors (safe before forking worker processes) and imports no torch:
+``phalanx run``'s agents never load it. Every ``phalanx.*`` import runs this file first, which
+only arranges three things: the wire's hook loads ``phalanx.diagnostics.tracking`` when the
+first operation needs it, the ``"shm"`` backend is registered with ``torch.distributed`` as soon
+as that loads (``comm/plugin.py``), and the exit guard is installed. Every subpackage is an
+attribute (``phalanx.checkpoint.save(...)`` after ``import phalanx``) and every name in
 ``__all__`` works as ``phalanx.Job`` or ``from phalanx import Job``; both load their module on
-first use.
+first use (``_lazy.py``).
 
 What ``__all__`` exports, and why each name is there (``tests/unit/test_package.py`` checks this
 list against ``__all__``); everything else stays importable from its subpackage:
@@ -44,52 +46,27 @@ unless the program configured logging (:func:`phalanx.train.loop_helpers.configu
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from torch.distributed import ReduceOp
-
-from phalanx.comm import (
-    CollectiveError,
-    World,
-    all_gather,
-    all_gather_into_tensor,
-    all_gather_object,
-    all_reduce,
-    all_to_all,
-    all_to_all_single,
-    barrier,
-    batch_isend_irecv,
-    broadcast,
-    broadcast_object_list,
-    comm_stats,
-    destroy_process_group,
-    gather,
-    gather_object,
-    init_process_group,
-    irecv,
-    is_initialized,
-    is_main,
-    isend,
-    main_first,
-    process_group,
-    recv,
-    reduce,
-    reduce_scatter,
-    reduce_scatter_tensor,
-    reset_comm_stats,
-    scatter,
-    scatter_object_list,
-    send,
-    world,
-)
+from phalanx import _lazy
+from phalanx.comm import exit_guard as _exit_guard
+from phalanx.comm import plugin as _plugin
 from phalanx.comm import watch as _watch
-from phalanx.diagnostics import tracking as _tracking
 
-_watch.install(_tracking)  # the wire records nothing itself: tracking watches every operation
-del _watch, _tracking
+
+def _tracking() -> _watch.Watcher:
+    from phalanx.diagnostics import tracking
+
+    return tracking
+
+
+_watch.install_on_first_use(_tracking)  # the wire records nothing itself: tracking watches it
+_plugin.register_when_loaded()  # torch.distributed.init_process_group("shm") works
+_exit_guard.install()
 
 if TYPE_CHECKING:  # loaded by __getattr__ on first use; imported here for type checkers only
+    from torch.distributed import ReduceOp
+
     from phalanx import activation_checkpointing as activation_checkpointing
     from phalanx import bench as bench
     from phalanx import checkpoint as checkpoint
@@ -110,12 +87,46 @@ if TYPE_CHECKING:  # loaded by __getattr__ on first use; imported here for type 
     from phalanx.activation_checkpointing import (
         checkpoint_activations as checkpoint_activations,
     )
+    from phalanx.comm import (
+        CollectiveError,
+        World,
+        all_gather,
+        all_gather_into_tensor,
+        all_gather_object,
+        all_reduce,
+        all_to_all,
+        all_to_all_single,
+        barrier,
+        batch_isend_irecv,
+        broadcast,
+        broadcast_object_list,
+        comm_stats,
+        destroy_process_group,
+        gather,
+        gather_object,
+        init_process_group,
+        irecv,
+        is_initialized,
+        is_main,
+        isend,
+        main_first,
+        process_group,
+        recv,
+        reduce,
+        reduce_scatter,
+        reduce_scatter_tensor,
+        reset_comm_stats,
+        scatter,
+        scatter_object_list,
+        send,
+        world,
+    )
     from phalanx.data import DistributedSampler as DistributedSampler
     from phalanx.data_parallel import DataParallel as DataParallel
     from phalanx.data_parallel import DistributedDataParallel as DistributedDataParallel
     from phalanx.data_parallel import SyncBatchNorm as SyncBatchNorm
     from phalanx.launch import SpawnError as SpawnError
-    from phalanx.launch import spawn as spawn
+    from phalanx.launch.spawn import spawn as spawn
     from phalanx.model_parallel import split_across_devices as split_across_devices
     from phalanx.plan import memory_report as memory_report
     from phalanx.sharding import ZeroRedundancyOptimizer as ZeroRedundancyOptimizer
@@ -166,6 +177,39 @@ _SUBMODULES = (
 """Every public module directly under phalanx, each an attribute of the package."""
 
 _LAZY_NAMES = {
+    "ReduceOp": "torch.distributed",
+    "CollectiveError": "phalanx.comm",
+    "World": "phalanx.comm",
+    "all_gather": "phalanx.comm",
+    "all_gather_into_tensor": "phalanx.comm",
+    "all_gather_object": "phalanx.comm",
+    "all_reduce": "phalanx.comm",
+    "all_to_all": "phalanx.comm",
+    "all_to_all_single": "phalanx.comm",
+    "barrier": "phalanx.comm",
+    "batch_isend_irecv": "phalanx.comm",
+    "broadcast": "phalanx.comm",
+    "broadcast_object_list": "phalanx.comm",
+    "comm_stats": "phalanx.comm",
+    "destroy_process_group": "phalanx.comm",
+    "gather": "phalanx.comm",
+    "gather_object": "phalanx.comm",
+    "init_process_group": "phalanx.comm",
+    "irecv": "phalanx.comm",
+    "is_initialized": "phalanx.comm",
+    "is_main": "phalanx.comm",
+    "isend": "phalanx.comm",
+    "main_first": "phalanx.comm",
+    "process_group": "phalanx.comm",
+    "recv": "phalanx.comm",
+    "reduce": "phalanx.comm",
+    "reduce_scatter": "phalanx.comm",
+    "reduce_scatter_tensor": "phalanx.comm",
+    "reset_comm_stats": "phalanx.comm",
+    "scatter": "phalanx.comm",
+    "scatter_object_list": "phalanx.comm",
+    "send": "phalanx.comm",
+    "world": "phalanx.comm",
     "ActivationCheckpointing": "phalanx.activation_checkpointing",
     "checkpoint_activations": "phalanx.activation_checkpointing",
     "DistributedSampler": "phalanx.data",
@@ -192,23 +236,10 @@ _LAZY_NAMES = {
     "TorchFSDP": "phalanx.train",
 }
 """Exported names -> the module that defines them, imported on first use: ``import phalanx``
-costs torch and the collectives only (``phalanx run`` starts in about a second less than
-when DDP, and with it torch._dynamo, was imported eagerly)."""
+costs no torch (``phalanx run``'s agent runs without it)."""
 
 
-def __getattr__(name: str) -> Any:
-    # PEP 562: runs only for names not already set, i.e. the subpackages not imported yet.
-    if name in _SUBMODULES:
-        return importlib.import_module(f"{__name__}.{name}")
-    if name in _LAZY_NAMES:
-        value = getattr(importlib.import_module(_LAZY_NAMES[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_SUBMODULES, *_LAZY_NAMES})
+__getattr__, __dir__ = _lazy.exports(__name__, _LAZY_NAMES, _SUBMODULES)
 
 
 __all__ = [

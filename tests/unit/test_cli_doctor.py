@@ -9,6 +9,7 @@ import pytest
 
 from phalanx import cli, doctor
 from phalanx.comm import backends
+from phalanx.launch import nproc
 from phalanx.launch.backend_note import backend_note
 
 
@@ -82,6 +83,7 @@ def test_doctor_on_a_gpu_machine_and_through_the_command(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.delenv("PHALANX_BACKEND", raising=False)
+    monkeypatch.setattr(nproc, "gpu_build", lambda: True)  # a CUDA build of torch, with a GPU
     monkeypatch.setattr(doctor.torch.cuda, "is_available", lambda: True)
     assert doctor._run_backend_check().detail == "default backend nccl (GPU ranks)"
     monkeypatch.setattr(doctor.torch.cuda, "is_available", lambda: False)

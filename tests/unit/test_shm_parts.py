@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
 from phalanx.comm.errors import CollectiveMismatchError
-from phalanx.comm.shm import register
+from phalanx.comm.plugin import register
 from phalanx.comm.shm.backend import ShmProcessGroup
 from phalanx.comm.shm.collectives import _chunks, share
 from phalanx.comm.shm.descriptor import Call, check_same

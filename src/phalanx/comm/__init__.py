@@ -10,44 +10,68 @@ imports the diagnostics, the data, the checkpoints, the training loop or the lau
 
 from __future__ import annotations
 
-from phalanx.comm import exit_guard, shm
-from phalanx.comm.collectives import (
-    all_gather,
-    all_gather_into_tensor,
-    all_reduce,
-    all_to_all,
-    all_to_all_single,
-    barrier,
-    broadcast,
-    gather,
-    reduce,
-    reduce_scatter,
-    reduce_scatter_tensor,
-    scatter,
-)
-from phalanx.comm.env import LaunchEnv, discover_env
-from phalanx.comm.errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
-from phalanx.comm.group import (
-    World,
-    destroy_process_group,
-    init_process_group,
-    is_initialized,
-    is_main,
-    main_first,
-    process_group,
-    world,
-)
-from phalanx.comm.objects import (
-    all_gather_object,
-    broadcast_object_list,
-    gather_object,
-    scatter_object_list,
-)
-from phalanx.comm.p2p import batch_isend_irecv, irecv, isend, recv, send
-from phalanx.comm.watch import comm_stats, reset_comm_stats
+from typing import TYPE_CHECKING
 
-exit_guard.install()
-shm.register()
+from phalanx import _lazy
+
+if TYPE_CHECKING:  # loaded by __getattr__ on first use; imported here for type checkers only
+    from phalanx.comm.collectives import (
+        all_gather,
+        all_gather_into_tensor,
+        all_reduce,
+        all_to_all,
+        all_to_all_single,
+        barrier,
+        broadcast,
+        gather,
+        reduce,
+        reduce_scatter,
+        reduce_scatter_tensor,
+        scatter,
+    )
+    from phalanx.comm.env import LaunchEnv, discover_env
+    from phalanx.comm.errors import (
+        CollectiveError,
+        CollectiveMismatchError,
+        CollectiveTimeoutError,
+    )
+    from phalanx.comm.group import (
+        World,
+        destroy_process_group,
+        init_process_group,
+        is_initialized,
+        is_main,
+        main_first,
+        process_group,
+        world,
+    )
+    from phalanx.comm.objects import (
+        all_gather_object,
+        broadcast_object_list,
+        gather_object,
+        scatter_object_list,
+    )
+    from phalanx.comm.p2p import batch_isend_irecv, irecv, isend, recv, send
+    from phalanx.comm.watch import comm_stats, reset_comm_stats
+
+_MODULES = {
+    "collectives": (
+        "all_gather all_gather_into_tensor all_reduce all_to_all all_to_all_single barrier "
+        "broadcast gather reduce reduce_scatter reduce_scatter_tensor scatter"
+    ),
+    "env": "LaunchEnv discover_env",
+    "errors": "CollectiveError CollectiveMismatchError CollectiveTimeoutError",
+    "group": (
+        "World destroy_process_group init_process_group is_initialized is_main main_first "
+        "process_group world"
+    ),
+    "objects": "all_gather_object broadcast_object_list gather_object scatter_object_list",
+    "p2p": "batch_isend_irecv irecv isend recv send",
+    "watch": "comm_stats reset_comm_stats",
+}
+__getattr__, __dir__ = _lazy.exports(
+    __name__, {n: f"{__name__}.{m}" for m, names in _MODULES.items() for n in names.split()}
+)
 
 __all__ = [
     "CollectiveError",

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import platform
 
-__all__ = ["BACKENDS", "HIERARCHICAL", "MIN_LOCAL_ENV", "auto_backend", "shm_unusable"]
+__all__ = ["BACKENDS", "HIERARCHICAL", "MIN_LOCAL_ENV", "SHM", "auto_backend", "shm_unusable"]
 
-BACKENDS = ("auto", "gloo", "nccl", "mpi", "shm")
+SHM = "shm"
+"""phalanx's own backend (``comm/shm``), registered with torch by ``comm/plugin.py``."""
+BACKENDS = ("auto", "gloo", "nccl", "mpi", SHM)
 """What ``backend=`` (``phalanx run --backend``, ``PHALANX_BACKEND``) may name."""
 
 MIN_LOCAL_ENV = "PHALANX_MIN_LOCAL_WORLD_SIZE"

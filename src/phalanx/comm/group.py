@@ -31,8 +31,8 @@ from phalanx.comm.backends import BACKENDS, MIN_LOCAL_ENV, auto_backend
 from phalanx.comm.env import LaunchEnv, discover_env
 from phalanx.comm.flags import tracking_flags
 from phalanx.comm.init_method import InitMethod, parse_init_method
-from phalanx.comm.main_first import main_first
 from phalanx.comm.netif import GLOO_IFNAME, gloo_interface
+from phalanx.comm.rank_zero_first import main_first
 from phalanx.comm.signed import SignedStore
 from phalanx.comm.store import connect_store, host_store
 

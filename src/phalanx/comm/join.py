@@ -20,10 +20,12 @@ import secrets
 import socket
 from collections.abc import Iterable
 from datetime import timedelta
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from phalanx.comm.signed import JobSecretError, Rejected, SignedStore, as_record, claimed
+
+if TYPE_CHECKING:
+    from phalanx.comm.signed import AnyStore
 
 __all__ = ["HOST_KEY", "host_job", "join_job", "proof_key", "prove", "proven"]
 
@@ -55,13 +57,11 @@ class Proof:
     pid: int
 
 
-def _record_store(
-    store: dist.Store, secret: bytes | None, run_id: str, restart: int
-) -> SignedStore:
+def _record_store(store: AnyStore, secret: bytes | None, run_id: str, restart: int) -> SignedStore:
     return SignedStore(store, secret, f"join/{run_id}/{restart}")
 
 
-def host_job(store: dist.Store, secret: bytes | None, run_id: str, restart: int, where: str) -> str:
+def host_job(store: AnyStore, secret: bytes | None, run_id: str, restart: int, where: str) -> str:
     """Publish the join record of a fresh worker store; return its nonce."""
     nonce = secrets.token_hex(16)
     record = JoinRecord(run_id, nonce, where)
@@ -70,7 +70,7 @@ def host_job(store: dist.Store, secret: bytes | None, run_id: str, restart: int,
 
 
 def join_job(
-    store: dist.Store,
+    store: AnyStore,
     secret: bytes | None,
     rank: int,
     run_id: str,

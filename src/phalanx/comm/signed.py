@@ -36,11 +36,19 @@ import types
 import typing
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, TypeVar
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from phalanx.comm import auth
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    import torch.distributed as dist
+
+    from phalanx.comm.tcpstore import StoreClient
+
+    AnyStore: TypeAlias = dist.Store | StoreClient
+    """torch's stores, and the pure-Python client of the processes without torch."""
 
 __all__ = ["JobSecretError", "Rejected", "SignedStore", "as_record", "claimed"]
 
@@ -82,7 +90,7 @@ def _warn_once(key: str, why: Rejected) -> None:
 class SignedStore:
     """Typed, signed JSON values over a c10d store (``put`` / ``get`` and friends)."""
 
-    store: dist.Store
+    store: AnyStore
     """The c10d store that holds the frames."""
     secret: bytes | None = dataclasses.field(repr=False)
     """The job secret (None: frames are unsigned)."""
@@ -95,7 +103,7 @@ class SignedStore:
         """The same signer for the keys under ``prefix``."""
         return dataclasses.replace(self, prefix=self.prefix + prefix)
 
-    def over(self, store: dist.Store) -> SignedStore:
+    def over(self, store: AnyStore) -> SignedStore:
         """The same signer over another handle to the same store (e.g. a clone for a thread)."""
         return dataclasses.replace(self, store=store)
 

@@ -2,7 +2,9 @@
 
 torch's ``TCPStore(host, port, is_master=True)`` listens on every interface whatever ``host``
 says, and has no authentication. phalanx binds the listening socket itself, to the address it
-was given, and hands the bound socket to the store (``master_listen_fd``).
+was given, and hands the bound socket to the store (``master_listen_fd``). torch is imported
+by the functions that make its stores only: :mod:`phalanx.comm.tcpstore` binds and waits with
+the others, without torch.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ import os
 import socket
 import time
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
-import torch.distributed as dist
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
-__all__ = ["bind_listener", "connect_store", "host_store"]
+__all__ = ["bind_listener", "connect_store", "host_store", "wait_for_listener"]
 
 POLL_S = 0.1
 """Pause between two connection attempts while nothing listens yet."""
@@ -57,6 +61,8 @@ def bind_listener(addr: str, port: int) -> socket.socket:
 
 def host_store(addr: str, port: int, timeout: timedelta) -> tuple[dist.TCPStore, int]:
     """Start a TCPStore server listening only on ``addr:port``; return it and its port."""
+    import torch.distributed as dist
+
     sock = bind_listener(addr, port)
     bound_port = sock.getsockname()[1]
     # The store uses this very descriptor (no dup) and closes it when it is destroyed, so hand
@@ -86,15 +92,19 @@ def connect_store(addr: str, port: int, timeout: timedelta) -> dist.TCPStore:
     ``timeout=5`` gave up after 7 to 12 s. Here a plain socket polls until the deadline, and the
     store connects only once something listens (at once, then).
     """
-    deadline = time.monotonic() + timeout.total_seconds()
-    _wait_for_listener(addr, port, timeout, deadline)
+    import torch.distributed as dist
+
+    wait_for_listener(addr, port, timeout)
     try:
         return dist.TCPStore(addr, port, None, False, timeout)
     except (RuntimeError, OSError) as exc:
         raise _unreachable(addr, port, timeout, exc) from exc
 
 
-def _wait_for_listener(addr: str, port: int, timeout: timedelta, deadline: float) -> None:
+def wait_for_listener(addr: str, port: int, timeout: timedelta) -> None:
+    """Return once something accepts connections on ``addr:port``; ``ConnectionError`` naming
+    both after ``timeout``."""
+    deadline = time.monotonic() + timeout.total_seconds()
     last: OSError | None = None
     while (left := deadline - time.monotonic()) > 0:
         try:

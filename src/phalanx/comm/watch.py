@@ -7,24 +7,27 @@ it when this rank starts to wait and closes it when the wait ends (:mod:`phalanx
 ``init_process_group`` and ``destroy_process_group`` call :func:`start` and :func:`stop`. All
 of them go to the one :class:`Watcher` given to :func:`install`.
 
-``import phalanx`` (which runs first for any ``phalanx.*`` import) installs
-``phalanx.diagnostics.tracking``: sequence numbers, flight records, the mismatch check, hang
-reports and blame. The wire never imports the diagnostics: they install themselves here, so
-the dependency points one way. Until one is installed, nothing is recorded and a failed
-collective's error names the operation only.
+``import phalanx`` (which runs first for any ``phalanx.*`` import) gives
+``phalanx.diagnostics.tracking`` (sequence numbers, flight records, the mismatch check, hang
+reports and blame) to :func:`install_on_first_use`: it is imported when the wire first needs
+it, so importing phalanx loads neither the diagnostics nor torch. The wire never imports the
+diagnostics: they install themselves here, so the dependency points one way. Until one is
+installed, nothing is recorded and a failed collective's error names the operation only.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Protocol
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Any, Protocol
 
 from phalanx.comm.errors import CollectiveError
 from phalanx.comm.flags import TrackingFlags
 from phalanx.comm.signed import SignedStore
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
 
 __all__ = [
     "P2PRecord",
@@ -33,6 +36,7 @@ __all__ = [
     "enter",
     "failure",
     "install",
+    "install_on_first_use",
     "installed",
     "leave",
     "p2p",
@@ -98,17 +102,33 @@ class Watcher(Protocol):
 
 _watcher: Watcher | None = None
 """None until one is installed: nothing is recorded, and a failure's error names the operation."""
+_load: Callable[[], Watcher] | None = None
+"""What :func:`install_on_first_use` was given, until the wire first needs a watcher."""
 
 
 def install(watcher: Watcher) -> None:
     """Tell ``watcher`` of every operation from now on (it replaces the one before)."""
-    global _watcher
-    _watcher = watcher
+    global _watcher, _load
+    _watcher, _load = watcher, None
+
+
+def install_on_first_use(load: Callable[[], Watcher]) -> None:
+    """:func:`install` ``load()`` when an operation first needs a watcher (not if one is
+    installed before then)."""
+    global _load
+    if _watcher is None:
+        _load = load
+
+
+def _current() -> Watcher | None:
+    if _watcher is None and _load is not None:
+        install(_load())
+    return _watcher
 
 
 def installed() -> Watcher | None:
     """The watcher the wire tells (``phalanx.diagnostics.tracking`` once phalanx is imported)."""
-    return _watcher
+    return _current()
 
 
 def comm_stats() -> dict[str, tuple[int, int]]:
@@ -135,8 +155,8 @@ def start(
     flags: TrackingFlags | None = None,
 ) -> None:
     """The default group exists: tell the watcher (``init_process_group`` calls it)."""
-    if _watcher is not None:
-        _watcher.start(store, rank, world_size, validate, timeout, flags)
+    if (watcher := _current()) is not None:
+        watcher.start(store, rank, world_size, validate, timeout, flags)
 
 
 def stop() -> None:
@@ -162,9 +182,10 @@ def enter(
     _CALLS[op] = _CALLS.get(op, 0) + 1
     if tensor is not None:
         _BYTES[op] = _BYTES.get(op, 0) + tensor.numel() * tensor.element_size()
-    if _watcher is None:
+    watcher = _watcher if _watcher is not None else _current()
+    if watcher is None:
         return -1
-    return _watcher.enter(
+    return watcher.enter(
         op, group, tensor, reduce_op=reduce_op, root=root, compare_shape=compare_shape
     )
 
@@ -177,9 +198,9 @@ def leave(group: dist.ProcessGroup | None, seq: int) -> None:
 
 def failure(op: str, seq: int, group: dist.ProcessGroup | None, exc: BaseException) -> Exception:
     """The error to raise for the backend's failure ``exc`` of collective ``op`` #``seq``."""
-    if _watcher is None:
+    if (watcher := _current()) is None:
         return CollectiveError(f"{op} failed: {exc}")
-    return _watcher.failure(op, seq, group, exc)
+    return watcher.failure(op, seq, group, exc)
 
 
 def p2p(op: str, peer: int, tensor: torch.Tensor | None, idle: bool) -> P2PRecord | None:
@@ -191,4 +212,5 @@ def p2p(op: str, peer: int, tensor: torch.Tensor | None, idle: bool) -> P2PRecor
         tensor: The tensor sent or received into.
         idle: The wait may legitimately be long: recorded, never reported as a hang.
     """
-    return None if _watcher is None else _watcher.p2p(op, peer, tensor, idle)
+    watcher = _watcher if _watcher is not None else _current()
+    return None if watcher is None else watcher.p2p(op, peer, tensor, idle)

@@ -212,7 +212,7 @@ def start(
             t.files = open_rank_files(t.store, rank)
         except (dist.DistError, OSError) as exc:  # diagnostics must never stop a job starting
             log.warning("rank %d: no per-rank files (store: %s)", rank, exc)
-        raw = store.store.clone()  # type: ignore[attr-defined]
+        raw = store.store.clone()  # type: ignore[union-attr]
         # Bounded store calls let stop() always join the thread: a daemon thread still inside a
         # store call when the interpreter finalises dies in C++ (std::terminate, SIGABRT).
         raw.set_timeout(timedelta(seconds=PUBLISH_STORE_TIMEOUT_S))

@@ -16,6 +16,7 @@ import os
 from collections.abc import Mapping
 
 from phalanx.comm.backends import auto_backend
+from phalanx.launch.nproc import cuda_available
 
 __all__ = ["BackendNotes", "backend_note", "describe", "workers_backend"]
 
@@ -34,10 +35,8 @@ def workers_backend(
     given = (backend or environ.get("PHALANX_BACKEND") or "auto").lower()
     if given != "auto":
         return given, _placement(given, world_size, nproc), True
-    import torch
-
     one_machine = world_size > 1 and world_size == nproc
-    name, why = auto_backend(torch.cuda.is_available(), one_machine, fewest_local)
+    name, why = auto_backend(cuda_available(), one_machine, fewest_local)
     if name == "gloo" and world_size == 1:
         why = "a single rank: nothing to share"
     elif name == "gloo" and world_size > nproc and not why:

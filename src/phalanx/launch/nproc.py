@@ -3,18 +3,30 @@
 The device names resolve exactly as torchrun's ``determine_local_world_size`` does: ``cpu`` is
 the CPUs this process may run on, ``gpu`` / ``xpu`` the devices of that kind (an error when there
 are none), ``auto`` the accelerator's devices if there is one, else the CPUs. The device counts
-come from a *probe*, so the decision is a pure function; the default probe asks torch.
+come from a *probe*, so the decision is a pure function; the default probe asks torch, unless
+torch's build has no GPU support at all (:func:`gpu_build`): then the launcher never imports it.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import re
 import resource
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 from phalanx.launch.config import ArgsError
 
-__all__ = ["MAX_ENV", "DeviceProbe", "local_world_size", "nproc_limit", "probe_devices"]
+__all__ = [
+    "MAX_ENV",
+    "DeviceProbe",
+    "cuda_available",
+    "gpu_build",
+    "local_world_size",
+    "nproc_limit",
+    "probe_devices",
+]
 
 DeviceProbe = Callable[[str], "int | None"]
 """``probe(kind)``: device count of ``kind`` (cpu, gpu, xpu, accelerator, or torch's custom
@@ -32,10 +44,37 @@ def _cpu_count() -> int:
     return len(os.sched_getaffinity(0))
 
 
+def gpu_build() -> bool:
+    """Whether the installed torch was built for a GPU (CUDA, ROCm or XPU), read from its
+    ``torch/version.py`` without importing torch (1.5 CPU-seconds); True when that cannot be
+    read, so the callers ask torch itself."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        return True
+    try:
+        text = (Path(spec.origin).parent / "version.py").read_text()
+    except OSError:
+        return True
+    found = dict(re.findall(r"^(cuda|hip|xpu)\b[^=]*=\s*(.+?)\s*$", text, re.MULTILINE))
+    return set(found) != {"cuda", "hip", "xpu"} or any(v != "None" for v in found.values())
+
+
+def cuda_available() -> bool:
+    """``torch.cuda.is_available()``, without importing a torch built for the CPU only."""
+    if not gpu_build():
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
 def probe_devices(kind: str) -> int | None:
-    """Device count of ``kind`` as torchrun finds it (imports torch unless ``kind`` is cpu)."""
+    """Device count of ``kind`` as torchrun finds it (imports torch unless ``kind`` is cpu, or
+    ``auto`` / ``gpu`` with a torch built for the CPU only)."""
     if kind == "cpu":
         return _cpu_count()
+    if kind in ("gpu", "accelerator") and not gpu_build():
+        return None
     import torch
 
     if kind == "gpu":

@@ -22,9 +22,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, TypeVar
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from phalanx.comm.backends import shm_unusable
 from phalanx.comm.signed import Rejected, SignedStore, claimed
@@ -32,6 +30,9 @@ from phalanx.launch import agent_values as values
 from phalanx.launch.node_claims import NoNodeRank, PreviousLife, is_previous_life, my_claim
 from phalanx.launch.node_claims import take_node_rank as _take_node_rank
 from phalanx.launch.summary import Failure, describe_failure
+
+if TYPE_CHECKING:
+    from phalanx.comm.signed import AnyStore
 
 __all__ = ["AgentStore", "Rendezvous", "RendezvousError", "StoreLost", "store_call"]
 
@@ -94,7 +95,7 @@ class AgentStore:
 
     def __init__(
         self,
-        store: dist.Store,
+        store: AnyStore,
         node_rank: int,
         nnodes: int,
         log: Callable[[str], None],

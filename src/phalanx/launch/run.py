@@ -9,6 +9,7 @@ import os
 from datetime import timedelta
 from typing import Any
 
+from phalanx.comm import tcpstore
 from phalanx.comm.auth import SECRET_ENV
 from phalanx.comm.netif import interface_owning
 from phalanx.launch.args import ArgsError, LaunchConfig, notes, parse_args
@@ -31,14 +32,12 @@ def _open_agent_store(cfg: LaunchConfig, addrs: list[str]) -> tuple[Any, LaunchC
     hosts the store and is node 0, unless another agent here already does; the others connect
     and take a node rank at the rendezvous (:class:`~phalanx.launch.agent.Agent`).
     """
-    from phalanx.comm.store import connect_store, host_store
-
     timeout = timedelta(seconds=cfg.rdzv_timeout)
     addr = cfg.master_addr
     hosts = _ours(addrs) if cfg.node_rank_auto else cfg.node_rank == 0
     if hosts:
         try:
-            store, port = host_store(addr, cfg.master_port, timeout)
+            store, port = tcpstore.host(addr, cfg.master_port, timeout)
         except OSError as exc:
             if not (cfg.node_rank_auto and exc.errno == errno.EADDRINUSE):
                 raise PreflightError(
@@ -50,7 +49,7 @@ def _open_agent_store(cfg: LaunchConfig, addrs: list[str]) -> tuple[Any, LaunchC
             return store, dataclasses.replace(cfg, node_rank=0, node_rank_auto=False)
     wait_for_master(addr, cfg.master_port, cfg.rdzv_timeout, _log)
     try:
-        return connect_store(addr, cfg.master_port, timeout), cfg
+        return tcpstore.connect(addr, cfg.master_port, timeout), cfg
     except ConnectionError as exc:
         raise PreflightError(str(exc)) from None
 

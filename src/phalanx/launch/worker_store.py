@@ -13,11 +13,9 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-import torch.distributed as dist
-
-from phalanx.comm import join
+from phalanx.comm import join, tcpstore
 from phalanx.comm.signed import SignedStore
-from phalanx.comm.store import connect_store, host_store
+from phalanx.comm.tcpstore import StoreClient
 from phalanx.launch.live_keys import live_signer
 
 __all__ = ["WorkerStore"]
@@ -29,7 +27,7 @@ CHECK_EVERY_S = 1.0
 class WorkerStore:
     """The store, its port, and the host's view of which ranks proved the secret."""
 
-    store: dist.Store
+    store: StoreClient
     port: int
     signed: SignedStore
     """Signer of the workers' first process group (scope: the join nonce, generation 0)."""
@@ -44,7 +42,7 @@ class WorkerStore:
         cls, addr: str, timeout: timedelta, secret: bytes | None, run_id: str, generation: int
     ) -> WorkerStore:
         """Host a fresh worker store on ``addr`` (OS-chosen port) and publish its join record."""
-        store, port = host_store(addr, 0, timeout)
+        store, port = tcpstore.host(addr, 0, timeout)
         nonce = join.host_job(store, secret, run_id, generation, f"{addr}:{port}")
         return cls.of(store, port, secret, nonce)
 
@@ -57,12 +55,12 @@ class WorkerStore:
         Raises:
             ConnectionError, TimeoutError, JobSecretError: as :func:`phalanx.comm.join.join_job`.
         """
-        store = connect_store(addr, port, timeout)
+        store = tcpstore.connect(addr, port, timeout)
         nonce = join.join_job(store, secret, rank, run_id, 0, f"{addr}:{port}", timeout)
         return cls.of(store, port, secret, nonce)
 
     @classmethod
-    def of(cls, store: dist.Store, port: int, secret: bytes | None, nonce: str) -> WorkerStore:
+    def of(cls, store: StoreClient, port: int, secret: bytes | None, nonce: str) -> WorkerStore:
         """The signers of the store whose join record has ``nonce``."""
         signed = SignedStore(store, secret, f"{nonce}/0")
         return cls(store, port, signed, live_signer(store, secret, nonce))

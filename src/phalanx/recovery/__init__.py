@@ -12,14 +12,33 @@
 
 from __future__ import annotations
 
-from phalanx.recovery.errors import Excluded, JobFinished, PeerLost, RecoveryError
-from phalanx.recovery.keys import live_signer, report_death
-from phalanx.recovery.live_group import LiveGroup
-from phalanx.recovery.membership import Member
-from phalanx.recovery.peer_shards import RestoredShards, ShardsLost, restore_shards
-from phalanx.recovery.shard_mirror import ShardMirror
-from phalanx.recovery.startup import live_mode
-from phalanx.recovery.transfer import rng_state, set_rng_state, share_state
+from typing import TYPE_CHECKING
+
+from phalanx import _lazy
+
+if TYPE_CHECKING:  # loaded by __getattr__ on first use (the launcher needs .keys without torch)
+    from phalanx.recovery.errors import Excluded, JobFinished, PeerLost, RecoveryError
+    from phalanx.recovery.keys import live_signer, report_death
+    from phalanx.recovery.live_group import LiveGroup
+    from phalanx.recovery.membership import Member
+    from phalanx.recovery.peer_shards import RestoredShards, ShardsLost, restore_shards
+    from phalanx.recovery.shard_mirror import ShardMirror
+    from phalanx.recovery.startup import live_mode
+    from phalanx.recovery.transfer import rng_state, set_rng_state, share_state
+
+_MODULES = {
+    "errors": "Excluded JobFinished PeerLost RecoveryError",
+    "keys": "live_signer report_death",
+    "live_group": "LiveGroup",
+    "membership": "Member",
+    "peer_shards": "RestoredShards ShardsLost restore_shards",
+    "shard_mirror": "ShardMirror",
+    "startup": "live_mode",
+    "transfer": "rng_state set_rng_state share_state",
+}
+__getattr__, __dir__ = _lazy.exports(
+    __name__, {n: f"{__name__}.{m}" for m, names in _MODULES.items() for n in names.split()}
+)
 
 __all__ = [
     "Excluded",

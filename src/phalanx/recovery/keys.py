@@ -32,9 +32,12 @@ nor forge a membership. Per key (``M`` a slot id, ``k`` a generation)::
 
 from __future__ import annotations
 
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from phalanx.comm.signed import SignedStore
+
+if TYPE_CHECKING:
+    from phalanx.comm.signed import AnyStore
 
 __all__ = [
     "FINISHED",
@@ -62,7 +65,7 @@ LIVE_ENV = (RECOVERY_ENV, MEMBER_ENV, INCARNATION_ENV)
 """Every variable of the live contract (absent from a worker of ``--recovery restart``)."""
 
 
-def live_signer(store: dist.Store, secret: bytes | None, nonce: str) -> SignedStore:
+def live_signer(store: AnyStore, secret: bytes | None, nonce: str) -> SignedStore:
     """The signer of the live-recovery keys in ``store`` for the job whose join nonce is ``nonce``.
 
     Args:

@@ -1,7 +1,8 @@
 """``backend="shm"``: a c10d backend for CPU tensors whose ranks share one machine.
 
-``import phalanx`` registers it (cheaply: the implementation loads when a group is made), so
-``torch.distributed.init_process_group("shm")`` and ``phalanx.init_process_group("shm")`` work.
+``import phalanx`` registers it (as soon as torch.distributed loads: ``comm/plugin.py``; the
+implementation loads when a group is made), so ``torch.distributed.init_process_group("shm")``
+and ``phalanx.init_process_group("shm")`` work.
 Collectives go through one POSIX shared-memory segment per group (``segment.py``), with arrival
 counters that spin briefly, then sleep on a futex (``sync.py``), and reductions as torch ops
 (``collectives.py``); calls run in issue order on a worker thread (``worker.py``). Point-to-point
@@ -21,14 +22,23 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["BACKEND", "GLOO_P2P", "gives_shared_buffers", "register", "shared_buffer"]
+from phalanx.comm.backends import SHM as BACKEND
 
-BACKEND = "shm"
+__all__ = [
+    "BACKEND",
+    "GLOO_P2P",
+    "create_group",
+    "gives_shared_buffers",
+    "shared_buffer",
+]
+
 GLOO_P2P = ("gloo", BACKEND)
 """Backends whose point-to-point calls are gloo's: CPU tensors, matched by tag."""
 
 
-def _create(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> dist.ProcessGroup:
+def create_group(
+    store: dist.Store, rank: int, world_size: int, timeout: timedelta
+) -> dist.ProcessGroup:
     """A group on shared memory where every rank shares this machine, else a hierarchical one
     (``hierarchical.py``: shared memory inside each machine, gloo between them)."""
     from phalanx.comm.shm.backend import ShmProcessGroup
@@ -39,12 +49,6 @@ def _create(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -
     if met.one_host:
         return ShmProcessGroup(store, rank, world_size, timeout, met)  # met once, not twice
     return HierarchicalProcessGroup(store, rank, world_size, timeout, met.hosts)
-
-
-def register() -> None:
-    """Register ``"shm"`` with ``torch.distributed.Backend`` (once; later calls do nothing)."""
-    if BACKEND not in dist.Backend.backend_list:
-        dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])
 
 
 def _resolve(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
