@@ -374,9 +374,10 @@ class StoreServer:
             count += 1
             waiting.append(conn)
             if count >= world_size:
+                self._barriers[key] = (count, [])
                 for member in waiting:
-                    self._send(member, bytes([wire.STOP_WAITING]))
-                waiting = []
-            self._barriers[key] = (count, waiting)
+                    self._send(member, bytes([wire.STOP_WAITING]))  # may drop one: not from here
+            else:
+                self._barriers[key] = (count, waiting)
 
         return act
