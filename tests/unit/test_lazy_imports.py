@@ -106,3 +106,30 @@ def test_every_exported_name_is_its_object_and_no_submodule_shadows_it(package: 
         value = getattr(package, name)
         assert not isinstance(value, type(sys)), f"{name} is a module"
         assert name in dir(package)
+
+
+@pytest.mark.parametrize(
+    ("lines", "gpu"),
+    [
+        (["cuda: Optional[str] = None", "hip: Optional[str] = None", "xpu = None"], False),
+        (["cuda: Optional[str] = '12.8'", "hip: Optional[str] = None", "xpu = None"], True),
+        (["cuda = None", "hip = '6.4.1'", "xpu = None"], True),
+        (["cuda = None", "hip = None"], True),  # a build whose version.py we cannot read: ask torch
+    ],
+)
+def test_the_launcher_knows_a_cpu_only_torch_from_its_version_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lines: list[str], gpu: bool
+) -> None:
+    from importlib.machinery import ModuleSpec
+
+    from phalanx.launch import nproc
+
+    (tmp_path / "version.py").write_text("\n".join(["__version__ = '2.13.0'", *lines]) + "\n")
+    spec = ModuleSpec("torch", None, origin=str(tmp_path / "__init__.py"))
+    monkeypatch.setattr(nproc.importlib.util, "find_spec", lambda name: spec)
+    assert nproc.gpu_build() is gpu
+    monkeypatch.undo()
+    import torch
+
+    built_for = [getattr(torch.version, kind, None) for kind in ("cuda", "hip", "xpu")]
+    assert nproc.gpu_build() is any(built_for)  # this machine's torch, asked directly
