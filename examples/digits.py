@@ -26,9 +26,9 @@ require("examples", "examples/digits.py")  # scikit-learn (digits), checked firs
 
 
 def digits_datasets(seed: int = 0) -> tuple[torch.utils.data.Dataset, torch.utils.data.Dataset]:
-    from sklearn.datasets import load_digits
+    from phalanx.datasets import digits
 
-    x, y = load_digits(return_X_y=True)
+    x, y = digits()  # scikit-learn's, without importing scikit-learn
     images = torch.tensor(x, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16.0
     labels = torch.tensor(y, dtype=torch.int64)
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))

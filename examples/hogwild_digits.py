@@ -27,9 +27,9 @@ TARGET = 0.95
 
 def digits(seed: int = 0) -> tuple[torch.utils.data.TensorDataset, torch.utils.data.TensorDataset]:
     """1437 training and 360 test digits, pixels scaled to [0, 1]."""
-    from sklearn.datasets import load_digits
+    import phalanx.datasets
 
-    x, y = load_digits(return_X_y=True)
+    x, y = phalanx.datasets.digits()  # scikit-learn's, without importing scikit-learn
     images, labels = torch.tensor(x, dtype=torch.float32) / 16.0, torch.tensor(y)
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
     train, test = order[:1437], order[1437:]

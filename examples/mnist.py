@@ -42,9 +42,9 @@ class Net(nn.Module):
 def load_data(
     batch_size: int = 32,
 ) -> tuple[torch.utils.data.DataLoader, torch.Tensor, torch.Tensor]:
-    from sklearn.datasets import load_digits
+    from phalanx.datasets import digits
 
-    x, y = load_digits(return_X_y=True)
+    x, y = digits()  # scikit-learn's, without importing scikit-learn
     images = (torch.tensor(x, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16.0 - 0.3) / 0.4
     labels = torch.tensor(y)
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))

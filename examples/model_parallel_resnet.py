@@ -32,9 +32,9 @@ def two_devices() -> list[str]:
 
 
 def digits() -> tuple[torch.Tensor, torch.Tensor]:
-    from sklearn.datasets import load_digits
+    import phalanx.datasets
 
-    x, y = load_digits(return_X_y=True)
+    x, y = phalanx.datasets.digits()  # scikit-learn's, without importing scikit-learn
     images = torch.tensor(x, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16.0
     return images, torch.tensor(y, dtype=torch.int64)
 

@@ -66,9 +66,9 @@ def test_processes_write_the_parents_storage(start_method: str) -> None:
 
 
 def _digits() -> tuple[torch.utils.data.TensorDataset, tuple[torch.Tensor, torch.Tensor]]:
-    from sklearn.datasets import load_digits
+    from phalanx.datasets import digits
 
-    x, y = load_digits(return_X_y=True)
+    x, y = digits()  # scikit-learn's, without importing scikit-learn
     xs, ys = torch.tensor(x, dtype=torch.float32) / 16.0, torch.tensor(y)
     order = torch.randperm(len(ys), generator=torch.Generator().manual_seed(0))
     train, test = order[:1437], order[1437:]

@@ -185,9 +185,9 @@ def test_topk_sends_10x_less_and_averages_every_ranks_top_k(
 
 
 def _digits(rank: int) -> tuple[torch.Tensor, ...]:
-    from sklearn.datasets import load_digits
+    from phalanx.datasets import digits
 
-    x, y = load_digits(return_X_y=True)
+    x, y = digits()  # scikit-learn's, without importing scikit-learn
     x, y = torch.tensor(x, dtype=torch.float32) / 16.0, torch.tensor(y)
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
     train, test = order[:1437], order[1437:]

@@ -11,11 +11,8 @@ With ``PHALANX_PLANT=<name>`` in its environment it plants that bug first (``pla
 """
 
 import argparse
-import importlib.util
 import os
-from pathlib import Path
 
-import numpy as np
 import plants  # this folder is the script's, first on sys.path
 import torch
 from torch import nn
@@ -43,19 +40,7 @@ class Net(nn.Module):
         return self.body(x @ self.projection)
 
 
-def load_digits() -> tuple[np.ndarray, np.ndarray]:
-    """scikit-learn's digits, as ``sklearn.datasets.load_digits(return_X_y=True)`` gives them,
-    read from the CSV scikit-learn ships without importing it: the import takes 1.2 s of CPU in
-    every process, and ``phalanx verify`` starts 8 of them per verification."""
-    spec = importlib.util.find_spec("sklearn")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("train.py needs scikit-learn's digits: pip install scikit-learn")
-    csv = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz"
-    table = np.loadtxt(csv, delimiter=",")
-    return table[:, :-1], table[:, -1].astype(np.int64)
-
-
-pixels, labels = load_digits()
+pixels, labels = phalanx.datasets.digits()  # phalanx verify starts 8 of these per verification
 x = torch.tensor(pixels, dtype=torch.float32) / 16
 y = torch.tensor(labels)
 dataset = torch.utils.data.TensorDataset(x, y)

@@ -60,9 +60,9 @@ LR, MOMENTUM, BATCH = 0.05, 0.9, 32
 
 
 def _data() -> tuple[torch.Tensor, ...]:
-    from sklearn.datasets import load_digits
+    from phalanx.datasets import digits
 
-    x, y = load_digits(return_X_y=True)
+    x, y = digits()  # scikit-learn's, without importing scikit-learn
     xs = torch.tensor(x, dtype=torch.float32) / 16.0
     ys = torch.tensor(y, dtype=torch.int64)
     order = torch.randperm(len(ys), generator=torch.Generator().manual_seed(0))

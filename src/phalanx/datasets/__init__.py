@@ -1,8 +1,12 @@
-"""Small text corpora that ship with phalanx, for examples, tests and benchmarks.
+"""Small data sets for examples, tests and benchmarks: a text corpus that ships with phalanx, and
+scikit-learn's digits.
 
 ``shakespeare.txt``: Shakespeare's works (public domain), in the "tinyshakespeare" compilation
 from karpathy/char-rnn (``data/tinyshakespeare/input.txt``), truncated at a paragraph boundary
 to stay under 1,000,000 bytes. 65 distinct characters.
+
+:func:`digits`: the 1,797 8x8 handwritten digits that scikit-learn ships, read from its file
+without importing scikit-learn.
 
 Loading reads the file and builds Python objects only; token tensors are built when first asked
 for (importing phalanx computes no tensors).
@@ -12,13 +16,17 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
+import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
-__all__ = ["CORPORA", "CharCorpus", "char_corpus", "random_windows"]
+from phalanx._optional import require
+
+__all__ = ["CORPORA", "CharCorpus", "char_corpus", "digits", "random_windows"]
 
 CORPORA = ("shakespeare",)
 """Names accepted by :func:`char_corpus`."""
@@ -97,6 +105,28 @@ def char_corpus(name: str = "shakespeare") -> CharCorpus:
     """
     text = _read_text(name)
     return CharCorpus(text=text, vocab=tuple(sorted(set(text))))
+
+
+def digits() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's handwritten digits: ``(pixels, labels)``, exactly as
+    ``sklearn.datasets.load_digits(return_X_y=True)`` gives them (float64 (1797, 64) in 0..16,
+    int64 (1797,) in 0..9).
+
+    Read with numpy from the file scikit-learn ships (``sklearn/datasets/data/digits.csv.gz``),
+    without importing scikit-learn: that import costs 1.0-1.3 CPU-seconds in every process that
+    loads the digits (each rank of a job).
+
+    Raises:
+        MissingExtraError: scikit-learn is not installed (``pip install 'phalanx[examples]'``).
+    """
+    require("examples", "phalanx.datasets.digits()", ["sklearn"])
+    spec = importlib.util.find_spec("sklearn")
+    assert spec is not None and spec.submodule_search_locations  # require() found it
+    table = np.loadtxt(
+        Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz",
+        delimiter=",",
+    )
+    return table[:, :-1], table[:, -1].astype(np.int64)
 
 
 def random_windows(
