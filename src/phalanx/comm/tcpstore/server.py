@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import selectors
 import socket
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -87,8 +88,8 @@ class StoreServer:
         self._closing = True
         with contextlib.suppress(OSError):
             self._wake_w.send(b"x")
-        if threading.current_thread() is not self._thread:
-            self._thread.join()
+        if threading.current_thread() is not self._thread and not sys.is_finalizing():
+            self._thread.join()  # (a finalizing interpreter no longer runs daemon threads)
 
     # -- the loop ---------------------------------------------------------------------------
 
