@@ -13,7 +13,12 @@ import sys
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-__all__ = ["exports"]
+__all__ = ["exports", "from_modules"]
+
+
+def from_modules(package: str, modules: Mapping[str, str]) -> dict[str, str]:
+    """``{name: module}`` from ``{submodule of package: "its exported names"}``."""
+    return {n: f"{package}.{m}" for m, names in modules.items() for n in names.split()}
 
 
 def exports(

@@ -69,9 +69,7 @@ _MODULES = {
     "p2p": "batch_isend_irecv irecv isend recv send",
     "watch": "comm_stats reset_comm_stats",
 }
-__getattr__, __dir__ = _lazy.exports(
-    __name__, {n: f"{__name__}.{m}" for m, names in _MODULES.items() for n in names.split()}
-)
+__getattr__, __dir__ = _lazy.exports(__name__, _lazy.from_modules(__name__, _MODULES))
 
 __all__ = [
     "CollectiveError",

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-__all__ = ["bind_listener", "connect_store", "host_store", "wait_for_listener"]
+__all__ = ["bind_listener", "connect_store", "host_store", "unreachable", "wait_for_listener"]
 
 POLL_S = 0.1
 """Pause between two connection attempts while nothing listens yet."""
@@ -98,7 +98,7 @@ def connect_store(addr: str, port: int, timeout: timedelta) -> dist.TCPStore:
     try:
         return dist.TCPStore(addr, port, None, False, timeout)
     except (RuntimeError, OSError) as exc:
-        raise _unreachable(addr, port, timeout, exc) from exc
+        raise unreachable(addr, port, timeout, exc) from exc
 
 
 def wait_for_listener(addr: str, port: int, timeout: timedelta) -> None:
@@ -113,12 +113,13 @@ def wait_for_listener(addr: str, port: int, timeout: timedelta) -> None:
         except OSError as exc:  # refused, unreachable, a name that does not resolve (yet)
             last = exc
         time.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
-    raise _unreachable(addr, port, timeout, last)
+    raise unreachable(addr, port, timeout, last)
 
 
-def _unreachable(
+def unreachable(
     addr: str, port: int, timeout: timedelta, cause: BaseException | None
 ) -> ConnectionError:
+    """The error for a store at ``addr:port`` that did not answer within ``timeout``."""
     why = f" (last error: {str(cause).strip()[:200]})" if cause is not None else ""
     return ConnectionError(
         f"could not connect to the rendezvous store at {addr}:{port} within "

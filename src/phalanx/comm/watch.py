@@ -182,8 +182,7 @@ def enter(
     _CALLS[op] = _CALLS.get(op, 0) + 1
     if tensor is not None:
         _BYTES[op] = _BYTES.get(op, 0) + tensor.numel() * tensor.element_size()
-    watcher = _watcher if _watcher is not None else _current()
-    if watcher is None:
+    if (watcher := _current()) is None:
         return -1
     return watcher.enter(
         op, group, tensor, reduce_op=reduce_op, root=root, compare_shape=compare_shape
@@ -212,5 +211,4 @@ def p2p(op: str, peer: int, tensor: torch.Tensor | None, idle: bool) -> P2PRecor
         tensor: The tensor sent or received into.
         idle: The wait may legitimately be long: recorded, never reported as a hang.
     """
-    watcher = _watcher if _watcher is not None else _current()
-    return None if watcher is None else watcher.p2p(op, peer, tensor, idle)
+    return None if (watcher := _current()) is None else watcher.p2p(op, peer, tensor, idle)

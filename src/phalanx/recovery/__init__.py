@@ -36,9 +36,7 @@ _MODULES = {
     "startup": "live_mode",
     "transfer": "rng_state set_rng_state share_state",
 }
-__getattr__, __dir__ = _lazy.exports(
-    __name__, {n: f"{__name__}.{m}" for m, names in _MODULES.items() for n in names.split()}
-)
+__getattr__, __dir__ = _lazy.exports(__name__, _lazy.from_modules(__name__, _MODULES))
 
 __all__ = [
     "Excluded",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from phalanx.comm.store import bind_listener, wait_for_listener
+from phalanx.comm.store import bind_listener, unreachable, wait_for_listener
 from phalanx.comm.tcpstore.client import StoreClient, StoreTimeout
 from phalanx.comm.tcpstore.server import StoreServer
 
@@ -40,6 +40,4 @@ def connect(addr: str, port: int, timeout: timedelta) -> StoreClient:
     try:
         return StoreClient(addr, port, timeout)
     except OSError as exc:
-        raise ConnectionError(
-            f"could not connect to the rendezvous store at {addr}:{port}: {exc}"
-        ) from exc
+        raise unreachable(addr, port, timeout, exc) from exc

@@ -16,9 +16,9 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from phalanx.comm.tcpstore import wire
 from phalanx.comm.tcpstore.wire import Query
@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     from phalanx.comm.tcpstore.server import StoreServer
 
 __all__ = ["StoreClient", "StoreTimeout"]
+
+T = TypeVar("T")
 
 
 class StoreTimeout(RuntimeError):
@@ -60,7 +62,7 @@ class StoreClient:
                 + bytes([Query.PING])
                 + wire.u32(nonce)
             )
-            if wire.Reader(self._recv(4)).u32() != nonce:
+            if self._answer(wire.Reader.u32) != nonce:
                 raise ConnectionError(f"{host}:{port} is not a TCPStore (wrong answer to a ping)")
 
     # -- torch's Store API ------------------------------------------------------------------
@@ -73,49 +75,47 @@ class StoreClient:
         self._timeout = timeout
 
     def set(self, key: str, value: str | bytes) -> None:
-        self._request(bytes([Query.SET]) + self._key(key) + wire.blob(_bytes(value)))
+        self._post(bytes([Query.SET]) + self._key(key) + wire.blob(_bytes(value)))
 
     def get(self, key: str) -> bytes:
         self.wait([key])
-        return self._request(bytes([Query.GET]) + self._key(key), wire.Reader.value)
+        return self._ask(bytes([Query.GET]) + self._key(key), wire.Reader.value)
 
     def add(self, key: str, amount: int) -> int:
-        return self._request(
-            bytes([Query.ADD]) + self._key(key) + wire.i64(amount), wire.Reader.i64
-        )
+        return self._ask(bytes([Query.ADD]) + self._key(key) + wire.i64(amount), wire.Reader.i64)
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
         request = self._key(key) + wire.blob(_bytes(expected)) + wire.blob(_bytes(desired))
-        return self._request(bytes([Query.COMPARE_SET]) + request, wire.Reader.value)
+        return self._ask(bytes([Query.COMPARE_SET]) + request, wire.Reader.value)
 
     def check(self, keys: Sequence[str]) -> bool:
-        answer = self._request(bytes([Query.CHECK]) + self._keys(keys), wire.Reader.u8)
+        answer = self._ask(bytes([Query.CHECK]) + self._keys(keys), wire.Reader.u8)
         return answer == wire.READY
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         self.wait(keys)
-        return self._request(
+        return self._ask(
             bytes([Query.MULTI_GET]) + self._keys(keys),
             lambda r: [r.value() for _ in keys],
         )
 
     def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
         pairs = b"".join(self._key(k) + wire.blob(_bytes(v)) for k, v in zip(keys, values))
-        self._request(bytes([Query.MULTI_SET]) + wire.u64(len(keys)) + pairs)
+        self._post(bytes([Query.MULTI_SET]) + wire.u64(len(keys)) + pairs)
 
     def delete_key(self, key: str) -> bool:
-        return self._request(bytes([Query.DELETE_KEY]) + self._key(key), wire.Reader.i64) > 0
+        return self._ask(bytes([Query.DELETE_KEY]) + self._key(key), wire.Reader.i64) > 0
 
     def num_keys(self) -> int:
-        return self._request(bytes([Query.GETNUMKEYS]), wire.Reader.i64)
+        return self._ask(bytes([Query.GETNUMKEYS]), wire.Reader.i64)
 
     def list_keys(self) -> list[str]:
         """Every key (not the queues), as ``set`` was given it."""
-        raw = self._request(bytes([Query.LIST_KEYS]), lambda r: [r.key() for _ in range(r.i64())])
+        raw = self._ask(bytes([Query.LIST_KEYS]), lambda r: [r.key() for _ in range(r.i64())])
         return [k.removeprefix(wire.KEY_PREFIX) for k in raw]
 
     def append(self, key: str, value: str | bytes) -> None:
-        self._request(bytes([Query.APPEND]) + self._key(key) + wire.blob(_bytes(value)))
+        self._post(bytes([Query.APPEND]) + self._key(key) + wire.blob(_bytes(value)))
 
     def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
         """Return once every key exists; :class:`StoreTimeout` after ``timeout`` (default: the
@@ -125,12 +125,12 @@ class StoreClient:
         with self._lock:
             self._send(bytes([Query.WAIT]) + self._keys(keys))
             try:
-                self._recv(1, deadline)
+                self._answer(wire.Reader.u8, deadline)
                 return
             except TimeoutError:
                 pass
             self._send(bytes([Query.CANCEL_WAIT]))
-            while self._recv(1)[0] != wire.WAIT_CANCELED:  # the keys may have come meanwhile
+            while self._answer(wire.Reader.u8) != wire.WAIT_CANCELED:  # the keys came meanwhile
                 pass
         raise StoreTimeout(
             f"wait timeout after {limit * 1000:.0f}ms, keys: "
@@ -163,21 +163,26 @@ class StoreClient:
     def _keys(self, keys: Sequence[str]) -> bytes:
         return wire.u64(len(keys)) + b"".join(self._key(k) for k in keys)
 
-    def _request(self, data: bytes, parse=None):  # type: ignore[no-untyped-def]
+    def _post(self, data: bytes) -> None:
+        """A request without an answer."""
         with self._lock:
             self._send(data)
-            if parse is None:
-                return None
+
+    def _ask(self, data: bytes, parse: Callable[[wire.Reader], T]) -> T:
+        with self._lock:
+            self._send(data)
             return self._answer(parse)
 
-    def _answer(self, parse):  # type: ignore[no-untyped-def]
+    def _answer(self, parse: Callable[[wire.Reader], T], deadline: float | None = None) -> T:
+        """The next answer, read by ``parse``; ``TimeoutError`` past ``deadline`` (monotonic;
+        None: the store's timeout, after which the connection counts as lost)."""
         while True:
             reader = wire.Reader(self._unread)
             try:
                 answer = parse(reader)
             except wire.Incomplete:
                 reader.release()
-                self._unread += self._recv_some()
+                self._unread += self._recv_some(deadline)
                 continue
             reader.release()
             del self._unread[: reader.offset]
@@ -205,13 +210,6 @@ class StoreClient:
             raise self._lost(exc) from None
         if not data:
             raise self._lost(ConnectionError("the server closed the connection"))
-        return data
-
-    def _recv(self, n: int, deadline: float | None = None) -> bytes:
-        while len(self._unread) < n:
-            self._unread += self._recv_some(deadline)
-        data = bytes(self._unread[:n])
-        del self._unread[:n]
         return data
 
     def _lost(self, exc: BaseException) -> ConnectionError:

@@ -194,10 +194,9 @@ class StoreServer:
 
     def _drop(self, conn: _Conn) -> None:
         self._forget_wait(conn)
-        for key, (count, waiting) in list(self._barriers.items()):
+        for _, waiting in self._barriers.values():
             if conn in waiting:
                 waiting.remove(conn)
-                self._barriers[key] = (count, waiting)
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(conn.sock)
         conn.sock.close()
